@@ -1,0 +1,56 @@
+#!/usr/bin/env python3
+"""Entry point: ``python ddp_training.py [--config FILE] [--key value ...]``, alone or under torchrun.
+
+Exit codes: 0 done, 2 bad configuration (before any process group starts), 1 anything else.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import sys
+
+from framework.config import ConfigError, help_text, parse_command_line
+
+USAGE = """usage: ddp_training.py [--config FILE.toml|FILE.json] [--KEY VALUE ...] [--check-config] [--debug]
+
+Every configuration key is a flag (dashes or underscores). Booleans take a value: --use-amp false.
+Sources, lowest to highest: defaults, --config file, DDP_<KEY> environment variables, flags.
+
+actions:
+  --check-config   validate the configuration and exit (0 valid, 2 invalid); starts nothing
+  --debug          DEBUG logging and faulthandler tracebacks
+  -h, --help       this help
+
+keys:
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        config, actions = parse_command_line(argv)
+    except ConfigError as err:
+        for problem in err.problems:
+            print(f"error: {problem}", file=sys.stderr)
+        raise SystemExit(2) from None
+    if "help" in actions:
+        print(USAGE + help_text())
+        return 0
+    if "check-config" in actions:
+        print("configuration is valid", file=sys.stderr)
+        return 0
+    if "debug" in actions:
+        faulthandler.enable()
+
+    from framework import distributed
+    from framework.trainer import DDPTrainer
+
+    try:
+        DDPTrainer(config, debug="debug" in actions).train()
+    finally:
+        distributed.teardown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,408 @@
+"""The one training configuration: a validated dataclass and the sources it is read from.
+
+Sources, lowest to highest precedence: field defaults, a config file (``--config run.toml`` or
+``.json``), environment variables ``DDP_<KEY>``, then command-line flags ``--key value``.
+Every problem found in any source is collected and reported at once, as one line each.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import inspect
+import json
+import math
+import os
+import tomllib
+import typing
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, Literal
+
+ENV_PREFIX = "DDP_"
+
+
+class ConfigError(ValueError):
+    """A user's configuration is wrong. ``problems`` holds one line per mistake."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = list(problems)
+        super().__init__("invalid configuration:\n" + "\n".join(f"  {p}" for p in self.problems))
+
+
+@dataclass
+class TrainConfig:
+    # --- model -------------------------------------------------------------------------------
+    vocab_size: int = 10000
+    """Vocabulary size of the built-in model; text data sets it from the corpus."""
+    hidden_size: int = 512
+    """Width of the residual stream (embedding dimension)."""
+    num_layers: int = 6
+    """Number of transformer blocks."""
+    num_heads: int = 8
+    """Attention heads per block; must divide hidden_size."""
+    dropout: float = 0.1
+    """Dropout probability in attention, MLP and embeddings."""
+    tie_embeddings: bool = False
+    """Share the token embedding with the output projection."""
+    seq_len: int = 128
+    """Tokens per training sequence (context length)."""
+
+    # --- data --------------------------------------------------------------------------------
+    data: str = "synthetic"
+    """'synthetic' (seeded Markov chain), a .txt file (character-level) or a .bin uint16 token file."""
+    dataset_size: int = 10000
+    """Number of training sequences generated for data=synthetic."""
+    batch_size: int = 32
+    """Sequences per micro-batch on each rank."""
+    gradient_accumulation_steps: int = 1
+    """Micro-batches per optimizer step; all but the last run under no_sync()."""
+    num_workers: int = 4
+    """DataLoader workers per node; divided among local ranks and capped by free cores."""
+    pin_memory: bool = True
+    """Pin host memory for batches; used only on CUDA."""
+
+    # --- optimisation ------------------------------------------------------------------------
+    learning_rate: float = 1e-4
+    """Peak AdamW learning rate."""
+    min_lr: float = 0.0
+    """Learning rate at the end of the cosine decay."""
+    warmup_steps: int = 0
+    """Linear warmup steps from 0 to learning_rate."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.95
+    """AdamW beta2."""
+    weight_decay: float = 0.01
+    """AdamW weight decay, applied to matrices only (not biases, norms or embeddings' positions)."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables clipping."""
+    num_epochs: int = 10
+    """Passes over the training set (an upper bound when max_steps is set)."""
+    max_steps: int = 0
+    """Stop after this many optimizer steps; 0 means num_epochs decides."""
+    target_loss: float = 0.01
+    """Stop once the all-reduced training loss is at or below this; 0 disables."""
+    seed: int = 1337
+    """Seed for model init, data order and dropout."""
+    deterministic: bool = False
+    """Use deterministic kernels only (bit-reproducible runs, slower on CUDA)."""
+
+    # --- precision ---------------------------------------------------------------------------
+    use_amp: Literal["auto", "true", "false"] = "auto"
+    """Autocast: auto = on for CUDA, off (fp32) on CPU; true forces it, false disables it."""
+    amp_dtype: Literal["bf16", "fp16"] = "bf16"
+    """Autocast dtype; fp16 adds a GradScaler and needs CUDA."""
+
+    # --- evaluation and logging --------------------------------------------------------------
+    eval_interval: int = 500
+    """Evaluate every this many steps (and at the end); 0 evaluates only at the end."""
+    eval_steps: int = 20
+    """Validation batches per evaluation (the same global prefix of the validation set on any world size)."""
+    log_interval: int = 10
+    """Log training metrics every this many steps."""
+    log_dir: str = "logs"
+    """Directory for per-rank logs, TensorBoard events, the resolved config and summary.json."""
+    tensorboard: bool = True
+    """Write TensorBoard scalars from rank 0."""
+    progress_bar: Literal["auto", "true", "false"] = "auto"
+    """tqdm bar on rank 0: auto shows it only when stderr is a terminal."""
+    memory_check_interval: int = 50
+    """Log memory usage every this many steps."""
+    cleanup_interval: int = 100
+    """Run a garbage collection on every rank every this many steps."""
+    max_memory_gb: float = 16.0
+    """Warn when a rank's memory use exceeds this many GiB."""
+
+    # --- checkpoints and recovery ------------------------------------------------------------
+    checkpoint_dir: str = "checkpoints"
+    """Directory for checkpoints and the final model."""
+    save_interval: int = 5
+    """Save a checkpoint every this many epochs; 0 disables epoch checkpoints."""
+    max_errors_per_epoch: int = 5
+    """Skipped (non-finite) steps allowed per epoch before the run aborts."""
+
+    # --- distributed -------------------------------------------------------------------------
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """Process-group backend: auto = nccl with CUDA, gloo otherwise."""
+    timeout_s: float = 600.0
+    """Timeout in seconds for process-group init and every collective."""
+
+
+# Inclusive lower and (optional) upper bounds for numeric fields.
+_BOUNDS: dict[str, tuple[float | None, float | None]] = {
+    "vocab_size": (2, None),
+    "hidden_size": (1, None),
+    "num_layers": (1, None),
+    "num_heads": (1, None),
+    "dropout": (0.0, 0.999),
+    "seq_len": (1, None),
+    "dataset_size": (1, None),
+    "batch_size": (1, None),
+    "gradient_accumulation_steps": (1, None),
+    "num_workers": (0, None),
+    "learning_rate": (0.0, None),
+    "min_lr": (0.0, None),
+    "warmup_steps": (0, None),
+    "beta1": (0.0, 0.999999),
+    "beta2": (0.0, 0.999999),
+    "weight_decay": (0.0, None),
+    "grad_clip": (0.0, None),
+    "num_epochs": (1, None),
+    "max_steps": (0, None),
+    "target_loss": (0.0, None),
+    "seed": (0, 2**63 - 1),
+    "eval_interval": (0, None),
+    "eval_steps": (1, None),
+    "log_interval": (1, None),
+    "memory_check_interval": (1, None),
+    "cleanup_interval": (1, None),
+    "max_memory_gb": (0.0, None),
+    "save_interval": (0, None),
+    "max_errors_per_epoch": (0, None),
+    "timeout_s": (1.0, None),
+}
+
+
+def _field_docs(cls: type) -> dict[str, str]:
+    """The string literal under each field of ``cls`` (attribute docstrings, as litgpt writes them)."""
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
+                and isinstance(nxt.value.value, str)):
+            docs[node.target.id] = nxt.value.value.strip()
+    return docs
+
+
+FIELD_DOCS = _field_docs(TrainConfig)
+_TYPES = typing.get_type_hints(TrainConfig)
+KEYS = [f.name for f in fields(TrainConfig)]
+
+
+def describe_type(key: str) -> str:
+    tp = _TYPES[key]
+    if typing.get_origin(tp) is Literal:
+        return "|".join(typing.get_args(tp))
+    return tp.__name__
+
+
+def _coerce(key: str, value: Any) -> Any:
+    """Convert ``value`` (a string from the CLI or environment, or a file/dict value) to the
+    field's type. Raises ValueError with a message that names what is allowed."""
+    tp = _TYPES[key]
+    if typing.get_origin(tp) is Literal:
+        choices = typing.get_args(tp)
+        text = str(value).lower() if isinstance(value, bool) else str(value).strip().lower()
+        if text not in choices:
+            raise ValueError(f"allowed: {', '.join(choices)}")
+        return text
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        text = str(value).strip().lower()
+        if text in ("true", "1", "yes", "on"):
+            return True
+        if text in ("false", "0", "no", "off"):
+            return False
+        raise ValueError("allowed: true or false")
+    if tp is int:
+        if isinstance(value, bool):
+            raise ValueError("expected an integer")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        try:
+            return int(str(value).strip())
+        except ValueError:
+            raise ValueError("expected an integer") from None
+    if tp is float:
+        if isinstance(value, bool):
+            raise ValueError("expected a number")
+        try:
+            out = float(value)
+        except (TypeError, ValueError):
+            raise ValueError("expected a number") from None
+        if not math.isfinite(out):
+            raise ValueError("expected a finite number")
+        return out
+    if tp is str:
+        if not isinstance(value, str):
+            raise ValueError("expected a string")
+        return value
+    raise AssertionError(f"unhandled field type {tp} for {key}")
+
+
+def _unknown_key(key: str, source: str) -> str:
+    close = difflib.get_close_matches(key, KEYS, n=1, cutoff=0.6)
+    hint = f"; did you mean '{close[0]}'?" if close else "; see --help for the list of keys"
+    return f"{source}: unknown key '{key}'{hint}"
+
+
+def _check_values(cfg: TrainConfig) -> list[str]:
+    """Range and cross-field checks on an already typed config."""
+    problems = []
+    for key, (lo, hi) in _BOUNDS.items():
+        value = getattr(cfg, key)
+        if lo is not None and value < lo:
+            problems.append(f"{key}={value!r}: must be >= {lo}")
+        elif hi is not None and value > hi:
+            problems.append(f"{key}={value!r}: must be <= {hi}")
+    if cfg.num_heads >= 1 and cfg.hidden_size % cfg.num_heads:
+        problems.append(f"hidden_size={cfg.hidden_size}: must be divisible by num_heads={cfg.num_heads}")
+    if cfg.min_lr > cfg.learning_rate:
+        problems.append(f"min_lr={cfg.min_lr}: must be <= learning_rate={cfg.learning_rate}")
+    if cfg.data != "synthetic":
+        path = Path(cfg.data)
+        if path.suffix not in (".txt", ".bin"):
+            problems.append(f"data={cfg.data!r}: allowed: synthetic, a .txt file or a .bin file")
+        elif not path.is_file():
+            problems.append(f"data={cfg.data!r}: file not found")
+    if cfg.use_amp == "true" and cfg.amp_dtype == "fp16" and not _cuda_available():
+        problems.append("amp_dtype='fp16': needs CUDA (use bf16 on CPU, or use_amp=false)")
+    if cfg.backend == "nccl" and not _cuda_available():
+        problems.append("backend='nccl': needs CUDA; allowed on this machine: auto, gloo")
+    return problems
+
+
+def _cuda_available() -> bool:
+    import torch
+    return torch.cuda.is_available()
+
+
+def build_config(
+    overrides: dict[str, Any] | None = None,
+    *,
+    file: str | Path | None = None,
+    env: dict[str, str] | None = None,
+    cli: list[tuple[str, str]] | None = None,
+    problems: list[str] | None = None,
+) -> TrainConfig:
+    """Merge the sources (lowest first: defaults, ``overrides``, file, env, cli), validate, and
+    return the config. Raises ConfigError listing every problem, including ``problems`` found
+    earlier by the caller (e.g. malformed command-line flags)."""
+    problems = list(problems or [])
+    values: dict[str, Any] = {}
+
+    def take(source: str, items) -> None:
+        for key, raw in items:
+            norm = key.replace("-", "_").lower()
+            if norm not in _TYPES:
+                problems.append(_unknown_key(norm, source))
+                continue
+            try:
+                values[norm] = _coerce(norm, raw)
+            except ValueError as err:
+                problems.append(f"{source}: {norm}={raw!r}: {err}")
+
+    if overrides:
+        take("config", overrides.items())
+    if file is not None:
+        try:
+            take(f"config file {file}", load_config_file(file).items())
+        except ConfigError as err:
+            problems.extend(err.problems)
+    env = os.environ if env is None else env
+    take("environment", ((k[len(ENV_PREFIX):], v) for k, v in sorted(env.items())
+                         if k.startswith(ENV_PREFIX) and k[len(ENV_PREFIX):].lower() not in _ENV_IGNORED))
+    if cli:
+        take("command line", cli)
+
+    cfg = TrainConfig(**values)
+    problems.extend(_check_values(cfg))
+    if problems:
+        raise ConfigError(problems)
+    return cfg
+
+
+# DDP_* variables that are not config keys but operator overrides read elsewhere.
+_ENV_IGNORED: frozenset[str] = frozenset()
+
+
+def load_config_file(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError([f"--config {path}: file not found"])
+    try:
+        if path.suffix == ".toml":
+            with path.open("rb") as f:
+                data = tomllib.load(f)
+        elif path.suffix == ".json":
+            data = json.loads(path.read_text())
+        else:
+            raise ConfigError([f"--config {path}: allowed: a .toml or .json file"])
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ConfigError([f"--config {path}: cannot parse: {err}"]) from None
+    if not isinstance(data, dict):
+        raise ConfigError([f"--config {path}: must hold a table of key = value"])
+    return data
+
+
+def as_dict(cfg: TrainConfig) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def resolve_config(config: TrainConfig | dict | None) -> TrainConfig:
+    """What DDPTrainer accepts: the dataclass (re-validated), a plain dict, or None (defaults)."""
+    if isinstance(config, TrainConfig):
+        return build_config(as_dict(config), env={})
+    if config is None or isinstance(config, dict):
+        return build_config(config or {}, env={})
+    raise ConfigError([f"config={type(config).__name__}: allowed: a dict, a TrainConfig or None"])
+
+
+def help_text() -> str:
+    lines = []
+    for f in fields(TrainConfig):
+        lines.append(f"  --{f.name.replace('_', '-')} {describe_type(f.name).upper() if _TYPES[f.name] is not bool else 'true|false'}"
+                     f"  (default: {f.default})")
+        lines.append(f"      {FIELD_DOCS[f.name]}")
+    return "\n".join(lines)
+
+
+# Flags of ddp_training.py that are actions, not config keys.
+ACTION_FLAGS = ("check-config", "doctor", "debug", "help")
+
+
+def parse_command_line(argv: list[str], env: dict[str, str] | None = None) -> tuple[TrainConfig, set[str]]:
+    """Parse ``--key value`` / ``--key=value`` flags plus ``--config FILE`` and the action flags.
+    Returns the validated config and the set of actions given. Raises ConfigError."""
+    problems: list[str] = []
+    cli: list[tuple[str, str]] = []
+    actions: set[str] = set()
+    config_file = None
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        i += 1
+        if arg in ("-h", "--help"):
+            actions.add("help")
+            continue
+        if not arg.startswith("--") or arg == "--":
+            problems.append(f"command line: unexpected argument {arg!r}; flags look like --key value")
+            continue
+        name, eq, value = arg[2:].partition("=")
+        name = name.replace("_", "-").lower()
+        if name in ACTION_FLAGS:
+            if eq:
+                problems.append(f"command line: --{name} takes no value")
+            actions.add(name)
+            continue
+        if not eq:
+            if i >= len(argv) or (argv[i].startswith("--") and len(argv[i]) > 2):
+                problems.append(f"command line: --{name} needs a value")
+                continue
+            value = argv[i]
+            i += 1
+        if name == "config":
+            config_file = value
+        else:
+            cli.append((name, value))
+    if "help" in actions:
+        return TrainConfig(), actions
+    cfg = build_config(file=config_file, env=env, cli=cli, problems=problems)
+    return cfg, actions

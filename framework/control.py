@@ -1,0 +1,38 @@
+"""The per-step agreement: one fused all-reduce of a small tensor, so every rank takes the
+same path. Each slot is summed across ranks; a flag slot is "set" when any rank set it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+SLOTS = ("loss_sum", "stop", "nonfinite", "oom", "preempt")
+
+
+@dataclass(frozen=True)
+class Agreement:
+    loss: float  # mean of the ranks' losses
+    stop: bool
+    nonfinite: bool
+    oom: bool
+    preempt: bool
+
+
+def agree(*, loss: torch.Tensor, world_size: int, distributed: bool, **flags: bool | torch.Tensor) -> Agreement:
+    """All-reduce this rank's loss and flags (unknown flag names are an error) in one call.
+    ``loss`` may be a device tensor: nothing is synchronised before the collective."""
+    unknown = set(flags) - set(SLOTS[1:])
+    assert not unknown, f"unknown control flags {unknown}"
+    values = [loss.detach().to(torch.float64).reshape(())]
+    for name in SLOTS[1:]:
+        flag = flags.get(name, False)
+        values.append(flag.detach().to(device=loss.device, dtype=torch.float64).reshape(())
+                      if isinstance(flag, torch.Tensor)
+                      else torch.tensor(float(flag), dtype=torch.float64, device=loss.device))
+    buf = torch.stack(values)
+    if distributed:
+        dist.all_reduce(buf)
+    out = buf.tolist()
+    return Agreement(out[0] / world_size, *(v > 0 for v in out[1:]))

@@ -1,0 +1,232 @@
+"""Data: the built-in datasets, a resumable distributed batch sampler, and the DataLoader.
+
+Datasets yield ``(x, y)`` pairs of token ids, ``y`` being ``x`` shifted by one. They implement
+``__getitems__`` so a whole micro-batch is gathered in one vectorised read.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, default_collate
+
+log = logging.getLogger(__name__)
+
+# The synthetic chain: every token has 4 possible successors with these probabilities, so the
+# entropy of the next token given the current one, the floor of the loss, is exactly known.
+MARKOV_PROBS = (0.5, 0.25, 0.125, 0.125)
+MARKOV_ENTROPY = -sum(p * math.log(p) for p in MARKOV_PROBS)  # 1.2130 nats = 1.75 bits
+
+
+class MarkovDataset(Dataset):
+    """``n`` sequences of ``seq_len + 1`` tokens sampled from a fixed random first-order Markov
+    chain over ``vocab_size`` tokens. ``chain_seed`` fixes the chain, ``sample_seed`` the
+    sequences, so a validation set comes from the same chain with a different sample seed."""
+
+    def __init__(self, vocab_size: int, seq_len: int, n: int, chain_seed: int, sample_seed: int):
+        k = min(len(MARKOV_PROBS), vocab_size)
+        probs = np.array(MARKOV_PROBS[:k]) / sum(MARKOV_PROBS[:k])
+        chain_rng = np.random.default_rng([chain_seed, 0])
+        successors = np.stack([chain_rng.choice(vocab_size, k, replace=False) for _ in range(vocab_size)])
+        rng = np.random.default_rng([chain_seed, sample_seed])
+        tokens = np.empty((n, seq_len + 1), dtype=np.int64)
+        tokens[:, 0] = rng.integers(0, vocab_size, n)
+        cum = np.cumsum(probs)
+        for t in range(1, seq_len + 1):
+            choice = np.minimum(np.searchsorted(cum, rng.random(n), side="right"), k - 1)
+            tokens[:, t] = successors[tokens[:, t - 1], choice]
+        self.tokens = torch.from_numpy(tokens)
+        self.entropy = -float(np.sum(probs * np.log(probs)))
+
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
+
+    def __getitem__(self, i: int):
+        row = self.tokens[i]
+        return row[:-1], row[1:]
+
+    def __getitems__(self, indices: list[int]):
+        rows = self.tokens[indices]
+        return rows[:, :-1], rows[:, 1:]
+
+
+class TokenWindows(Dataset):
+    """Windows of ``seq_len + 1`` tokens over a 1-D token array, starting every ``stride`` tokens."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, stride: int):
+        if len(tokens) < seq_len + 1:
+            raise ValueError(f"{len(tokens)} tokens are fewer than seq_len + 1 = {seq_len + 1}")
+        self.tokens = tokens
+        self.seq_len = seq_len
+        self.stride = stride
+        self._offsets = np.arange(seq_len + 1)
+
+    def __len__(self) -> int:
+        return (len(self.tokens) - self.seq_len - 1) // self.stride + 1
+
+    def __getitems__(self, indices: list[int]):
+        starts = np.asarray(indices, dtype=np.int64) * self.stride
+        rows = torch.from_numpy(self.tokens[starts[:, None] + self._offsets].astype(np.int64))
+        return rows[:, :-1], rows[:, 1:]
+
+    def __getitem__(self, i: int):
+        x, y = self.__getitems__([i])
+        return x[0], y[0]
+
+
+@dataclass
+class DataBundle:
+    train: Dataset
+    val: Dataset
+    vocab_size: int
+    description: str
+    loss_floor: float | None = None
+
+
+def encode_text(text: str) -> tuple[np.ndarray, int, str]:
+    """Character-level ids when the text has at most 256 distinct characters, else UTF-8 bytes."""
+    chars = sorted(set(text))
+    if len(chars) <= 256:
+        lookup = {c: i for i, c in enumerate(chars)}
+        return np.array([lookup[c] for c in text], dtype=np.uint8), len(chars), "character-level"
+    return np.frombuffer(text.encode("utf-8"), dtype=np.uint8), 256, "byte-level"
+
+
+def build_datasets(cfg) -> DataBundle:
+    """The datasets named by ``cfg.data``: 'synthetic', a .txt file or a .bin uint16 token file."""
+    if cfg.data == "synthetic":
+        train = MarkovDataset(cfg.vocab_size, cfg.seq_len, cfg.dataset_size, cfg.seed, 1)
+        val = MarkovDataset(cfg.vocab_size, cfg.seq_len, max(1, cfg.dataset_size // 10), cfg.seed, 2)
+        return DataBundle(train, val, cfg.vocab_size,
+                          f"synthetic Markov chain: {len(train)} train / {len(val)} val sequences, "
+                          f"loss floor {train.entropy:.4f} nats/token", train.entropy)
+    path = Path(cfg.data)
+    if path.suffix == ".txt":
+        tokens, vocab_size, kind = encode_text(path.read_text(encoding="utf-8"))
+    else:
+        tokens = np.memmap(path, dtype=np.uint16, mode="r")
+        vocab_size = cfg.vocab_size
+        top = max(int(chunk.max()) for chunk in np.array_split(tokens, max(1, len(tokens) // 2**24)))
+        if top >= vocab_size:
+            raise ValueError(f"data={cfg.data!r}: holds token id {top}, but vocab_size={vocab_size}; "
+                             f"set --vocab-size {top + 1} or more")
+        kind = "uint16 tokens"
+    split = int(0.9 * len(tokens))
+    train = TokenWindows(tokens[:split], cfg.seq_len, stride=1)
+    val = TokenWindows(tokens[split:], cfg.seq_len, stride=cfg.seq_len)
+    return DataBundle(train, val, vocab_size,
+                      f"{path.name} ({kind}, vocab {vocab_size}): {split} train / "
+                      f"{len(tokens) - split} val tokens, {len(train)} train windows")
+
+
+class ResumableDistributedSampler(torch.utils.data.Sampler[list[int]]):
+    """Yields this rank's micro-batches of indices.
+
+    Each epoch draws one seeded permutation of the dataset, the same for any world size. The
+    permutation is cut into global micro-batches of ``world_size * batch_size`` samples, and rank
+    r takes slice r of each. An epoch covers the first ``floor(N / G) * G`` samples, G being the
+    global batch per optimizer step (``world_size * batch_size * accumulation``); the rest is
+    dropped. ``consumed`` counts the global samples of committed steps in the current epoch, and
+    iteration starts there, so a resumed run continues at the exact sample.
+    """
+
+    def __init__(self, num_samples: int, world_size: int, rank: int, batch_size: int,
+                 accumulation: int = 1, seed: int = 0):
+        self.num_samples = num_samples
+        self.world_size = world_size
+        self.rank = rank
+        self.batch_size = batch_size
+        self.accumulation = accumulation
+        self.seed = seed
+        self.epoch = 0
+        self.consumed = 0
+
+    @property
+    def global_batch(self) -> int:
+        return self.world_size * self.batch_size * self.accumulation
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.num_samples // self.global_batch
+
+    def steps_remaining(self) -> int:
+        return max(0, (self.num_samples - self.consumed) // self.global_batch)
+
+    def permutation(self, epoch: int) -> torch.Tensor:
+        seed = int(np.random.SeedSequence([self.seed, epoch]).generate_state(1, np.uint64)[0] >> 1)
+        return torch.randperm(self.num_samples, generator=torch.Generator().manual_seed(seed))
+
+    def __iter__(self) -> Iterator[list[int]]:
+        perm = self.permutation(self.epoch)
+        micro = self.world_size * self.batch_size
+        start = self.consumed
+        for step in range(self.steps_remaining()):
+            base = start + step * self.global_batch
+            for m in range(self.accumulation):
+                lo = base + m * micro + self.rank * self.batch_size
+                yield perm[lo:lo + self.batch_size].tolist()
+
+    def __len__(self) -> int:
+        return self.steps_remaining() * self.accumulation
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+        self.consumed = 0
+
+    def advance(self) -> None:
+        """Record one committed optimizer step."""
+        self.consumed += self.global_batch
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "consumed": self.consumed}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch = int(state["epoch"])
+        self.consumed = int(state["consumed"])
+
+
+def eval_indices(num_samples: int, limit: int, world_size: int, rank: int) -> list[int]:
+    """This rank's unpadded shard of the first ``limit`` validation samples."""
+    return list(range(min(num_samples, limit)))[rank::world_size]
+
+
+def workers_per_rank(requested: int, local_world_size: int) -> int:
+    """Scale the node's workers down by the local ranks, leaving each rank one core of its own."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(0, min(requested, cores // local_world_size - 1))
+
+
+def _seed_worker(worker_id: int) -> None:
+    seed = torch.initial_seed() % 2**32
+    np.random.seed(seed)
+    random.seed(seed)
+
+
+def _passthrough(batch):
+    return batch
+
+
+def make_loader(dataset: Dataset, batch_sampler, *, num_workers: int, pin_memory: bool,
+                seed: int, timeout_s: float = 120.0) -> DataLoader:
+    collate = _passthrough if hasattr(dataset, "__getitems__") else default_collate
+    extra = {}
+    if num_workers > 0:
+        extra = dict(persistent_workers=True, timeout=timeout_s, worker_init_fn=_seed_worker,
+                     generator=torch.Generator().manual_seed(seed), prefetch_factor=2)
+    return DataLoader(dataset, batch_sampler=batch_sampler, num_workers=num_workers,
+                      pin_memory=pin_memory, collate_fn=collate, **extra)
+
+
+def fetch(dataset: Dataset, indices: list[int]):
+    """One batch read directly (no worker processes), as the loader would collate it."""
+    if hasattr(dataset, "__getitems__"):
+        return dataset.__getitems__(indices)
+    return default_collate([dataset[i] for i in indices])

@@ -1,0 +1,89 @@
+"""Process-group setup and teardown under torchrun (or as one plain process without it)."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    device: torch.device
+    backend: str | None  # None: a single process without a process group
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.backend is not None
+
+
+def read_env(rank: int | None = None, world_size: int | None = None) -> tuple[int, int, int, int]:
+    """Rank, local rank, world size and local world size, from the arguments or torchrun's env."""
+    env_rank = int(os.environ.get("RANK", 0))
+    rank = env_rank if rank is None else rank
+    world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank={rank}: must be in [0, world_size={world_size})")
+    return rank, local_rank, world_size, local_world_size
+
+
+def choose_backend(requested: str, cuda: bool) -> str:
+    if requested == "auto":
+        return "nccl" if cuda else "gloo"
+    return requested
+
+
+def setup(backend: str = "auto", timeout_s: float = 600.0, *, rank: int | None = None,
+          world_size: int | None = None) -> DistEnv:
+    """Pick the device and, for world_size > 1, join the process group (reusing one that exists)."""
+    rank, local_rank, world_size, local_world_size = read_env(rank, world_size)
+    cuda = torch.cuda.is_available()
+    if cuda:
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+
+    if world_size == 1 and not dist.is_initialized():
+        if "TORCHELASTIC_RUN_ID" not in os.environ:
+            log.info("no torchrun environment: running as a single process on %s", device)
+        return DistEnv(0, 0, 1, 1, device, None)
+
+    chosen = choose_backend(backend, cuda)
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        if "MASTER_PORT" not in os.environ:
+            raise ValueError("world_size > 1 without torchrun: set MASTER_ADDR and MASTER_PORT")
+        dist.init_process_group(
+            backend=chosen,
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            device_id=device if chosen == "nccl" else None,
+        )
+    else:
+        chosen = dist.get_backend()
+    log.info("process group up: backend=%s rank=%d/%d local_rank=%d device=%s",
+             chosen, rank, world_size, local_rank, device)
+    return DistEnv(rank, local_rank, world_size, local_world_size, device, chosen)
+
+
+def teardown() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,41 @@
+"""Rank-aware logging: every rank appends to log_dir/rank_N.log; the console shows rank 0."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+FORMAT = "%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s"
+_HANDLER_TAG = "_ddp_framework_handler"
+
+
+def setup_logging(rank: int, log_dir: str | Path, *, debug: bool = False) -> Path:
+    """Configure the ``framework`` logger (and the root logger's console) for this rank.
+    Idempotent: handlers from an earlier call are replaced. Returns the rank's log file."""
+    log_dir = Path(log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    path = log_dir / f"rank_{rank}.log"
+    formatter = logging.Formatter(FORMAT.format(rank=rank), datefmt="%Y-%m-%d %H:%M:%S")
+    root = logging.getLogger()
+    for handler in [h for h in root.handlers if getattr(h, _HANDLER_TAG, False)]:
+        root.removeHandler(handler)
+        handler.close()
+    handlers: list[logging.Handler] = [logging.FileHandler(path, mode="a", encoding="utf-8")]
+    if rank == 0:
+        handlers.append(logging.StreamHandler(sys.stderr))
+    for handler in handlers:
+        handler.setFormatter(formatter)
+        setattr(handler, _HANDLER_TAG, True)
+        root.addHandler(handler)
+    level = logging.DEBUG if debug else logging.INFO
+    root.setLevel(level)
+    logging.getLogger("framework").setLevel(level)
+    return path
+
+
+def close_logging() -> None:
+    root = logging.getLogger()
+    for handler in [h for h in root.handlers if getattr(h, _HANDLER_TAG, False)]:
+        root.removeHandler(handler)
+        handler.close()

@@ -1,0 +1,122 @@
+#!/usr/bin/env bash
+# Launch ddp_training.py under torchrun on this machine: GPUs with NCCL, or CPU processes with gloo.
+# The configuration is validated first, without torch.distributed, so a mistake exits 2 with one
+# line per problem instead of a traceback from every rank.
+set -euo pipefail
+
+usage() {
+  cat <<'EOF'
+usage: ./launch_training.sh [options] [-- ddp_training.py flags]
+
+  -g, --gpus IDS            GPUs to use, e.g. 0,1 (sets CUDA_VISIBLE_DEVICES; one process each)
+      --cpu                 train on CPU with gloo
+  -n, --nproc N             processes with --cpu (default 2)
+  -b, --batch-size N        per-rank micro-batch size
+  -e, --epochs N            number of epochs
+  -l, --log-dir DIR         logs, TensorBoard events, summary.json
+  -c, --checkpoint-dir DIR  checkpoints and the final model
+      --config FILE         a .toml or .json config file
+      --data PATH           synthetic, a .txt file or a .bin uint16 token file
+      --test                a tiny model and dataset that trains in seconds
+      --debug               DEBUG logs, faulthandler, NCCL_DEBUG=INFO, TORCH_DISTRIBUTED_DEBUG
+  -h, --help                this help
+
+With neither --gpus nor --cpu, all visible GPUs are used, or 2 CPU processes if there is none.
+Everything after -- is passed to ddp_training.py (see: python ddp_training.py --help).
+The exit code is torchrun's; 2 means the configuration is invalid.
+EOF
+}
+
+die() { echo "launch_training.sh: $*" >&2; exit 2; }
+
+need_value() { [[ $# -ge 2 && -n "$2" ]] || die "$1 needs a value"; }
+
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+python="${PYTHON:-python3}"
+gpus="" cpu=0 nproc="" test_mode=0 debug=0
+train_args=()
+
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    -g|--gpus) need_value "$@"; gpus="$2"; shift 2 ;;
+    --cpu) cpu=1; shift ;;
+    -n|--nproc) need_value "$@"; nproc="$2"; shift 2 ;;
+    -b|--batch-size) need_value "$@"; train_args+=(--batch-size "$2"); shift 2 ;;
+    -e|--epochs) need_value "$@"; train_args+=(--num-epochs "$2"); shift 2 ;;
+    -l|--log-dir) need_value "$@"; train_args+=(--log-dir "$2"); shift 2 ;;
+    -c|--checkpoint-dir) need_value "$@"; train_args+=(--checkpoint-dir "$2"); shift 2 ;;
+    --config) need_value "$@"; train_args+=(--config "$2"); shift 2 ;;
+    --data) need_value "$@"; train_args+=(--data "$2"); shift 2 ;;
+    --test) test_mode=1; shift ;;
+    --debug) debug=1; shift ;;
+    -h|--help) usage; exit 0 ;;
+    --) shift; train_args+=("$@"); break ;;
+    *) die "unknown option '$1' (see --help; flags for ddp_training.py go after --)" ;;
+  esac
+done
+
+[[ -n "$gpus" && $cpu -eq 1 ]] && die "--gpus and --cpu exclude each other"
+[[ -z "$nproc" || "$nproc" =~ ^[1-9][0-9]*$ ]] || die "--nproc '$nproc': must be a positive integer"
+
+if [[ -n "$gpus" ]]; then
+  [[ "$gpus" =~ ^[0-9]+(,[0-9]+)*$ ]] || die "--gpus '$gpus': must be a comma-separated list of GPU ids, e.g. 0,1"
+  [[ -z "$nproc" ]] || die "--nproc is for --cpu; with --gpus there is one process per GPU"
+  export CUDA_VISIBLE_DEVICES="$gpus"
+  IFS=, read -r -a gpu_list <<< "$gpus"
+  nproc=${#gpu_list[@]}
+elif [[ $cpu -eq 0 ]]; then
+  visible=$("$python" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
+  if [[ "$visible" =~ ^[1-9][0-9]*$ && -z "$nproc" ]]; then
+    nproc=$visible
+  else
+    cpu=1
+  fi
+fi
+if [[ $cpu -eq 1 ]]; then
+  nproc=${nproc:-2}
+  train_args=(--backend gloo "${train_args[@]}")
+  cores=$(nproc 2>/dev/null || echo 1)
+  threads=$(( cores / nproc ))
+  export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( threads > 0 ? threads : 1 ))}"
+fi
+
+if [[ $test_mode -eq 1 ]]; then
+  train_args=(--vocab-size 64 --hidden-size 64 --num-layers 2 --num-heads 2 --seq-len 32
+              --dataset-size 2048 --batch-size 16 --dropout 0 --learning-rate 3e-3 --warmup-steps 5
+              --max-steps 60 --log-interval 10 --eval-interval 0 --num-workers 0
+              --log-dir runs/test/logs --checkpoint-dir runs/test/checkpoints "${train_args[@]}")
+fi
+
+export GLOO_SOCKET_IFNAME="${GLOO_SOCKET_IFNAME:-lo}"
+export MASTER_ADDR=127.0.0.1
+if [[ $debug -eq 1 ]]; then
+  train_args+=(--debug)
+  export NCCL_DEBUG=INFO CUDA_LAUNCH_BLOCKING=1 TORCH_SHOW_CPP_STACKTRACES=1 PYTHONFAULTHANDLER=1
+  # torch 2.13 segfaults in DDP's constructor under DETAIL on gloo; DETAIL is safe only with NCCL.
+  if [[ $cpu -eq 1 ]]; then
+    export TORCH_DISTRIBUTED_DEBUG=INFO
+  else
+    export TORCH_DISTRIBUTED_DEBUG=DETAIL
+  fi
+fi
+
+cd "$here"
+"$python" ddp_training.py --check-config "${train_args[@]}" || exit $?
+
+port=$("$python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+
+# torchrun runs in the background so that this script can forward SIGTERM/SIGINT to it and
+# wait for it: neither torchrun nor its workers outlive the script.
+"$python" -m torch.distributed.run \
+  --nnodes 1 --nproc-per-node "$nproc" \
+  --rdzv-backend c10d --rdzv-endpoint "127.0.0.1:$port" \
+  ddp_training.py "${train_args[@]}" &
+child=$!
+trap 'kill -s TERM "$child" 2>/dev/null || true' TERM
+trap 'kill -s INT "$child" 2>/dev/null || true' INT
+status=0
+while true; do
+  wait "$child" && status=0 || status=$?
+  kill -0 "$child" 2>/dev/null || break
+done
+exit "$status"
