@@ -406,3 +406,11 @@ def parse_command_line(argv: list[str], env: dict[str, str] | None = None) -> tu
         return TrainConfig(), actions
     cfg = build_config(file=config_file, env=env, cli=cli, problems=problems)
     return cfg, actions
+
+
+def markdown_table() -> str:
+    """The README's configuration table, generated from the field docstrings."""
+    rows = ["| key | type | default | meaning |", "| --- | --- | --- | --- |"]
+    for f in fields(TrainConfig):
+        rows.append(f"| `{f.name}` | {describe_type(f.name)} | `{f.default}` | {FIELD_DOCS[f.name]} |")
+    return "\n".join(rows)

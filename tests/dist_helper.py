@@ -1,0 +1,105 @@
+"""Launch a worker script under torchrun, collect each rank's JSON result, and kill leftovers.
+
+torchrun starts every worker in its own session, so a failed or timed-out test could leave
+workers running; each worker registers its pid (``register_worker``) and the launcher kills any
+that are still alive when the launch ends.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def worker_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DDP_")}
+    env.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", PYTHONPATH=str(ROOT),
+               PYTHONUNBUFFERED="1")
+    env.update(extra or {})
+    return env
+
+
+@dataclass
+class Launch:
+    returncode: int
+    output: str
+    results: dict[int, dict] = field(default_factory=dict)
+    duration_s: float = 0.0
+
+
+def torchrun_cmd(script: str | Path, args: list[str], nproc: int = 2, port: int | None = None,
+                 extra: list[str] | None = None) -> list[str]:
+    port = port or free_port()
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", *(extra or []),
+            str(script), *args]
+
+
+def kill_registered(out_dir: Path) -> list[int]:
+    """SIGKILL every registered worker pid that is still alive; returns those killed."""
+    import psutil
+    killed = []
+    for pid_file in (out_dir / "pids").glob("*"):
+        pid = int(pid_file.name)
+        try:
+            proc = psutil.Process(pid)
+            if abs(proc.create_time() - float(pid_file.read_text() or 0)) < 1:
+                proc.kill()
+                killed.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return killed
+
+
+def launch(script: str | Path, args: list[str], out_dir: Path, *, nproc: int = 2, timeout: float = 300,
+           env: dict[str, str] | None = None, torchrun_extra: list[str] | None = None) -> Launch:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cmd = torchrun_cmd(script, args, nproc, extra=torchrun_extra)
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=worker_env({"TEST_OUT_DIR": str(out_dir), **(env or {})}),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        output += f"\n[dist_helper] torchrun timed out after {timeout}s and was killed"
+    finally:
+        kill_registered(out_dir)
+    results = {}
+    for path in out_dir.glob("result_rank*.json"):
+        results[int(path.stem.removeprefix("result_rank"))] = json.loads(path.read_text())
+    return Launch(proc.returncode, output, results, time.monotonic() - start)
+
+
+# --- worker side ---------------------------------------------------------------------------
+
+def register_worker() -> Path:
+    """Call first thing in a worker: records this pid so the launcher can clean up."""
+    import psutil
+    out_dir = Path(os.environ["TEST_OUT_DIR"])
+    (out_dir / "pids").mkdir(parents=True, exist_ok=True)
+    (out_dir / "pids" / str(os.getpid())).write_text(str(psutil.Process().create_time()))
+    return out_dir
+
+
+def write_result(out_dir: Path, rank: int, result: dict) -> None:
+    tmp = out_dir / f".result_rank{rank}.json.tmp"
+    tmp.write_text(json.dumps(result))
+    tmp.replace(out_dir / f"result_rank{rank}.json")

@@ -1,0 +1,149 @@
+"""Configuration: sources, precedence, validation and the CLI's exit code 2 (all in-process)."""
+
+import json
+
+import pytest
+
+import ddp_training
+from framework.config import (FIELD_DOCS, KEYS, ConfigError, TrainConfig, build_config,
+                              parse_command_line, resolve_config)
+
+SPEC_DEFAULTS = dict(vocab_size=10000, hidden_size=512, num_layers=6, num_heads=8, dropout=0.1, batch_size=32,
+                     learning_rate=1e-4, weight_decay=0.01, num_epochs=10, dataset_size=10000, seq_len=128,
+                     num_workers=4, pin_memory=True, log_interval=10, save_interval=5, memory_check_interval=50,
+                     cleanup_interval=100, max_errors_per_epoch=5, max_memory_gb=16.0, target_loss=0.01)
+ADDED_KEYS = ["seed", "data", "max_steps", "gradient_accumulation_steps", "warmup_steps", "min_lr", "grad_clip",
+              "eval_interval", "eval_steps", "log_dir", "checkpoint_dir", "amp_dtype", "tie_embeddings",
+              "deterministic", "backend", "timeout_s", "use_amp"]
+
+
+def run_main(argv, capsys):
+    try:
+        code = ddp_training.main(argv)
+    except SystemExit as exc:
+        code = exc.code
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_spec_defaults_and_added_keys():
+    cfg = TrainConfig()
+    for key, value in SPEC_DEFAULTS.items():
+        assert getattr(cfg, key) == value, key
+    assert set(ADDED_KEYS) <= set(KEYS)
+    assert cfg.use_amp == "auto"
+
+
+def test_every_field_has_a_docstring():
+    assert set(FIELD_DOCS) == set(KEYS)
+    assert all(len(doc) > 10 for doc in FIELD_DOCS.values())
+
+
+def test_precedence_file_env_cli(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('hidden_size = 256\nnum_layers = 3\nbatch_size = 8\n')
+    env = {"DDP_NUM_LAYERS": "4", "DDP_BATCH_SIZE": "16", "UNRELATED": "x"}
+    cfg, actions = parse_command_line(["--config", str(path), "--batch_size", "24", "--use-amp=false"], env=env)
+    assert (cfg.hidden_size, cfg.num_layers, cfg.batch_size, cfg.use_amp) == (256, 4, 24, "false")
+    assert actions == set()
+
+
+def test_json_config_file(tmp_path):
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps({"hidden_size": 64, "num_heads": 4, "tie_embeddings": True}))
+    cfg, _ = parse_command_line(["--config", str(path)], env={})
+    assert (cfg.hidden_size, cfg.num_heads, cfg.tie_embeddings) == (64, 4, True)
+
+
+def test_dict_and_dataclass_accepted():
+    assert resolve_config({"hidden_size": 64, "num_heads": 2}).hidden_size == 64
+    assert resolve_config(TrainConfig(seed=3)).seed == 3
+    with pytest.raises(ConfigError, match="did you mean 'hidden_size'"):
+        resolve_config({"hiden_size": 64})
+
+
+def test_all_problems_listed_at_once():
+    with pytest.raises(ConfigError) as err:
+        build_config({"hidden_sise": 5, "dropout": 1.5, "batch_size": "many", "backend": "mpi",
+                      "hidden_size": 30, "num_heads": 4}, env={})
+    problems = err.value.problems
+    assert len(problems) == 5, problems
+    text = "\n".join(problems)
+    for needle in ("unknown key 'hidden_sise'; did you mean 'hidden_size'", "dropout=1.5: must be <= 0.999",
+                   "batch_size='many': expected an integer", "backend='mpi': allowed: auto, gloo, nccl",
+                   "hidden_size=30: must be divisible by num_heads=4"):
+        assert needle in text
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--hiden-size", "3"], "unknown key 'hiden_size'; did you mean 'hidden_size'?"),
+    (["--batch-size", "0"], "batch_size=0: must be >= 1"),
+    (["--batch-size", "2.5"], "batch_size='2.5': expected an integer"),
+    (["--learning-rate", "fast"], "learning_rate='fast': expected a number"),
+    (["--learning-rate", "nan"], "expected a finite number"),
+    (["--use-amp", "maybe"], "use_amp='maybe': allowed: auto, true, false"),
+    (["--pin-memory", "yess"], "pin_memory='yess': allowed: true or false"),
+    (["--amp-dtype", "fp8"], "allowed: bf16, fp16"),
+    (["--data", "missing.txt"], "data='missing.txt': file not found"),
+    (["--data", "corpus.csv"], "allowed: synthetic, a .txt file or a .bin file"),
+    (["--min-lr", "1", "--learning-rate", "0.1"], "min_lr=1.0: must be <= learning_rate=0.1"),
+    (["--seq-len"], "--seq-len needs a value"),
+    (["positional"], "unexpected argument 'positional'"),
+    (["--config", "nope.toml"], "--config nope.toml: file not found"),
+    (["--backend", "nccl"], "backend='nccl': needs CUDA"),
+    (["--use-amp", "true", "--amp-dtype", "fp16"], "amp_dtype='fp16': needs CUDA"),
+])
+def test_cli_bad_input_exits_2_with_one_line(argv, needle, capsys, monkeypatch):
+    monkeypatch.setattr("framework.config._cuda_available", lambda: False)
+    code, out, err = run_main(argv, capsys)
+    assert code == 2
+    assert needle in err
+    assert "Traceback" not in err
+    assert all(line.startswith("error: ") for line in err.strip().splitlines())
+
+
+def test_bad_environment_variable_exits_2(capsys, monkeypatch):
+    monkeypatch.setenv("DDP_BATCH_SIZE", "-1")
+    monkeypatch.setenv("DDP_SEQLEN", "5")
+    code, _, err = run_main(["--check-config"], capsys)
+    assert code == 2
+    assert "batch_size=-1: must be >= 1" in err
+    assert "environment: unknown key 'seqlen'; did you mean 'seq_len'?" in err
+
+
+def test_bad_config_file_exits_2(tmp_path, capsys):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("hidden_size = \n")
+    code, _, err = run_main(["--config", str(bad)], capsys)
+    assert code == 2 and "cannot parse" in err and "Traceback" not in err
+    typed = tmp_path / "typed.toml"
+    typed.write_text('num_layers = "six"\n')
+    code, _, err = run_main(["--config", str(typed)], capsys)
+    assert code == 2 and f"config file {typed}: num_layers='six': expected an integer" in err
+
+
+def test_check_config_ok_and_help(capsys):
+    code, _, err = run_main(["--check-config", "--hidden-size", "64"], capsys)
+    assert code == 0 and "configuration is valid" in err
+    code, out, _ = run_main(["--help"], capsys)
+    assert code == 0
+    for key in KEYS:
+        assert f"--{key.replace('_', '-')} " in out
+        assert FIELD_DOCS[key] in out
+
+
+def test_shipped_config_files_parse():
+    from pathlib import Path
+    files = sorted(Path(__file__).resolve().parents[1].glob("configs/*.toml"))
+    assert files
+    for path in files:
+        cfg, _ = parse_command_line(["--config", str(path)], env={})
+        assert isinstance(cfg, TrainConfig)
+
+
+def test_readme_config_table_matches_docstrings():
+    from pathlib import Path
+    from framework.config import markdown_table
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    table = readme.split("<!-- config-table:start -->\n")[1].split("\n<!-- config-table:end -->")[0]
+    assert table == markdown_table()

@@ -1,0 +1,108 @@
+"""Datasets and the resumable distributed sampler."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from framework.config import resolve_config
+from framework.data import (MARKOV_ENTROPY, MarkovDataset, ResumableDistributedSampler, TokenWindows,
+                            build_datasets, encode_text, eval_indices)
+
+
+def shards(n, world, batch, accum, seed=3, epoch=0):
+    out = []
+    for rank in range(world):
+        s = ResumableDistributedSampler(n, world, rank, batch, accum, seed)
+        s.set_epoch(epoch)
+        out.append([i for b in s for i in b])
+    return out
+
+
+@pytest.mark.parametrize("n, world, batch, accum", [(103, 2, 4, 1), (103, 2, 3, 2), (100, 3, 5, 1), (64, 1, 8, 4)])
+def test_shards_disjoint_and_cover_drop_last_prefix(n, world, batch, accum):
+    parts = shards(n, world, batch, accum)
+    usable = (n // (world * batch * accum)) * world * batch * accum
+    perm = ResumableDistributedSampler(n, world, 0, batch, accum, 3).permutation(0)
+    assert sorted(i for p in parts for i in p) == sorted(perm[:usable].tolist())
+    for a in range(world):
+        for b in range(a + 1, world):
+            assert not set(parts[a]) & set(parts[b])
+    assert all(len(p) == usable // world for p in parts)
+
+
+def test_permutation_independent_of_world_size_and_per_epoch():
+    one = shards(96, 1, 8, 1)[0]
+    two = shards(96, 2, 4, 1)
+    # global micro-batch k of the 1-rank run is rank 0's then rank 1's share of micro-batch k
+    rebuilt = [i for k in range(12) for r in range(2) for i in two[r][4 * k:4 * k + 4]]
+    assert rebuilt == one
+    assert shards(96, 1, 8, 1, epoch=1)[0] != one
+
+
+def test_resume_continues_at_the_exact_sample():
+    full = ResumableDistributedSampler(120, 2, 1, 3, 2, seed=5)
+    expected = list(full)
+    resumed = ResumableDistributedSampler(120, 2, 1, 3, 2, seed=5)
+    for _ in range(4):
+        resumed.advance()
+    state = resumed.state_dict()
+    assert state == {"epoch": 0, "consumed": 4 * 12}
+    fresh = ResumableDistributedSampler(120, 2, 1, 3, 2, seed=5)
+    fresh.load_state_dict(state)
+    assert list(fresh) == expected[4 * 2:]
+    assert len(fresh) == len(expected) - 8
+
+
+def test_markov_data_is_deterministic_and_has_known_floor():
+    a = MarkovDataset(30, 20, 50, chain_seed=1, sample_seed=1)
+    b = MarkovDataset(30, 20, 50, chain_seed=1, sample_seed=1)
+    assert torch.equal(a.tokens, b.tokens)
+    assert a.entropy == pytest.approx(MARKOV_ENTROPY) == pytest.approx(1.75 * math.log(2))
+    # every transition is one of the 4 successors of its token
+    pairs = {}
+    for row in a.tokens.tolist():
+        for u, v in zip(row, row[1:]):
+            pairs.setdefault(u, set()).add(v)
+    assert max(len(s) for s in pairs.values()) <= 4
+    x, y = a.__getitems__([3, 4])
+    assert torch.equal(x[:, 1:], y[:, :-1])
+
+
+def test_text_data_split_and_windows(tmp_path):
+    text = "hello world, " * 200
+    path = tmp_path / "t.txt"
+    path.write_text(text)
+    bundle = build_datasets(resolve_config({"data": str(path), "seq_len": 8}))
+    assert bundle.vocab_size == len(set(text))
+    split = int(0.9 * len(text))
+    assert len(bundle.train) == split - 8
+    assert len(bundle.val) == (len(text) - split - 9) // 8 + 1
+    x, y = bundle.train.__getitems__([0, 5])
+    assert torch.equal(x[:, 1:], y[:, :-1])
+    tokens, vocab, kind = encode_text("aé" * 10)
+    assert kind == "character-level" and vocab == 2
+    _, vocab, kind = encode_text("".join(chr(0x400 + i) for i in range(300)))
+    assert (vocab, kind) == (256, "byte-level")
+
+
+def test_bin_data_and_vocab_check(tmp_path):
+    path = tmp_path / "tokens.bin"
+    np.arange(1000, dtype=np.uint16).tofile(path)
+    with pytest.raises(ValueError, match="holds token id 999, but vocab_size=500"):
+        build_datasets(resolve_config({"data": str(path), "vocab_size": 500, "seq_len": 16}))
+    bundle = build_datasets(resolve_config({"data": str(path), "vocab_size": 1000, "seq_len": 16}))
+    x, y = bundle.train.__getitems__([10])
+    assert x[0].tolist() == list(range(10, 26)) and y[0].tolist() == list(range(11, 27))
+
+
+def test_eval_shards_unpadded():
+    parts = [eval_indices(100, 35, 2, r) for r in range(2)]
+    assert sorted(parts[0] + parts[1]) == list(range(35))
+    assert (len(parts[0]), len(parts[1])) == (18, 17)
+
+
+def test_token_windows_rejects_short_data():
+    with pytest.raises(ValueError, match="fewer than seq_len"):
+        TokenWindows(np.zeros(5, dtype=np.uint8), 8, 1)

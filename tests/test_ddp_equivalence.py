@@ -1,0 +1,70 @@
+"""2 gloo ranks x batch b against 1 process x batch 2b (one torchrun launch for every case)."""
+
+import pytest
+import torch
+
+from framework.config import resolve_config
+from framework.model import GPT, GPTConfig
+from framework.trainer import DDPTrainer
+from tests.dist_helper import launch
+from tests.workers.ddp_equivalence import BASE, EVAL_CASE, GRAD_CASES, TRAIN_CASES
+
+WORKER = "tests/workers/ddp_equivalence.py"
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    run = launch(WORKER, [], tmp_path_factory.mktemp("ddp_equivalence"), nproc=2, timeout=240)
+    assert run.returncode == 0, run.output[-4000:]
+    assert sorted(run.results) == [0, 1], run.output[-4000:]
+    return run.results
+
+
+def case(results, rank, name):
+    out = results[rank]["cases"][name]
+    assert "error" not in out, out.get("traceback")
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(GRAD_CASES))
+@pytest.mark.parametrize("rank", [0, 1])
+def test_gradients_match_single_process(two_ranks, name, rank):
+    out = case(two_ranks, rank, name)
+    assert out["max_abs_diff"] <= TOL, out
+    # The same comparison against a rank's own un-all-reduced gradient fails: the check has teeth.
+    assert out["unreduced_local_diff"] > 100 * TOL
+
+
+def single_process_run(tmp_path, overrides, world_size=2):
+    cfg = {**BASE, **overrides, "batch_size": overrides["batch_size"] * world_size,
+           "log_dir": str(tmp_path / "logs"), "checkpoint_dir": str(tmp_path / "ck")}
+    summary = DDPTrainer(cfg, rank=0, world_size=1).train()
+    return summary, torch.load(tmp_path / "ck" / "final_model.pt", weights_only=True)
+
+
+@pytest.mark.parametrize("name", sorted(TRAIN_CASES))
+def test_parameters_after_steps(two_ranks, tmp_path, name):
+    r0, r1 = case(two_ranks, 0, name), case(two_ranks, 1, name)
+    assert r0["all_sha256"][0] == r0["all_sha256"][1] == r1["summary"]["model_sha256"]
+    assert r0["summary"]["steps"] == TRAIN_CASES[name]["max_steps"]
+    summary, ref = single_process_run(tmp_path, TRAIN_CASES[name])
+    assert summary["steps"] == r0["summary"]["steps"]
+    ddp = torch.load(r0["final_model"], weights_only=True)
+    assert ddp.keys() == ref.keys()
+    worst = max((ddp[k] - ref[k]).abs().max().item() for k in ref)
+    assert worst <= TOL, worst
+    assert abs(summary["final_train_loss"] - r0["summary"]["final_train_loss"]) <= 1e-5
+    # The weights moved: equality is not just two untouched initialisations.
+    torch.manual_seed(BASE["seed"])
+    init = GPT(GPTConfig.from_train_config(resolve_config({**BASE, **TRAIN_CASES[name]}))).state_dict()
+    assert max((ref[k] - init[k]).abs().max().item() for k in ref) > 1e-3
+
+
+def test_validation_loss_same_on_one_and_two_ranks(two_ranks, tmp_path):
+    r0, r1 = case(two_ranks, 0, "eval"), case(two_ranks, 1, "eval")
+    assert r0["val_loss"] == r1["val_loss"]
+    assert (r0["shard_size"], r1["shard_size"]) == (18, 17)
+    cfg = {**BASE, **EVAL_CASE, "log_dir": str(tmp_path / "logs")}
+    single = DDPTrainer(cfg, rank=0, world_size=1).evaluate()
+    assert abs(single - r0["val_loss"]) <= 1e-6, (single, r0["val_loss"])

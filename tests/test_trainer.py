@@ -1,0 +1,87 @@
+"""DDPTrainer in one process: the Python API, outputs on disk, stopping rules, user models."""
+
+import json
+
+import pytest
+import torch
+
+from framework import ConfigError, DDPTrainer, TrainConfig
+from framework.checkpoint import model_sha256
+
+TINY = dict(vocab_size=32, hidden_size=32, num_layers=1, num_heads=2, seq_len=16, dataset_size=128, batch_size=8,
+            dropout=0.0, num_workers=0, learning_rate=3e-3, target_loss=0.0, eval_steps=2, log_interval=2)
+
+
+def tiny(tmp_path, **kw):
+    return {**TINY, "log_dir": str(tmp_path / "logs"), "checkpoint_dir": str(tmp_path / "ck"), **kw}
+
+
+def test_spec_signature_and_outputs(tmp_path):
+    summary = DDPTrainer(rank=0, world_size=1, config=tiny(tmp_path, max_steps=5)).train()
+    for key in ("final_train_loss", "final_val_loss", "steps", "epochs", "tokens_per_sec", "wall_s",
+                "world_size", "model_sha256"):
+        assert key in summary
+    assert summary["steps"] == 5 and summary["world_size"] == 1
+    assert json.loads((tmp_path / "logs" / "summary.json").read_text()) == summary
+    saved = json.loads((tmp_path / "logs" / "config.json").read_text())
+    assert saved["hidden_size"] == 32 and saved["max_steps"] == 5
+    state = torch.load(tmp_path / "ck" / "final_model.pt", weights_only=True)
+    model = DDPTrainer(tiny(tmp_path)).raw_model
+    model.load_state_dict(state)
+    assert model_sha256(model) == summary["model_sha256"]
+    assert (tmp_path / "logs" / "tensorboard").is_dir()
+
+
+def test_same_seed_same_model_and_log_appends(tmp_path):
+    a = DDPTrainer(tiny(tmp_path, max_steps=3)).train()
+    b = DDPTrainer(TrainConfig(**tiny(tmp_path, max_steps=3))).train()
+    assert a["model_sha256"] == b["model_sha256"]
+    c = DDPTrainer(tiny(tmp_path, max_steps=3, seed=2)).train()
+    assert c["model_sha256"] != a["model_sha256"]
+    log = (tmp_path / "logs" / "rank_0.log").read_text()
+    assert log.count("done: ") == 3
+    assert "running as a single process" in log
+
+
+def test_stops_at_epochs_and_target_loss(tmp_path):
+    summary = DDPTrainer(tiny(tmp_path, num_epochs=2, gradient_accumulation_steps=2, batch_size=4)).train()
+    assert summary["steps"] == 2 * (128 // 8) and summary["epochs"] == 2
+    summary = DDPTrainer(tiny(tmp_path, target_loss=3.0, max_steps=500)).train()
+    assert summary["final_train_loss"] <= 3.0 and summary["steps"] < 500
+
+
+def test_user_model_dataset_and_loss(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 5, generator=g)
+    w = torch.randn(5, 1, generator=g)
+    data = torch.utils.data.TensorDataset(x, x @ w)
+    model = torch.nn.Linear(5, 1)
+    trainer = DDPTrainer(tiny(tmp_path, max_steps=300, num_epochs=100, learning_rate=0.05, weight_decay=0.0, grad_clip=0.0),
+                         model=model, train_dataset=data, val_dataset=data, loss_fn=torch.nn.functional.mse_loss)
+    summary = trainer.train()
+    assert summary["final_val_loss"] < 0.01 < summary["first_train_loss"]
+    assert torch.allclose(model.weight.detach().T, w, atol=0.1)
+
+
+def test_nonfinite_step_is_skipped(tmp_path):
+    trainer = DDPTrainer(tiny(tmp_path, max_steps=4))
+    before = {k: v.clone() for k, v in trainer.raw_model.state_dict().items()}
+    batches = iter(trainer.loader)
+    loss = trainer.forward_backward([next(batches)])
+    next(trainer.raw_model.parameters()).grad[0, 0] = float("nan")
+    agreed, _, _ = trainer.optimizer_step(loss)
+    assert agreed.nonfinite and trainer.skipped_this_epoch == [0]
+    after = trainer.raw_model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert all(p.grad is None for p in trainer.raw_model.parameters())
+
+
+def test_bad_dict_config_raises_config_error(tmp_path):
+    with pytest.raises(ConfigError) as err:
+        DDPTrainer({"batch_size": 0, "nonsense": 1})
+    assert len(err.value.problems) == 2
+
+
+def test_dataset_smaller_than_global_batch(tmp_path):
+    with pytest.raises(ValueError, match="fewer than one global batch"):
+        DDPTrainer(tiny(tmp_path, dataset_size=4))

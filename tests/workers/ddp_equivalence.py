@@ -1,0 +1,115 @@
+"""Run under torchrun with 2 ranks: gradient equivalence of the trainer's DDP step against one
+process on the global batch, parameters after several steps, and the sharded validation loss.
+Every case's result goes into result_rank{r}.json for tests/test_ddp_equivalence.py."""
+
+from __future__ import annotations
+
+import os
+import traceback
+
+import torch
+import torch.distributed as dist
+
+from tests.dist_helper import register_worker, write_result
+
+BASE = dict(vocab_size=32, hidden_size=32, num_layers=2, num_heads=2, seq_len=16, dataset_size=256,
+            dropout=0.0, num_workers=0, tensorboard=False, learning_rate=1e-3, warmup_steps=2,
+            log_interval=1, eval_interval=0, eval_steps=5, target_loss=0.0, seed=7)
+
+# name -> config overrides; per-rank batch b, compared with one process on batch world_size * b.
+GRAD_CASES = {
+    "grad_b4_accum1": dict(batch_size=4, gradient_accumulation_steps=1),
+    "grad_b4_accum2": dict(batch_size=4, gradient_accumulation_steps=2),
+    "grad_b3_accum3_tied": dict(batch_size=3, gradient_accumulation_steps=3, tie_embeddings=True),
+}
+TRAIN_CASES = {
+    "train_b4_accum1": dict(batch_size=4, gradient_accumulation_steps=1, max_steps=6),
+    "train_b2_accum2": dict(batch_size=2, gradient_accumulation_steps=2, max_steps=6),
+}
+EVAL_CASE = dict(batch_size=7, eval_steps=5)  # 35 samples: unequal shards of 18 and 17
+
+
+def reference_grads(cfg_overrides: dict, world_size: int) -> dict[str, torch.Tensor]:
+    """One plain process, no DDP, on the global micro-batches of the first step."""
+    from framework.config import resolve_config
+    from framework.data import ResumableDistributedSampler, build_datasets, fetch
+    from framework.model import GPT, GPTConfig, lm_loss
+
+    cfg = resolve_config({**BASE, **cfg_overrides})
+    torch.manual_seed(cfg.seed)
+    model = GPT(GPTConfig.from_train_config(cfg))
+    train = build_datasets(cfg).train
+    sampler = ResumableDistributedSampler(len(train), 1, 0, cfg.batch_size * world_size,
+                                          cfg.gradient_accumulation_steps, cfg.seed)
+    batches = iter(sampler)
+    n = cfg.gradient_accumulation_steps
+    for _ in range(n):
+        x, y = fetch(train, next(batches))
+        (lm_loss(model(x), y) / n).backward()
+    return {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+def run_grad_case(name: str, overrides: dict, out_dir, rank: int, world: int) -> dict:
+    from framework.trainer import DDPTrainer
+
+    cfg = {**BASE, **overrides, "log_dir": str(out_dir / name), "checkpoint_dir": str(out_dir / name / "ck")}
+    trainer = DDPTrainer(cfg)
+    batches = iter(trainer.loader)
+    micro = [next(batches) for _ in range(trainer.sampler.accumulation)]
+    trainer.forward_backward(micro)
+    ref = reference_grads(overrides, world)
+    diffs = {n: (p.grad - ref[n]).abs().max().item() for n, p in trainer.raw_model.named_parameters()}
+    # Prove the comparison can fail: the rank's own un-reduced gradient differs from the reference.
+    trainer.optimizer.zero_grad(set_to_none=True)
+    x, y = (t for t in micro[0])
+    with trainer.model.no_sync():
+        trainer.loss_fn(trainer.model(x), y).backward()
+    local_diff = max((p.grad - ref[n]).abs().max().item() for n, p in trainer.raw_model.named_parameters()
+                     if p.grad is not None)
+    trainer.close()
+    return {"max_abs_diff": max(diffs.values()), "worst_param": max(diffs, key=diffs.get),
+            "unreduced_local_diff": local_diff}
+
+
+def run_train_case(name: str, overrides: dict, out_dir, rank: int, world: int) -> dict:
+    from framework.trainer import DDPTrainer
+
+    cfg = {**BASE, **overrides, "log_dir": str(out_dir / name), "checkpoint_dir": str(out_dir / name / "ck")}
+    summary = DDPTrainer(cfg).train()
+    shas = [None] * world
+    dist.all_gather_object(shas, summary["model_sha256"])
+    return {"summary": summary, "all_sha256": shas,
+            "final_model": str(out_dir / name / "ck" / "final_model.pt")}
+
+
+def run_eval_case(out_dir, rank: int, world: int) -> dict:
+    from framework.trainer import DDPTrainer
+
+    trainer = DDPTrainer({**BASE, **EVAL_CASE, "log_dir": str(out_dir / "eval")})
+    shard = len(range(rank, 35, world))
+    return {"val_loss": trainer.evaluate(), "shard_size": shard}
+
+
+def main() -> None:
+    out_dir = register_worker()
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    results: dict[str, dict] = {}
+    cases = [(n, run_grad_case, o) for n, o in GRAD_CASES.items()]
+    cases += [(n, run_train_case, o) for n, o in TRAIN_CASES.items()]
+    for name, fn, overrides in cases:
+        try:
+            results[name] = fn(name, overrides, out_dir, rank, world)
+        except Exception as err:  # recorded per case so one failure does not hide the others
+            results[name] = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()}
+    try:
+        results["eval"] = run_eval_case(out_dir, rank, world)
+    except Exception as err:  # recorded per case so one failure does not hide the others
+        results["eval"] = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()}
+    write_result(out_dir, rank, {"world_size": world, "cases": results})
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()
