@@ -49,6 +49,14 @@ class TrainConfig:
     seq_len: int = 128
     """Tokens per training sequence (context length)."""
 
+    # --- memory savers -----------------------------------------------------------------------
+    gradient_checkpointing: Literal["off", "non_reentrant", "reentrant", "offload"] = "off"
+    """Recompute activations in backward: non_reentrant (recommended), reentrant, or offload (non_reentrant, kept inputs moved to CPU)."""
+    checkpoint_modules: str = "Block"
+    """Comma-separated class names or module-name patterns to checkpoint (for a user's model)."""
+    tiled_mlp_chunks: int = 0
+    """Run the MLP over this many sequence chunks, recomputing each in backward; 0 = off."""
+
     # --- data --------------------------------------------------------------------------------
     data: str = "synthetic"
     """'synthetic' (seeded Markov chain), a .txt file (character-level) or a .bin uint16 token file."""
@@ -128,6 +136,16 @@ class TrainConfig:
     """Process-group backend: auto = nccl with CUDA, gloo otherwise."""
     timeout_s: float = 600.0
     """Timeout in seconds for process-group init and every collective."""
+    ddp_static_graph: Literal["auto", "true", "false"] = "auto"
+    """DDP static_graph; auto decides from a preflight probe of the model (env DDP_STATIC_GRAPH=0|1)."""
+    find_unused_parameters: Literal["auto", "true", "false"] = "auto"
+    """DDP find_unused_parameters; auto decides from the preflight probe (env DDP_FIND_UNUSED_PARAMETERS=0|1)."""
+    bucket_cap_mb: float = 25.0
+    """DDP gradient bucket size in MiB."""
+    gradient_as_bucket_view: bool = False
+    """Let gradients alias DDP's communication buckets (saves one copy of the gradients)."""
+    broadcast_buffers: bool = True
+    """Broadcast module buffers from rank 0 at every forward."""
 
 
 # Inclusive lower and (optional) upper bounds for numeric fields.
@@ -138,6 +156,8 @@ _BOUNDS: dict[str, tuple[float | None, float | None]] = {
     "num_heads": (1, None),
     "dropout": (0.0, 0.999),
     "seq_len": (1, None),
+    "tiled_mlp_chunks": (0, None),
+    "bucket_cap_mb": (0.0, None),
     "dataset_size": (1, None),
     "batch_size": (1, None),
     "gradient_accumulation_steps": (1, None),
@@ -197,6 +217,8 @@ def _coerce(key: str, value: Any) -> Any:
     if typing.get_origin(tp) is Literal:
         choices = typing.get_args(tp)
         text = str(value).lower() if isinstance(value, bool) else str(value).strip().lower()
+        if "true" in choices and text in ("1", "0"):
+            text = "true" if text == "1" else "false"
         if text not in choices:
             raise ValueError(f"allowed: {', '.join(choices)}")
         return text
@@ -307,8 +329,8 @@ def build_config(
         except ConfigError as err:
             problems.extend(err.problems)
     env = os.environ if env is None else env
-    take("environment", ((k[len(ENV_PREFIX):], v) for k, v in sorted(env.items())
-                         if k.startswith(ENV_PREFIX) and k[len(ENV_PREFIX):].lower() not in _ENV_IGNORED))
+    take("environment", ((_ENV_ALIASES.get(k[len(ENV_PREFIX):].lower(), k[len(ENV_PREFIX):]), v)
+                         for k, v in sorted(env.items()) if k.startswith(ENV_PREFIX)))
     if cli:
         take("command line", cli)
 
@@ -319,8 +341,8 @@ def build_config(
     return cfg
 
 
-# DDP_* variables that are not config keys but operator overrides read elsewhere.
-_ENV_IGNORED: frozenset[str] = frozenset()
+# Operator overrides spelled as DDP users know them: DDP_STATIC_GRAPH=0|1.
+_ENV_ALIASES = {"static_graph": "ddp_static_graph"}
 
 
 def load_config_file(path: str | Path) -> dict[str, Any]:

@@ -14,6 +14,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .activation import tiled_mlp
+
 
 @dataclass(frozen=True)
 class GPTConfig:
@@ -24,11 +26,12 @@ class GPTConfig:
     num_heads: int
     dropout: float = 0.0
     tie_embeddings: bool = False
+    tiled_mlp_chunks: int = 0
 
     @classmethod
     def from_train_config(cls, cfg) -> "GPTConfig":
         return cls(cfg.vocab_size, cfg.seq_len, cfg.hidden_size, cfg.num_layers, cfg.num_heads,
-                   cfg.dropout, cfg.tie_embeddings)
+                   cfg.dropout, cfg.tie_embeddings, cfg.tiled_mlp_chunks)
 
 
 class CausalSelfAttention(nn.Module):
@@ -58,8 +61,12 @@ class MLP(nn.Module):
         self.fc = nn.Linear(cfg.hidden_size, 4 * cfg.hidden_size)
         self.proj = nn.Linear(4 * cfg.hidden_size, cfg.hidden_size)
         self.drop = nn.Dropout(cfg.dropout)
+        self.chunks = cfg.tiled_mlp_chunks  # > 0: tiled over the sequence (framework/activation.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.chunks > 0:
+            # Dropout stays outside the tiled function, so its recomputation needs no RNG replay.
+            return self.drop(tiled_mlp(x, self.chunks, self.fc, self.proj))
         return self.drop(self.proj(F.gelu(self.fc(x))))
 
 

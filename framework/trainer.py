@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import dataclasses
 import json
 import logging
@@ -18,7 +19,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from . import __version__, distributed
+from . import __version__, ddp_policy, distributed
+from .activation import apply_checkpointing
 from .checkpoint import atomic_torch_save, atomic_write_bytes, model_sha256, unwrap
 from .config import TrainConfig, as_dict, resolve_config
 from .control import agree
@@ -72,8 +74,13 @@ class DDPTrainer:
         torch.manual_seed(cfg.seed)
         if model is None:
             model = GPT(GPTConfig.from_train_config(cfg))
+        elif cfg.tiled_mlp_chunks:
+            log.warning("tiled_mlp_chunks applies to the built-in model only; use framework.activation.tiled_mlp "
+                        "in your model's MLP")
         self.raw_model = model.to(env.device)
-        self.model = self._wrap(self.raw_model)
+        targets = [t.strip() for t in cfg.checkpoint_modules.split(",") if t.strip()]
+        self.checkpointed, self.offload_stats = apply_checkpointing(self.raw_model, cfg.gradient_checkpointing,
+                                                                    targets)
         self.loss_fn = loss_fn or lm_loss
         # Model init used the shared seed; dropout and everything after draw per-rank streams.
         seed_everything(cfg.seed + 1 + env.rank)
@@ -97,13 +104,45 @@ class DDPTrainer:
         self.skipped_this_epoch: list[int] = []
         self.total_steps = self._total_steps()
         self._log_start()
+        self.report = self.decision = None
+        self.model = self._wrap() if env.distributed else self.raw_model
 
     # --- construction helpers ----------------------------------------------------------------
-    def _wrap(self, model: torch.nn.Module) -> torch.nn.Module:
-        if not self.env.distributed:
-            return model
-        device_ids = [self.env.device.index] if self.env.device.type == "cuda" else None
-        return DDP(model, device_ids=device_ids)
+    def probe_batches(self, n: int = 2) -> list:
+        """This rank's first ``n`` micro-batches of the current epoch, read without consuming them."""
+        indices = list(itertools.islice(iter(self.sampler), n))
+        return [self._to_device(fetch(self.train_dataset, batch)) for batch in indices]
+
+    def preflight(self) -> tuple[ddp_policy.ProbeReport, ddp_policy.Decision]:
+        """Probe the unwrapped model on this rank's first batches, OR the findings over the ranks,
+        and decide DDP's settings."""
+        report = ddp_policy.probe(self.raw_model, self.probe_batches(), self.loss_fn, self._autocast)
+        report = ddp_policy.agree_on_report(report, self.raw_model)
+        cfg = self.cfg
+        decision = ddp_policy.decide(report, static_graph=cfg.ddp_static_graph, find_unused=cfg.find_unused_parameters,
+                                     checkpointing=cfg.gradient_checkpointing,
+                                     accumulation=cfg.gradient_accumulation_steps)
+        self.report, self.decision = report, decision
+        return report, decision
+
+    def _wrap(self) -> DDP:
+        cfg = self.cfg
+        report, decision = self.preflight()
+        for reason in decision.reasons:
+            log.info("DDP policy: %s", reason)
+        if not decision.safe:
+            forced = cfg.ddp_static_graph != "auto" or cfg.find_unused_parameters != "auto"
+            message = "DDP preflight: these settings will fail for this model:\n" + ddp_policy.format_report(
+                report, decision)
+            if not forced:
+                raise ddp_policy.DDPConfigurationError(message)
+            log.warning("%s\n(kept because ddp_static_graph/find_unused_parameters were set explicitly)", message)
+        model = ddp_policy.wrap(self.raw_model, self.env.device, decision, bucket_cap_mb=cfg.bucket_cap_mb,
+                                gradient_as_bucket_view=cfg.gradient_as_bucket_view,
+                                broadcast_buffers=cfg.broadcast_buffers)
+        if decision.static_graph:
+            ddp_policy.warm_up(model, self.probe_batches(1)[0], self.loss_fn, self._autocast)
+        return model
 
     def _total_steps(self) -> int:
         by_epochs = self.cfg.num_epochs * self.sampler.steps_per_epoch
@@ -140,14 +179,20 @@ class DDPTrainer:
         Returns this rank's mean loss over them as a (device) tensor."""
         n = len(micro_batches)
         total = torch.zeros((), device=self.env.device)
-        for i, batch in enumerate(micro_batches):
-            inputs, targets = self._to_device(batch)
-            sync = i == n - 1 or not isinstance(self.model, DDP)
-            with contextlib.nullcontext() if sync else self.model.no_sync():
-                with self._autocast():
-                    loss = self.loss_fn(self.model(inputs), targets) / n
-                self.scaler.scale(loss).backward()
-            total += loss.detach()
+        try:
+            for i, batch in enumerate(micro_batches):
+                inputs, targets = self._to_device(batch)
+                sync = i == n - 1 or not isinstance(self.model, DDP)
+                with contextlib.nullcontext() if sync else self.model.no_sync():
+                    with self._autocast():
+                        loss = self.loss_fn(self.model(inputs), targets) / n
+                    self.scaler.scale(loss).backward()
+                total += loss.detach()
+        except RuntimeError as err:
+            diagnosed = ddp_policy.diagnose(err)
+            if diagnosed is None:
+                raise
+            raise diagnosed from err
         return total
 
     def optimizer_step(self, loss: torch.Tensor, stop: bool = False):

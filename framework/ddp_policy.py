@@ -1,0 +1,278 @@
+"""Choosing DDP's settings per model: a preflight probe, the decision with its reasons, the
+static-graph warm-up, and diagnoses for the errors DDP raises when the settings are wrong.
+
+DDP registers one hook per parameter and expects it to fire exactly once per synced backward,
+for exactly the parameters it saw in the forward graph. Three model properties break that:
+
+- unused parameters (no gradient): DDP waits for them forever -> "Expected to have finished
+  reduction in the prior iteration" unless find_unused_parameters or static_graph;
+- parameters whose hook fires more than once (a weight shared by two reentrant-checkpointed
+  blocks, a block recomputed twice): "Expected to mark a variable ready only once", or a silent
+  desync when the second firing comes after the reduction finished; only static_graph, which
+  counts the firings in its first iteration, handles it;
+- parameters hidden from the forward graph (inside a reentrant checkpoint): find_unused_parameters
+  marks them unused at the end of forward and then their hooks fire -> "marked ready only once".
+
+static_graph in turn fails when the set of used parameters changes between iterations ("Your
+training graph has changed in this iteration"). The probe measures all of these on the
+unwrapped model and real batches, and ``decide`` picks the settings.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import random
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ProbeReport:
+    num_parameters: int
+    num_tensors: int
+    unused: list[str] = field(default_factory=list)  # no gradient in some probe batch
+    multi_fire: list[str] = field(default_factory=list)  # gradient accumulated more than once per backward
+    hidden: list[str] = field(default_factory=list)  # get a gradient but are not in the forward graph
+    changing: list[str] = field(default_factory=list)  # used in one probe batch, unused in another
+    shared: list[str] = field(default_factory=list)  # one tensor under several names
+
+
+@dataclass
+class Decision:
+    static_graph: bool
+    find_unused_parameters: bool
+    reasons: list[str]
+    safe: bool = True  # False: no DDP setting trains this model correctly, or a forced setting will fail
+
+
+@contextlib.contextmanager
+def preserved_state(model: nn.Module):
+    """Restore RNG streams, buffers and ``.grad`` (None stays None) on exit."""
+    rng = (random.getstate(), np.random.get_state(), torch.get_rng_state(),
+           torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
+    buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+    grads = {n: (None if p.grad is None else p.grad.detach().clone()) for n, p in model.named_parameters()}
+    try:
+        yield
+    finally:
+        random.setstate(rng[0])
+        np.random.set_state(rng[1])
+        torch.set_rng_state(rng[2])
+        if rng[3] is not None:
+            torch.cuda.set_rng_state_all(rng[3])
+        with torch.no_grad():
+            for n, b in model.named_buffers():
+                b.copy_(buffers[n])
+        for n, p in model.named_parameters():
+            p.grad = grads[n]
+
+
+def _graph_leaves(root) -> set[int]:
+    """ids of the parameters whose AccumulateGrad nodes are reachable from ``root``'s graph."""
+    seen, stack, leaves = set(), [root], set()
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        if hasattr(fn, "variable"):
+            leaves.add(id(fn.variable))
+        stack.extend(next_fn for next_fn, _ in fn.next_functions)
+    return leaves
+
+
+def probe(model: nn.Module, batches: list, loss_fn, autocast) -> ProbeReport:
+    """Run forward and backward on each batch (inputs, targets already on the device) and record
+    which parameters get gradients, how often, and whether the forward graph reaches them.
+    Leaves weights, buffers, ``.grad`` and RNG exactly as it found them."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if p.requires_grad:
+            names.setdefault(id(p), []).append(name)
+    params = {id(p): p for p in model.parameters() if p.requires_grad}
+    report = ProbeReport(sum(p.numel() for p in params.values()), len(params))
+    report.shared = sorted(" = ".join(n) for n in names.values() if len(n) > 1)
+    fires: dict[int, int] = {}
+    used_sets, multi, hidden = [], set(), set()
+    handles = [p.register_post_accumulate_grad_hook(
+        lambda p: fires.__setitem__(id(p), fires.get(id(p), 0) + 1)) for p in params.values()]
+    try:
+        with preserved_state(model):
+            for inputs, targets in batches:
+                for p in params.values():
+                    p.grad = None
+                fires.clear()
+                with autocast():
+                    loss = loss_fn(model(inputs), targets)
+                reachable = _graph_leaves(loss.grad_fn)
+                loss.backward()
+                used = {i for i, p in params.items() if p.grad is not None}
+                used_sets.append(used)
+                multi |= {i for i in used if fires.get(i, 0) > 1}
+                hidden |= used - reachable
+    finally:
+        for h in handles:
+            h.remove()
+    every = set(params)
+    ever_used = set().union(*used_sets)
+    always_used = set.intersection(*used_sets)
+    label = lambda ids: sorted(names[i][0] for i in ids)  # noqa: E731
+    report.unused = label(every - always_used)
+    report.changing = label(ever_used - always_used)
+    report.multi_fire = label(multi)
+    report.hidden = label(hidden)
+    return report
+
+
+def agree_on_report(report: ProbeReport, model: nn.Module) -> ProbeReport:
+    """OR the findings over all ranks (each rank probed its own batches), so every rank decides alike."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return report
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    kinds = ("unused", "changing", "multi_fire", "hidden")
+    flags = torch.zeros(len(kinds), len(names), dtype=torch.int32)
+    for k, kind in enumerate(kinds):
+        marked = set(getattr(report, kind))
+        flags[k] = torch.tensor([n in marked for n in names], dtype=torch.int32)
+    backend_device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    flags = flags.to(backend_device)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    flags = flags.cpu()
+    for k, kind in enumerate(kinds):
+        setattr(report, kind, [n for n, f in zip(names, flags[k].tolist()) if f])
+    return report
+
+
+def _few(names: list[str]) -> str:
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
+def decide(report: ProbeReport, *, static_graph: str, find_unused: str, checkpointing: str,
+           accumulation: int) -> Decision:
+    """Pick static_graph and find_unused_parameters ("auto" | "true" | "false" each), with one
+    reason per decision. Forced settings are kept, with a warning when the probe says they fail."""
+    reasons: list[str] = []
+    safe = True
+    why_ckpt = f"gradient checkpointing ({checkpointing})" if checkpointing != "off" else "the model"
+    if report.multi_fire:
+        want_static, want_unused = True, False
+        what = "shared parameters" if report.shared else "parameters reached twice"
+        reasons.append(f"{why_ckpt} with {what} ({_few(report.multi_fire)}): their gradient hooks fire more "
+                       f"than once per backward -> static_graph on, find_unused_parameters off")
+    elif report.unused and report.hidden:
+        want_static, want_unused = True, False
+        reasons.append(f"unused parameters ({_few(report.unused)}) and parameters hidden from the forward "
+                       f"graph ({_few(report.hidden)}), e.g. by reentrant checkpointing: find_unused_parameters "
+                       f"would mark the hidden ones ready twice -> static_graph on")
+    elif report.unused:
+        want_static, want_unused = False, True
+        reasons.append(f"parameters without a gradient ({_few(report.unused)}) -> find_unused_parameters on"
+                       + (", static_graph off (the used set changes between batches)" if report.changing else ""))
+    else:
+        want_static, want_unused = False, False
+        reasons.append("every parameter gets exactly one gradient per backward -> static_graph off, "
+                       "find_unused_parameters off (the fastest setting)")
+    if want_static and report.changing:
+        safe = False
+        reasons.append(f"the used parameters change between batches ({_few(report.changing)}): static_graph "
+                       f"would fail with 'graph has changed'; no DDP setting fits. Use "
+                       f"gradient_checkpointing=non_reentrant and untie shared weights")
+    if checkpointing == "reentrant" and not report.multi_fire and not report.unused:
+        reasons.append("reentrant checkpointing hides the checkpointed parameters from DDP's graph "
+                       "traversal -> find_unused_parameters must stay off")
+
+    static = {"auto": want_static, "true": True, "false": False}[static_graph]
+    unused = {"auto": want_unused, "true": True, "false": False}[find_unused]
+    if static_graph != "auto" and static != want_static:
+        reasons.append(f"static_graph forced {static_graph} (the probe suggests {str(want_static).lower()})")
+        if (report.multi_fire and not static) or (static and report.changing):
+            safe = False
+    if find_unused != "auto" and unused != want_unused:
+        reasons.append(f"find_unused_parameters forced {find_unused} (the probe suggests {str(want_unused).lower()})")
+        if unused and report.hidden and not static:
+            safe = False
+        if not unused and report.unused and not static:
+            safe = False
+    if static and accumulation > 1:
+        reasons.append("static_graph with no_sync() accumulation: one synced warm-up backward runs first, "
+                       "or DDP asserts (expect_autograd_hooks_)")
+    return Decision(static, unused, reasons, safe)
+
+
+def wrap(model: nn.Module, device: torch.device, decision: Decision, *, bucket_cap_mb: float,
+         gradient_as_bucket_view: bool, broadcast_buffers: bool) -> DDP:
+    return DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+               static_graph=decision.static_graph, find_unused_parameters=decision.find_unused_parameters,
+               bucket_cap_mb=bucket_cap_mb, gradient_as_bucket_view=gradient_as_bucket_view,
+               broadcast_buffers=broadcast_buffers)
+
+
+def warm_up(ddp_model: DDP, batch, loss_fn, autocast) -> None:
+    """One synced forward/backward whose gradients are discarded and whose RNG use is undone.
+
+    static_graph records its graph in the first backward; if that backward runs inside
+    no_sync(), DDP asserts (expect_autograd_hooks_). Doing this at every process start also
+    makes a fresh and a resumed process compute every real step the same way."""
+    module = ddp_model.module
+    with preserved_state(module):
+        inputs, targets = batch
+        with autocast():
+            loss = loss_fn(ddp_model(inputs), targets)
+        loss.backward()
+        for p in module.parameters():
+            p.grad = None
+
+
+# Substrings of DDP's errors -> what it means here and which setting fixes it.
+DIAGNOSES = {
+    "Expected to mark a variable ready only once": (
+        "a parameter's gradient hook fired twice in one backward (a weight shared by reentrant-checkpointed "
+        "blocks, or find_unused_parameters with reentrant checkpointing)",
+        "set ddp_static_graph=auto (or true) and find_unused_parameters=auto, or use "
+        "gradient_checkpointing=non_reentrant"),
+    "Your training graph has changed in this iteration": (
+        "static_graph is on but the set of parameters used changed between iterations",
+        "set ddp_static_graph=false and find_unused_parameters=true (or auto)"),
+    "Expected to have finished reduction in the prior iteration": (
+        "some parameters got no gradient, and DDP waited for them",
+        "set find_unused_parameters=true (or auto)"),
+    "expect_autograd_hooks_": (
+        "static_graph's first backward ran inside no_sync()",
+        "let the framework run its static-graph warm-up (ddp_static_graph=auto or true), or use "
+        "gradient_accumulation_steps=1"),
+}
+
+
+class DDPConfigurationError(RuntimeError):
+    """A DDP error recognised and explained; fatal: every rank stops."""
+
+
+def diagnose(err: BaseException) -> DDPConfigurationError | None:
+    text = str(err)
+    for needle, (cause, fix) in DIAGNOSES.items():
+        if needle in text:
+            return DDPConfigurationError(f"DDP error '{needle}': {cause}. Fix: {fix}. Original error: "
+                                         f"{text.splitlines()[0] if text else type(err).__name__}")
+    return None
+
+
+def format_report(report: ProbeReport, decision: Decision) -> str:
+    lines = [f"parameters: {report.num_parameters:,} in {report.num_tensors} tensors",
+             f"unused parameters: {_few(report.unused) or 'none'}",
+             f"shared parameters: {_few(report.shared) or 'none'}",
+             f"gradient hooks firing more than once: {_few(report.multi_fire) or 'none'}",
+             f"parameters hidden from the forward graph: {_few(report.hidden) or 'none'}",
+             f"used set changing between batches: {_few(report.changing) or 'none'}",
+             f"chosen: static_graph={decision.static_graph}, "
+             f"find_unused_parameters={decision.find_unused_parameters}"]
+    lines += [f"  because {r}" for r in decision.reasons]
+    lines.append("training would be safe" if decision.safe else "training would FAIL with these settings")
+    return "\n".join(lines)
