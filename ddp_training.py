@@ -18,6 +18,8 @@ Sources, lowest to highest: defaults, --config file, DDP_<KEY> environment varia
 
 actions:
   --check-config   validate the configuration and exit (0 valid, 2 invalid); starts nothing
+  --doctor         run only the DDP preflight on every rank, print its report; exit 0 when training
+                   would be safe, 1 when it would fail
   --debug          DEBUG logging and faulthandler tracebacks
   -h, --help       this help
 
@@ -43,9 +45,15 @@ def main(argv: list[str] | None = None) -> int:
         faulthandler.enable()
 
     from framework import distributed
+    from framework.ddp_policy import format_report
     from framework.trainer import DDPTrainer
 
     try:
+        if "doctor" in actions:
+            trainer = DDPTrainer(config, debug="debug" in actions, doctor=True)
+            if trainer.env.is_main:
+                print(format_report(trainer.report, trainer.decision))
+            return 0 if trainer.decision.safe else 1
         DDPTrainer(config, debug="debug" in actions).train()
     finally:
         distributed.teardown()

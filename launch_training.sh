@@ -19,6 +19,7 @@ usage: ./launch_training.sh [options] [-- ddp_training.py flags]
       --data PATH           synthetic, a .txt file or a .bin uint16 token file
       --test                a tiny model and dataset that trains in seconds
       --debug               DEBUG logs, faulthandler, NCCL_DEBUG=INFO, TORCH_DISTRIBUTED_DEBUG
+      --doctor              run only the DDP preflight on every rank and print its report
   -h, --help                this help
 
 With neither --gpus nor --cpu, all visible GPUs are used, or 2 CPU processes if there is none.
@@ -49,6 +50,7 @@ while [[ $# -gt 0 ]]; do
     --data) need_value "$@"; train_args+=(--data "$2"); shift 2 ;;
     --test) test_mode=1; shift ;;
     --debug) debug=1; shift ;;
+    --doctor) train_args+=(--doctor); shift ;;
     -h|--help) usage; exit 0 ;;
     --) shift; train_args+=("$@"); break ;;
     *) die "unknown option '$1' (see --help; flags for ddp_training.py go after --)" ;;

@@ -41,13 +41,15 @@ class DDPTrainer:
     ``world_size`` default to torchrun's environment, or to a single process without it.
 
     A user's dataset yields ``(inputs, targets)``; ``loss_fn(model(inputs), targets)`` returns
-    the mean loss of the batch.
+    the mean loss of the batch. ``doctor=True`` only runs the DDP preflight (``report`` and
+    ``decision``) and does not wrap the model.
     """
 
     def __init__(self, config: TrainConfig | dict | None = None, *, rank: int | None = None,
                  world_size: int | None = None, model: torch.nn.Module | None = None,
                  train_dataset=None, val_dataset=None,
-                 loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, debug: bool = False):
+                 loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, debug: bool = False,
+                 doctor: bool = False):
         cfg = resolve_config(config)
         self._owns_process_group = not dist.is_initialized()
         self.log_path = setup_logging(distributed.read_env(rank, world_size)[0], cfg.log_dir, debug=debug)
@@ -105,7 +107,11 @@ class DDPTrainer:
         self.total_steps = self._total_steps()
         self._log_start()
         self.report = self.decision = None
-        self.model = self._wrap() if env.distributed else self.raw_model
+        if doctor:
+            self.model = self.raw_model
+            self.preflight()
+        else:
+            self.model = self._wrap() if env.distributed else self.raw_model
 
     # --- construction helpers ----------------------------------------------------------------
     def probe_batches(self, n: int = 2) -> list:

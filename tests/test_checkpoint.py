@@ -1,0 +1,337 @@
+"""Checkpoint manager, safe loading, markers, shape checks, and RNG capture/restore."""
+
+import errno
+import hashlib
+import io
+import json
+import logging
+import os
+import random
+import shlex
+import threading
+import time
+import zipfile
+
+import numpy as np
+import pytest
+import torch
+
+from framework import checkpoint, rng
+from framework.checkpoint import (FATAL, PREEMPTED, CheckpointError, CheckpointManager, check_model_shapes,
+                                  clear_marker, load_file, read_marker, write_marker)
+
+
+def state_at(step: int) -> dict:
+    return {"step": step, "model": {"w": torch.full((4, 3), float(step)), "b": torch.arange(3) + step},
+            "sampler": {"epoch": 0, "consumed": 8 * step}, "note": f"step {step}", "lr": 0.1 * step,
+            "history": [1, 2.5, "x", None, (True, False)]}
+
+
+def assert_same(a, b):
+    assert type(a) is type(b)
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert_same(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_same(x, y)
+    else:
+        assert a == b
+
+
+def save_steps(directory, steps, keep_last=3):
+    with CheckpointManager(directory, keep_last=keep_last) as manager:
+        for step in steps:
+            manager.save(state_at(step), step)
+    return manager
+
+
+def manifest(directory):
+    return json.loads((directory / "manifest.json").read_text())
+
+
+# --- writing ---------------------------------------------------------------------------------
+def test_round_trip_and_manifest(tmp_path, caplog):
+    with caplog.at_level(logging.WARNING):
+        save_steps(tmp_path, [5])
+    assert not caplog.records
+    [entry] = manifest(tmp_path)
+    data = (tmp_path / "step_00000005.pt").read_bytes()
+    assert entry == {"file": "step_00000005.pt", "step": 5, "bytes": len(data),
+                     "sha256": hashlib.sha256(data).hexdigest()}
+    path, state = CheckpointManager(tmp_path).latest_valid()
+    assert path == tmp_path / "step_00000005.pt"
+    assert_same(state, state_at(5))
+
+
+def test_only_final_names_remain_after_saves(tmp_path):
+    (tmp_path / ".step_00000001.pt.tmp.999").write_bytes(b"left by a crash")
+    save_steps(tmp_path, [1, 2, 3, 4])
+    assert sorted(os.listdir(tmp_path)) == ["manifest.json", "step_00000002.pt", "step_00000003.pt",
+                                            "step_00000004.pt"]
+
+
+def test_keep_last_prunes_oldest(tmp_path):
+    save_steps(tmp_path, [10, 20, 30, 40, 50], keep_last=2)
+    assert [e["step"] for e in manifest(tmp_path)] == [40, 50]
+    assert sorted(p.name for p in tmp_path.glob("step_*.pt")) == ["step_00000040.pt", "step_00000050.pt"]
+
+
+def test_other_ranks_do_not_write_but_can_load(tmp_path):
+    other = CheckpointManager(tmp_path / "ck", rank=1)
+    assert other.save(state_at(1), 1, blocking=True) is None
+    assert not (tmp_path / "ck").exists()
+    save_steps(tmp_path / "ck", [1])
+    assert other.latest_valid()[1]["step"] == 1
+
+
+def test_unsaveable_value_is_refused_before_the_write(tmp_path):
+    manager = CheckpointManager(tmp_path)
+    with pytest.raises(CheckpointError, match=r"state\['sampler'\]\['consumed'\]: numpy.int64"):
+        manager.save({"sampler": {"consumed": np.int64(3)}}, 1)
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.fixture
+def gated_write(monkeypatch):
+    """Make every atomic write wait until the returned event is set."""
+    gate = threading.Event()
+    real = checkpoint.atomic_write_bytes
+
+    def slow(path, data):
+        assert gate.wait(10), "test never opened the gate"
+        real(path, data)
+
+    monkeypatch.setattr(checkpoint, "atomic_write_bytes", slow)
+    return gate
+
+
+def test_save_returns_before_the_write_and_snapshots_the_state(tmp_path, gated_write):
+    manager = CheckpointManager(tmp_path)
+    state = state_at(1)
+    start = time.perf_counter()
+    manager.save(state, 1)
+    assert time.perf_counter() - start < 1.0
+    assert not (tmp_path / "step_00000001.pt").exists()
+    state["model"]["w"].fill_(-1.0)  # training goes on while the write is pending
+    gated_write.set()
+    manager.wait()
+    assert manager.last_stall_s < 1.0 and manager.last_write_s > 0
+    assert torch.equal(manager.latest_valid()[1]["model"]["w"], torch.full((4, 3), 1.0))
+
+
+def test_second_save_waits_for_the_first(tmp_path, gated_write):
+    manager = CheckpointManager(tmp_path)
+    manager.save(state_at(1), 1)
+    second = threading.Thread(target=manager.save, args=(state_at(2), 2))
+    second.start()
+    second.join(0.3)
+    assert second.is_alive(), "the second save did not wait for the first write"
+    gated_write.set()
+    second.join(10)
+    manager.close()
+    assert [e["step"] for e in manifest(tmp_path)] == [1, 2]
+
+
+def test_writer_error_surfaces_from_wait(tmp_path, monkeypatch):
+    def disk_full(path, data):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    manager = CheckpointManager(tmp_path)
+    monkeypatch.setattr(checkpoint, "atomic_write_bytes", disk_full)
+    manager.save(state_at(1), 1)
+    with pytest.raises(OSError, match="No space left"):
+        manager.wait()
+    manager.wait()  # raised once, then cleared
+    monkeypatch.undo()
+    manager.save(state_at(2), 2, blocking=True)
+    assert manager.latest_valid()[1]["step"] == 2
+
+
+def test_writer_error_surfaces_from_the_next_save(tmp_path, monkeypatch):
+    def broken_save(obj, f):
+        raise RuntimeError("boom")
+
+    manager = CheckpointManager(tmp_path)
+    monkeypatch.setattr(checkpoint.torch, "save", broken_save)
+    manager.save(state_at(1), 1)
+    with pytest.raises(RuntimeError, match="boom"):
+        manager.save(state_at(2), 2)
+
+
+# --- finding the newest intact checkpoint: real damage on disk ----------------------------------
+def test_truncated_newest_falls_back_to_previous(tmp_path, caplog):
+    save_steps(tmp_path, [1, 2, 3])
+    newest = tmp_path / "step_00000003.pt"
+    os.truncate(newest, newest.stat().st_size // 2)
+    with caplog.at_level(logging.WARNING, logger="framework.checkpoint"):
+        path, state = CheckpointManager(tmp_path).latest_valid()
+    assert path.name == "step_00000002.pt" and state["step"] == 2
+    assert "step_00000003.pt" in caplog.text and "truncated" in caplog.text
+
+
+def test_flipped_byte_is_a_checksum_mismatch(tmp_path, caplog):
+    save_steps(tmp_path, [1, 2, 3])
+    newest = tmp_path / "step_00000003.pt"
+    data = bytearray(newest.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    newest.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING, logger="framework.checkpoint"):
+        path, state = CheckpointManager(tmp_path).latest_valid()
+    assert state["step"] == 2
+    assert "step_00000003.pt" in caplog.text and "checksum mismatch" in caplog.text
+
+
+def test_missing_manifest_scans_files_and_skips_truncated(tmp_path, caplog):
+    save_steps(tmp_path, [1, 2, 3])
+    (tmp_path / "manifest.json").unlink()
+    newest = tmp_path / "step_00000003.pt"
+    os.truncate(newest, newest.stat().st_size // 2)
+    with caplog.at_level(logging.WARNING, logger="framework.checkpoint"):
+        path, state = CheckpointManager(tmp_path).latest_valid()
+    assert path.name == "step_00000002.pt" and state["step"] == 2
+    assert "manifest.json is missing" in caplog.text and "step_00000003.pt" in caplog.text
+
+
+def test_garbled_manifest_scans_files(tmp_path):
+    save_steps(tmp_path, [1, 2])
+    (tmp_path / "manifest.json").write_text('[{"file": "step_000')
+    assert CheckpointManager(tmp_path).latest_valid()[1]["step"] == 2
+
+
+def test_saving_without_manifest_keeps_the_older_files(tmp_path):
+    save_steps(tmp_path, [1, 2])
+    (tmp_path / "manifest.json").unlink()
+    save_steps(tmp_path, [3])
+    assert [e["step"] for e in manifest(tmp_path)] == [1, 2, 3]
+
+
+def test_empty_directory_has_no_checkpoint(tmp_path):
+    assert CheckpointManager(tmp_path / "none").latest_valid() is None
+
+
+# --- safe loading ------------------------------------------------------------------------------
+class _Payload:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {shlex.quote(str(self.marker))}",)
+
+
+def test_malicious_pickle_is_refused_and_never_runs(tmp_path, caplog):
+    marker = tmp_path / "pwned"
+    evil = tmp_path / "step_00000002.pt"
+    torch.save({"model": _Payload(marker)}, evil)
+    with zipfile.ZipFile(evil) as z:
+        assert b"system" in z.read(next(n for n in z.namelist() if n.endswith("data.pkl")))
+    with pytest.raises(CheckpointError, match="step_00000002.pt: refused: not a plain tensor/dict checkpoint"):
+        load_file(evil)
+    # Listed in the manifest with a matching checksum, it is still refused and the previous one used.
+    save_steps(tmp_path, [1])
+    data = evil.read_bytes()
+    entries = manifest(tmp_path) + [{"file": evil.name, "step": 2, "bytes": len(data),
+                                     "sha256": hashlib.sha256(data).hexdigest()}]
+    (tmp_path / "manifest.json").write_text(json.dumps(entries))
+    with caplog.at_level(logging.WARNING, logger="framework.checkpoint"):
+        assert CheckpointManager(tmp_path).latest_valid()[1]["step"] == 1
+    assert "step_00000002.pt" in caplog.text and "refused" in caplog.text
+    assert not marker.exists()
+
+
+def test_whole_training_state_loads_weights_only(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 2))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95))
+    model(torch.randn(3, 4)).sum().backward()
+    optimizer.step()
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(),
+             "sampler": {"epoch": 1, "consumed": 48}, "rng": rng.capture(), "step": 7, "config": {"lr": 1e-3}}
+    with CheckpointManager(tmp_path) as manager:
+        manager.save(state, 7, blocking=True)
+    loaded = load_file(tmp_path / "step_00000007.pt")
+    assert_same(loaded, state)
+    assert loaded["model"]._metadata == state["model"]._metadata
+    fresh = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 2))
+    check_model_shapes(loaded["model"], fresh)
+    fresh.load_state_dict(loaded["model"])
+    torch.optim.AdamW(fresh.parameters()).load_state_dict(loaded["optimizer"])
+    rng.restore(loaded["rng"])
+
+
+# --- markers and shape checks ----------------------------------------------------------------
+def test_markers(tmp_path):
+    assert read_marker(tmp_path, PREEMPTED) is None
+    write_marker(tmp_path, PREEMPTED, "SIGTERM at step 12")
+    write_marker(tmp_path, FATAL, "non-finite loss")
+    assert read_marker(tmp_path, PREEMPTED) == "SIGTERM at step 12"
+    clear_marker(tmp_path, PREEMPTED)
+    clear_marker(tmp_path, PREEMPTED)
+    assert read_marker(tmp_path, PREEMPTED) is None and read_marker(tmp_path, FATAL) == "non-finite loss"
+    assert sorted(os.listdir(tmp_path)) == [FATAL]
+
+
+def test_shape_mismatch_names_every_key():
+    model = torch.nn.ModuleDict({"fc": torch.nn.Linear(256, 1024), "head": torch.nn.Linear(4, 4)})
+    state = {"fc.weight": torch.zeros(512, 128), "fc.bias": torch.zeros(1024), "extra": torch.zeros(1)}
+    with pytest.raises(CheckpointError) as info:
+        check_model_shapes(state, model)
+    message = str(info.value)
+    assert message.startswith("checkpoint does not fit the model: fc.weight is (512, 128) in the checkpoint "
+                              "but (1024, 256) in the model")
+    assert "head.weight is missing from the checkpoint" in message
+    assert "extra is in the checkpoint but not in the model" in message
+    assert "fc.bias" not in message
+
+
+def test_shape_check_diagnoses_a_ddp_prefix():
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(CheckpointError, match="'module.'.*unwrap"):
+        check_model_shapes({f"module.{k}": v for k, v in model.state_dict().items()}, model)
+
+
+# --- RNG -------------------------------------------------------------------------------------
+def draws():
+    return (random.random(), random.gauss(0, 1), torch.rand(3).tolist(), np.random.rand(2).tolist(),
+            np.random.standard_normal(), rng.numpy_generator().integers(0, 2**62, 3).tolist())
+
+
+def test_rng_capture_restore_round_trip():
+    rng.seed_all(123)
+    random.gauss(0, 1)  # leaves a cached second normal in Python's state
+    np.random.standard_normal()  # and in numpy's legacy state
+    state = rng.capture()
+    first = draws()
+    rng.restore(state)
+    assert draws() == first
+
+
+def test_rng_state_is_plain_and_survives_weights_only(tmp_path):
+    rng.seed_all(7)
+    state = rng.capture()
+
+    def leaves(obj):
+        if isinstance(obj, dict):
+            return [x for v in obj.values() for x in leaves(v)]
+        if isinstance(obj, (list, tuple)):
+            return [x for v in obj for x in leaves(v)]
+        return [obj]
+
+    assert {type(x) for x in leaves(state)} <= {int, float, str, type(None), torch.Tensor}
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=True)
+    first = draws()
+    rng.restore(loaded)
+    assert draws() == first
+
+
+def test_rng_restore_rejects_a_foreign_state():
+    with pytest.raises(ValueError, match="numpy_generator"):
+        rng.restore({"python": [], "torch": torch.get_rng_state(), "numpy": {}})

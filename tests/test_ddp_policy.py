@@ -1,0 +1,160 @@
+"""The DDP policy in one process: decisions from probe findings, the probe's hygiene, diagnoses, --doctor."""
+
+import random
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+
+import ddp_training
+from framework.ddp_policy import ProbeReport, decide, diagnose, preserved_state, probe
+from framework.trainer import DDPTrainer
+
+
+def report(**kw):
+    return ProbeReport(num_parameters=10, num_tensors=2, **kw)
+
+
+def choose(rep, static="auto", unused="auto", ckpt="off", accum=1):
+    d = decide(rep, static_graph=static, find_unused=unused, checkpointing=ckpt, accumulation=accum)
+    return d.static_graph, d.find_unused_parameters, d.safe, d.reasons
+
+
+def test_clean_model_gets_the_fastest_settings():
+    assert choose(report())[:3] == (False, False, True)
+
+
+def test_unused_parameters_turn_on_find_unused():
+    static, unused, safe, reasons = choose(report(unused=["head.weight"], changing=["head.weight"]))
+    assert (static, unused, safe) == (False, True, True)
+    assert "parameters without a gradient (head.weight) -> find_unused_parameters on" in reasons[0]
+
+
+def test_shared_parameters_under_reentrant_turn_on_static_graph():
+    rep = report(multi_fire=["shared.weight"], shared=["a.weight = b.weight"])
+    static, unused, safe, reasons = choose(rep, ckpt="reentrant", accum=2)
+    assert (static, unused, safe) == (True, False, True)
+    assert reasons[0].startswith("gradient checkpointing (reentrant) with shared parameters")
+    assert "-> static_graph on" in reasons[0]
+    assert any("warm-up" in r for r in reasons)
+
+
+def test_unused_and_hidden_parameters_use_static_graph():
+    assert choose(report(unused=["x"], hidden=["y"]), ckpt="reentrant")[:3] == (True, False, True)
+
+
+def test_no_setting_fits_multi_fire_with_changing_graph():
+    static, _, safe, reasons = choose(report(multi_fire=["w"], changing=["v"], unused=["v"]))
+    assert static and not safe and "no DDP setting fits" in reasons[-1]
+
+
+def test_forced_settings_are_kept_and_flagged():
+    static, unused, safe, reasons = choose(report(unused=["head.weight"]), unused="false")
+    assert (static, unused, safe) == (False, False, False)
+    assert "find_unused_parameters forced false (the probe suggests true)" in reasons
+    assert choose(report(hidden=["w"]), unused="true", ckpt="reentrant")[2] is False
+    assert choose(report(), static="true")[:3] == (True, False, True)
+
+
+class Branchy(nn.Module):
+    """A shared weight, an unused layer, a data-dependent branch, and a buffer."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+        self.b.weight = self.a.weight
+        self.unused = nn.Linear(4, 4)
+        self.branch = nn.Linear(4, 4)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        self.calls += 1
+        h = self.b(torch.relu(self.a(x)))
+        if x[0, 0] > 0:
+            h = self.branch(h)
+        return h + torch.nn.functional.dropout(h, 0.5)
+
+
+def test_probe_finds_unused_shared_changing_and_restores_state():
+    model = Branchy()
+    model.a.bias.grad = torch.ones(4)
+    batches = [(-torch.ones(2, 4), torch.zeros(2, 4)), (torch.ones(2, 4), torch.zeros(2, 4))]
+    random.seed(1), np.random.seed(1), torch.manual_seed(1)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    rng = (random.random(), np.random.rand(), torch.rand(1))
+    random.seed(1), np.random.seed(1), torch.manual_seed(1)
+    rep = probe(model, batches, nn.functional.mse_loss, lambda: torch.autocast("cpu", enabled=False))
+    assert rep.unused == ["branch.bias", "branch.weight", "unused.bias", "unused.weight"]
+    assert rep.changing == ["branch.bias", "branch.weight"]
+    assert rep.shared == ["a.weight = b.weight"]
+    assert rep.multi_fire == [] and rep.hidden == []
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # weights and the buffer
+    assert torch.equal(model.a.bias.grad, torch.ones(4))
+    assert all(p.grad is None for n, p in model.named_parameters() if n != "a.bias")
+    assert (random.random(), np.random.rand(), torch.rand(1)) == rng
+
+
+def test_probe_detects_reentrant_double_firing_and_hidden_params():
+    from torch.utils.checkpoint import checkpoint
+
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.block = nn.Linear(4, 4)
+
+        def forward(self, x):
+            for _ in range(2):
+                x = checkpoint(self.block, x, use_reentrant=True)
+            return x
+
+    batch = (torch.randn(2, 4, requires_grad=True), torch.zeros(2, 4))
+    rep = probe(Twice(), [batch, batch], nn.functional.mse_loss, lambda: torch.autocast("cpu", enabled=False))
+    assert rep.multi_fire == ["block.bias", "block.weight"]
+    assert rep.hidden == ["block.bias", "block.weight"]
+
+
+@pytest.mark.parametrize("message, fix", [
+    ("Expected to mark a variable ready only once. This error ...", "ddp_static_graph=auto"),
+    ("Your training graph has changed in this iteration, ...", "ddp_static_graph=false"),
+    ("Expected to have finished reduction in the prior iteration before starting a new one.",
+     "find_unused_parameters=true"),
+    ("expect_autograd_hooks_ INTERNAL ASSERT FAILED at ...", "warm-up"),
+])
+def test_diagnoses_name_the_fix(message, fix):
+    err = diagnose(RuntimeError(message))
+    assert err is not None and fix in str(err) and "Fix:" in str(err)
+    assert diagnose(RuntimeError("CUDA error: device-side assert")) is None
+
+
+def test_doctor_reports_and_exits_0(tmp_path, capsys):
+    code = ddp_training.main(["--doctor", "--hidden-size", "32", "--num-heads", "2", "--num-layers", "2",
+                              "--vocab-size", "32", "--dataset-size", "64", "--seq-len", "16",
+                              "--gradient-checkpointing", "reentrant", "--tie-embeddings", "true",
+                              "--log-dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "shared parameters: tok_emb.weight = lm_head.weight" in out
+    assert "parameters hidden from the forward graph: blocks.0" in out
+    assert "chosen: static_graph=False, find_unused_parameters=False" in out
+    assert "training would be safe" in out
+
+
+def test_doctor_exits_1_when_forced_settings_would_fail(tmp_path, capsys):
+    class WithUnused(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(32, 8)
+            self.out = nn.Linear(8, 32)
+            self.spare = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.out(self.emb(x))
+
+    trainer = DDPTrainer({"vocab_size": 32, "seq_len": 8, "dataset_size": 64, "batch_size": 4,
+                          "find_unused_parameters": "false", "log_dir": str(tmp_path), "num_workers": 0},
+                         model=WithUnused(), doctor=True)
+    assert trainer.report.unused == ["spare.bias", "spare.weight"]
+    assert not trainer.decision.safe
