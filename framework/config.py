@@ -130,6 +130,16 @@ class TrainConfig:
     """Save a checkpoint every this many epochs; 0 disables epoch checkpoints."""
     max_errors_per_epoch: int = 5
     """Skipped (non-finite) steps allowed per epoch before the run aborts."""
+    save_every_steps: int = 0
+    """Save a checkpoint every this many optimizer steps; 0 disables step checkpoints."""
+    keep_last: int = 3
+    """Number of checkpoints kept in checkpoint_dir (older ones are deleted)."""
+    resume: str = "auto"
+    """auto = the newest valid checkpoint in checkpoint_dir, none = start fresh, or a checkpoint file."""
+    record_samples: bool = False
+    """Append each committed step's sample indices to log_dir/samples_rank_N.jsonl (an audit trail)."""
+    fault_inject: str = ""
+    """Faults to rehearse, e.g. 'nan@step=5,rank=1; sigterm@step=8' (see README); empty = none."""
 
     # --- distributed -------------------------------------------------------------------------
     backend: Literal["auto", "gloo", "nccl"] = "auto"
@@ -180,6 +190,8 @@ _BOUNDS: dict[str, tuple[float | None, float | None]] = {
     "cleanup_interval": (1, None),
     "max_memory_gb": (0.0, None),
     "save_interval": (0, None),
+    "save_every_steps": (0, None),
+    "keep_last": (1, None),
     "max_errors_per_epoch": (0, None),
     "timeout_s": (1.0, None),
 }
@@ -284,6 +296,14 @@ def _check_values(cfg: TrainConfig) -> list[str]:
             problems.append(f"data={cfg.data!r}: allowed: synthetic, a .txt file or a .bin file")
         elif not path.is_file():
             problems.append(f"data={cfg.data!r}: file not found")
+    if cfg.resume not in ("auto", "none") and not Path(cfg.resume).is_file():
+        problems.append(f"resume={cfg.resume!r}: allowed: auto, none, or an existing checkpoint file")
+    if cfg.fault_inject:
+        from .faults import parse
+        try:
+            parse(cfg.fault_inject)
+        except ValueError as err:
+            problems.append(f"fault_inject={cfg.fault_inject!r}: {err}")
     if cfg.use_amp == "true" and cfg.amp_dtype == "fp16" and not _cuda_available():
         problems.append("amp_dtype='fp16': needs CUDA (use bf16 on CPU, or use_amp=false)")
     if cfg.backend == "nccl" and not _cuda_available():

@@ -6,6 +6,7 @@ Datasets yield ``(x, y)`` pairs of token ids, ``y`` being ``x`` shifted by one. 
 
 from __future__ import annotations
 
+import collections
 import logging
 import math
 import os
@@ -148,6 +149,8 @@ class ResumableDistributedSampler(torch.utils.data.Sampler[list[int]]):
         self.seed = seed
         self.epoch = 0
         self.consumed = 0
+        # What __iter__ handed out and the trainer has not yet committed, oldest first.
+        self.delivered: collections.deque[list[int]] = collections.deque()
 
     @property
     def global_batch(self) -> int:
@@ -168,11 +171,14 @@ class ResumableDistributedSampler(torch.utils.data.Sampler[list[int]]):
         perm = self.permutation(self.epoch)
         micro = self.world_size * self.batch_size
         start = self.consumed
+        self.delivered.clear()
         for step in range(self.steps_remaining()):
             base = start + step * self.global_batch
             for m in range(self.accumulation):
                 lo = base + m * micro + self.rank * self.batch_size
-                yield perm[lo:lo + self.batch_size].tolist()
+                batch = perm[lo:lo + self.batch_size].tolist()
+                self.delivered.append(batch)
+                yield batch
 
     def __len__(self) -> int:
         return self.steps_remaining() * self.accumulation
@@ -181,9 +187,11 @@ class ResumableDistributedSampler(torch.utils.data.Sampler[list[int]]):
         self.epoch = epoch
         self.consumed = 0
 
-    def advance(self) -> None:
-        """Record one committed optimizer step."""
+    def advance(self) -> list[int]:
+        """Record one committed optimizer step; returns this rank's sample indices in it."""
         self.consumed += self.global_batch
+        taken = [self.delivered.popleft() for _ in range(min(self.accumulation, len(self.delivered)))]
+        return [i for batch in taken for i in batch]
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "consumed": self.consumed}

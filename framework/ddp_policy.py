@@ -276,3 +276,29 @@ def format_report(report: ProbeReport, decision: Decision) -> str:
     lines += [f"  because {r}" for r in decision.reasons]
     lines.append("training would be safe" if decision.safe else "training would FAIL with these settings")
     return "\n".join(lines)
+
+
+def wrap_for_training(model: nn.Module, batches: list, loss_fn, autocast, cfg, device: torch.device
+                      ) -> tuple[DDP, ProbeReport, Decision]:
+    """Probe, decide (logging one line per decision), wrap, and warm up a static graph.
+    ``batches`` are this rank's first micro-batches (on the device); the first is the warm-up's."""
+    report, decision = preflight(model, batches, loss_fn, autocast, cfg)
+    for reason in decision.reasons:
+        log.info("DDP policy: %s", reason)
+    if not decision.safe:
+        message = "DDP preflight: these settings will fail for this model:\n" + format_report(report, decision)
+        if cfg.ddp_static_graph == "auto" and cfg.find_unused_parameters == "auto":
+            raise DDPConfigurationError(message)
+        log.warning("%s\n(kept because ddp_static_graph/find_unused_parameters were set explicitly)", message)
+    ddp_model = wrap(model, device, decision, bucket_cap_mb=cfg.bucket_cap_mb,
+                     gradient_as_bucket_view=cfg.gradient_as_bucket_view, broadcast_buffers=cfg.broadcast_buffers)
+    if decision.static_graph:
+        warm_up(ddp_model, batches[0], loss_fn, autocast)
+    return ddp_model, report, decision
+
+
+def preflight(model: nn.Module, batches: list, loss_fn, autocast, cfg) -> tuple[ProbeReport, Decision]:
+    """The probe and the decision alone, for --doctor."""
+    report = agree_on_report(probe(model, batches, loss_fn, autocast), model)
+    return report, decide(report, static_graph=cfg.ddp_static_graph, find_unused=cfg.find_unused_parameters,
+                          checkpointing=cfg.gradient_checkpointing, accumulation=cfg.gradient_accumulation_steps)

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 from pathlib import Path
+
+from .memory import in_use_gb, memory_stats
 
 log = logging.getLogger(__name__)
 
@@ -43,3 +46,48 @@ class Metrics:
         if self.bar is not None:
             self.bar.close()
             self.bar = None
+
+
+class StepLog:
+    """Per-step bookkeeping of a run: the latest losses, throughput, and the periodic log lines,
+    TensorBoard scalars and memory readings."""
+
+    def __init__(self, trainer, metrics: Metrics):
+        self.trainer = trainer
+        self.metrics = metrics
+        self.first_loss: float | None = None
+        self.loss: float | None = None
+        self.val_loss: float | None = None
+        self.tokens = 0
+        self.start = self.window_start = time.perf_counter()
+        self.window_tokens = 0
+
+    def record(self, loss: float, lr: float, grad_norm, tokens: int) -> None:
+        t, cfg = self.trainer, self.trainer.cfg
+        self.loss = loss
+        self.first_loss = loss if self.first_loss is None else self.first_loss
+        self.tokens += tokens
+        self.window_tokens += tokens
+        self.metrics.progress(loss)
+        if t.step % cfg.log_interval == 0:
+            now = time.perf_counter()
+            tps = self.window_tokens / (now - self.window_start)
+            norm = float(grad_norm)
+            log.info("step %d/%d | epoch %d | loss %.4f | lr %.3e | grad_norm %.3f | %.0f tok/s",
+                     t.step, t.total_steps, t.sampler.epoch, loss, lr, norm, tps)
+            self.metrics.scalars(t.step, {"train/loss": loss, "train/lr": lr, "train/grad_norm": norm,
+                                          "train/tokens_per_sec": tps})
+            self.window_start, self.window_tokens = now, 0
+        if t.step % cfg.memory_check_interval == 0:
+            stats = memory_stats(t.env.device)
+            log.info("memory: %s", ", ".join(f"{k} {v:.2f}" for k, v in stats.items()))
+            self.metrics.scalars(t.step, {f"memory/{k}": v for k, v in stats.items()})
+            if in_use_gb(stats) > cfg.max_memory_gb:
+                log.warning("memory in use %.2f GiB exceeds max_memory_gb=%g", in_use_gb(stats), cfg.max_memory_gb)
+
+    def wall_s(self) -> float:
+        return time.perf_counter() - self.start
+
+    def tokens_per_sec(self) -> float:
+        wall = self.wall_s()
+        return self.tokens / wall if wall > 0 else 0.0

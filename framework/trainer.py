@@ -1,38 +1,47 @@
-"""DDPTrainer: composes config, distributed setup, model, data, optimizer and metrics into a run."""
+"""DDPTrainer: composes config, distributed setup, model, data, DDP policy, checkpoints and
+metrics into a training run."""
 
 from __future__ import annotations
 
 import contextlib
-import itertools
 import dataclasses
+import itertools
 import json
 import logging
-import math
 import os
-import random
-import time
+import threading
 from pathlib import Path
 from typing import Any, Callable
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from . import __version__, ddp_policy, distributed
+from . import __version__, ddp_policy, distributed, resume, rng
 from .activation import apply_checkpointing
-from .checkpoint import atomic_torch_save, atomic_write_bytes, model_sha256, unwrap
+from .checkpoint import (FATAL, PREEMPTED, CheckpointError, CheckpointManager, atomic_torch_save,
+                         atomic_write_bytes, clear_marker, model_sha256, read_marker, unwrap, write_marker)
 from .config import TrainConfig, as_dict, resolve_config
 from .control import agree
 from .data import (ResumableDistributedSampler, build_datasets, eval_indices, fetch, make_loader,
                    workers_per_rank)
+from .faults import FaultPlan
 from .logs import setup_logging
-from .memory import GcPolicy, in_use_gb, memory_stats
-from .metrics import Metrics
+from .memory import GcPolicy
+from .metrics import Metrics, StepLog
 from .model import GPT, GPTConfig, lm_loss
 from .optim import build_optimizer, lr_at
+from .preemption import PreemptionHandler
 
 log = logging.getLogger(__name__)
+
+
+class FatalError(RuntimeError):
+    """An error that a restart cannot fix; it leaves a FATAL marker so a restarted group stops at once."""
+
+
+# Errors that leave a FATAL marker: retrying cannot help.
+NON_RETRIABLE = (FatalError, ddp_policy.DDPConfigurationError, CheckpointError)
 
 
 class DDPTrainer:
@@ -53,8 +62,8 @@ class DDPTrainer:
         cfg = resolve_config(config)
         self._owns_process_group = not dist.is_initialized()
         self.log_path = setup_logging(distributed.read_env(rank, world_size)[0], cfg.log_dir, debug=debug)
-        self.env = distributed.setup(cfg.backend, cfg.timeout_s, rank=rank, world_size=world_size)
-        env = self.env
+        self.env = env = distributed.setup(cfg.backend, cfg.timeout_s, rank=rank, world_size=world_size)
+        self._check_fatal_marker(cfg)
         if cfg.deterministic:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True)
@@ -85,7 +94,7 @@ class DDPTrainer:
                                                                     targets)
         self.loss_fn = loss_fn or lm_loss
         # Model init used the shared seed; dropout and everything after draw per-rank streams.
-        seed_everything(cfg.seed + 1 + env.rank)
+        rng.seed_all(cfg.seed + 1 + env.rank)
 
         self.amp = cfg.use_amp == "true" or (cfg.use_amp == "auto" and env.device.type == "cuda")
         self.amp_dtype = torch.bfloat16 if cfg.amp_dtype == "bf16" else torch.float16
@@ -103,52 +112,47 @@ class DDPTrainer:
                                   pin_memory=cfg.pin_memory and env.device.type == "cuda",
                                   seed=cfg.seed + env.rank, timeout_s=cfg.timeout_s)
         self.step = 0
+        self.tokens_total = 0
         self.skipped_this_epoch: list[int] = []
         self.total_steps = self._total_steps()
+        self.checkpoints = CheckpointManager(cfg.checkpoint_dir, keep_last=cfg.keep_last, rank=env.rank)
+        state = None if doctor else resume.choose_checkpoint(cfg.resume, self.checkpoints, env)
+        if state is not None:
+            resume.restore(self, state)
+            log.info("resumed from step %d (epoch %d, sample %d of the epoch)", self.step, self.sampler.epoch,
+                     self.sampler.consumed)
         self._log_start()
+
         self.report = self.decision = None
         if doctor:
             self.model = self.raw_model
-            self.preflight()
+            self.report, self.decision = ddp_policy.preflight(self.raw_model, self.probe_batches(), self.loss_fn,
+                                                              self._autocast, cfg)
+        elif env.distributed:
+            self.model, self.report, self.decision = ddp_policy.wrap_for_training(
+                self.raw_model, self.probe_batches(), self.loss_fn, self._autocast, cfg, env.device)
         else:
-            self.model = self._wrap() if env.distributed else self.raw_model
+            self.model = self.raw_model
+        if state is not None:
+            resume.restore_rng(self, state)
+        self.faults = FaultPlan(cfg.fault_inject, env.rank)
 
     # --- construction helpers ----------------------------------------------------------------
+    def _check_fatal_marker(self, cfg: TrainConfig) -> None:
+        message = read_marker(cfg.checkpoint_dir, FATAL)
+        if message is None:
+            return
+        if resume.restart_count() > 0:
+            raise FatalError(f"an earlier incarnation of this run failed and a restart cannot help: {message}")
+        log.warning("clearing the FATAL marker of an earlier run: %s", message)
+        if self.env.is_main:
+            clear_marker(cfg.checkpoint_dir, FATAL)
+
     def probe_batches(self, n: int = 2) -> list:
-        """This rank's first ``n`` micro-batches of the current epoch, read without consuming them."""
+        """This rank's next ``n`` micro-batches, read without consuming them."""
         indices = list(itertools.islice(iter(self.sampler), n))
+        self.sampler.delivered.clear()
         return [self._to_device(fetch(self.train_dataset, batch)) for batch in indices]
-
-    def preflight(self) -> tuple[ddp_policy.ProbeReport, ddp_policy.Decision]:
-        """Probe the unwrapped model on this rank's first batches, OR the findings over the ranks,
-        and decide DDP's settings."""
-        report = ddp_policy.probe(self.raw_model, self.probe_batches(), self.loss_fn, self._autocast)
-        report = ddp_policy.agree_on_report(report, self.raw_model)
-        cfg = self.cfg
-        decision = ddp_policy.decide(report, static_graph=cfg.ddp_static_graph, find_unused=cfg.find_unused_parameters,
-                                     checkpointing=cfg.gradient_checkpointing,
-                                     accumulation=cfg.gradient_accumulation_steps)
-        self.report, self.decision = report, decision
-        return report, decision
-
-    def _wrap(self) -> DDP:
-        cfg = self.cfg
-        report, decision = self.preflight()
-        for reason in decision.reasons:
-            log.info("DDP policy: %s", reason)
-        if not decision.safe:
-            forced = cfg.ddp_static_graph != "auto" or cfg.find_unused_parameters != "auto"
-            message = "DDP preflight: these settings will fail for this model:\n" + ddp_policy.format_report(
-                report, decision)
-            if not forced:
-                raise ddp_policy.DDPConfigurationError(message)
-            log.warning("%s\n(kept because ddp_static_graph/find_unused_parameters were set explicitly)", message)
-        model = ddp_policy.wrap(self.raw_model, self.env.device, decision, bucket_cap_mb=cfg.bucket_cap_mb,
-                                gradient_as_bucket_view=cfg.gradient_as_bucket_view,
-                                broadcast_buffers=cfg.broadcast_buffers)
-        if decision.static_graph:
-            ddp_policy.warm_up(model, self.probe_batches(1)[0], self.loss_fn, self._autocast)
-        return model
 
     def _total_steps(self) -> int:
         by_epochs = self.cfg.num_epochs * self.sampler.steps_per_epoch
@@ -162,11 +166,10 @@ class DDPTrainer:
                  sum(p.numel() for p in self.raw_model.parameters()) / 1e6,
                  f"on ({cfg.amp_dtype})" if self.amp else "off (fp32)")
         log.info("effective batch: %d per rank x %d ranks x %d accumulation = %d samples per step",
-                 cfg.batch_size, env.world_size, cfg.gradient_accumulation_steps, s.global_batch)
+                 s.batch_size, env.world_size, s.accumulation, s.global_batch)
         log.info("rank %d share: %d steps/epoch x %d samples = %d of %d samples per epoch; %d loader workers",
-                 env.rank, s.steps_per_epoch, cfg.batch_size * cfg.gradient_accumulation_steps,
-                 s.steps_per_epoch * cfg.batch_size * cfg.gradient_accumulation_steps,
-                 s.num_samples, self.num_workers)
+                 env.rank, s.steps_per_epoch, s.batch_size * s.accumulation,
+                 s.steps_per_epoch * s.batch_size * s.accumulation, s.num_samples, self.num_workers)
         log.info("schedule: %d steps (%d per epoch, num_epochs=%d, max_steps=%d)", self.total_steps,
                  s.steps_per_epoch, cfg.num_epochs, cfg.max_steps)
         if env.is_main:
@@ -201,7 +204,7 @@ class DDPTrainer:
             raise diagnosed from err
         return total
 
-    def optimizer_step(self, loss: torch.Tensor, stop: bool = False):
+    def optimizer_step(self, loss: torch.Tensor, *, stop: bool = False, preempt: bool = False):
         """Clip, agree with the other ranks, then step (or skip a non-finite step everywhere)."""
         cfg = self.cfg
         lr = lr_at(self.step, lr=cfg.learning_rate, warmup_steps=cfg.warmup_steps,
@@ -217,7 +220,7 @@ class DDPTrainer:
         # With a GradScaler, overflow is the scaler's to handle; otherwise a non-finite step is skipped.
         nonfinite = (~torch.isfinite(grad_norm) | ~torch.isfinite(loss)) if not self.scaler.is_enabled() else False
         agreed = agree(loss=loss, world_size=self.env.world_size, distributed=self.env.distributed,
-                       nonfinite=nonfinite, stop=stop)
+                       nonfinite=nonfinite, stop=stop, preempt=preempt)
         if agreed.nonfinite:
             self.optimizer.zero_grad(set_to_none=True)
             self.scaler.update()
@@ -233,8 +236,12 @@ class DDPTrainer:
         log.warning("step %d: non-finite loss or gradients on some rank; step skipped on all ranks",
                     self.step)
         if len(self.skipped_this_epoch) > self.cfg.max_errors_per_epoch:
-            raise RuntimeError(f"non-finite loss or gradients at steps {self.skipped_this_epoch}: more than "
-                               f"max_errors_per_epoch={self.cfg.max_errors_per_epoch} in epoch {self.sampler.epoch}")
+            raise FatalError(f"non-finite loss or gradients at steps {self.skipped_this_epoch}: more than "
+                             f"max_errors_per_epoch={self.cfg.max_errors_per_epoch} in epoch {self.sampler.epoch}")
+
+    def _inject_nan(self) -> None:
+        if self.faults.due("nan", self.step):
+            next(p for p in self.raw_model.parameters() if p.grad is not None).grad.view(-1)[0] = float("nan")
 
     # --- evaluation --------------------------------------------------------------------------
     @torch.no_grad()
@@ -261,11 +268,25 @@ class DDPTrainer:
         total, count = sums.tolist()
         return total / count
 
+    # --- checkpoints -------------------------------------------------------------------------
+    def save_checkpoint(self, *, blocking: bool = False) -> None:
+        """Every rank calls this at the same step (the RNG states are gathered); rank 0 writes."""
+        self.checkpoints.save(resume.training_state(self), self.step, blocking=blocking)
+
+    def _save_due(self, epoch_ended: bool) -> bool:
+        cfg = self.cfg
+        return bool((cfg.save_every_steps and self.step % cfg.save_every_steps == 0)
+                    or (epoch_ended and cfg.save_interval and (self.sampler.epoch + 1) % cfg.save_interval == 0))
+
     # --- the loop ----------------------------------------------------------------------------
     def train(self) -> dict:
-        """Run to max_steps, num_epochs or target_loss; returns the summary (rank 0 also writes it)."""
+        """Run to max_steps, num_epochs or target_loss, or until preempted; returns the summary
+        (rank 0 also writes it). A non-retriable error leaves a FATAL marker in checkpoint_dir."""
         try:
             return self._train()
+        except NON_RETRIABLE as err:
+            write_marker(self.cfg.checkpoint_dir, FATAL, f"rank {self.env.rank}: {type(err).__name__}: {err}")
+            raise
         finally:
             self.close()
 
@@ -273,56 +294,64 @@ class DDPTrainer:
         cfg, env = self.cfg, self.env
         metrics = Metrics(enabled=env.is_main, log_dir=cfg.log_dir, tensorboard=cfg.tensorboard,
                           progress_bar=cfg.progress_bar, total_steps=self.total_steps, initial_step=self.step)
+        steps = StepLog(self, metrics)
+        samples_log = (open(Path(cfg.log_dir) / f"samples_rank_{env.rank}.jsonl", "a")
+                       if cfg.record_samples else None)
         self.model.train()
-        start = time.perf_counter()
-        window_start, window_tokens, tokens_total = start, 0, 0
-        loss = val_loss = None
-        first_loss = None
         stop = self.step >= self.total_steps
+        preempted = False
+        on_main_thread = threading.current_thread() is threading.main_thread()
         try:
-            with GcPolicy(cfg.cleanup_interval, env.device) as gc_policy:
+            with (PreemptionHandler() if on_main_thread else contextlib.nullcontext()) as preemption, \
+                    GcPolicy(cfg.cleanup_interval, env.device) as gc_policy:
                 while not stop and self.sampler.epoch < cfg.num_epochs:
                     batches = iter(self.loader)
                     for _ in range(self.sampler.steps_remaining()):
+                        self.faults.fire_process_faults(self.step)
                         micro = [next(batches) for _ in range(self.sampler.accumulation)]
-                        step_tokens = sum(b[0].numel() for b in micro) * env.world_size
-                        agreed, lr, grad_norm = self.optimizer_step(self.forward_backward(micro))
-                        self.sampler.advance()
+                        loss = self.forward_backward(micro)
+                        self._inject_nan()
+                        agreed, lr, grad_norm = self.optimizer_step(
+                            loss, preempt=preemption is not None and preemption.requested is not None)
+                        indices = self.sampler.advance()
                         self.step += 1
-                        loss = agreed.loss
-                        first_loss = loss if first_loss is None else first_loss
-                        window_tokens += step_tokens
-                        tokens_total += step_tokens
-                        metrics.progress(loss)
+                        step_tokens = sum(b[0].numel() for b in micro) * env.world_size
+                        self.tokens_total += step_tokens
+                        if samples_log is not None:
+                            samples_log.write(json.dumps({"epoch": self.sampler.epoch, "step": self.step,
+                                                          "indices": indices}) + "\n")
+                        steps.record(agreed.loss, lr, grad_norm, step_tokens)
                         gc_policy.step(self.step)
-                        if self.step % cfg.log_interval == 0:
-                            now = time.perf_counter()
-                            tps = window_tokens / (now - window_start)
-                            log.info("step %d/%d | epoch %d | loss %.4f | lr %.3e | grad_norm %.3f | %.0f tok/s",
-                                     self.step, self.total_steps, self.sampler.epoch, loss, lr,
-                                     float(grad_norm), tps)
-                            metrics.scalars(self.step, {"train/loss": loss, "train/lr": lr,
-                                                        "train/grad_norm": float(grad_norm),
-                                                        "train/tokens_per_sec": tps})
-                            window_start, window_tokens = now, 0
-                        if self.step % cfg.memory_check_interval == 0:
-                            self._check_memory(metrics)
+                        epoch_ended = self.sampler.steps_remaining() == 0
+                        if agreed.preempt:
+                            self.save_checkpoint(blocking=True)
+                            if env.is_main:
+                                write_marker(cfg.checkpoint_dir, PREEMPTED, f"preempted at step {self.step}")
+                            log.warning("preempted: checkpoint of step %d saved; exiting", self.step)
+                            preempted = stop = True
+                            break
                         stop = (self.step >= self.total_steps or agreed.stop
-                                or (cfg.target_loss > 0 and loss <= cfg.target_loss))
+                                or (cfg.target_loss > 0 and agreed.loss <= cfg.target_loss))
+                        if not stop and self._save_due(epoch_ended):
+                            self.save_checkpoint()
                         if cfg.eval_interval and self.step % cfg.eval_interval == 0 and not stop:
-                            val_loss = self._eval_and_log(metrics)
+                            steps.val_loss = self._eval_and_log(metrics)
                         if stop:
                             break
                     else:
                         self.sampler.set_epoch(self.sampler.epoch + 1)
                         self.skipped_this_epoch = []
-            wall = time.perf_counter() - start
-            if loss is not None and cfg.target_loss > 0 and loss <= cfg.target_loss:
-                log.info("target_loss %g reached at step %d (loss %.4f)", cfg.target_loss, self.step, loss)
-            val_loss = self._eval_and_log(metrics)
+            if not preempted:
+                if steps.loss is not None and cfg.target_loss > 0 and steps.loss <= cfg.target_loss:
+                    log.info("target_loss %g reached at step %d (loss %.4f)", cfg.target_loss, self.step, steps.loss)
+                steps.val_loss = self._eval_and_log(metrics)
+                self.save_checkpoint(blocking=True)
+            self.checkpoints.close()
         finally:
             metrics.close()
-        return self._finish(first_loss, loss, val_loss, tokens_total, wall)
+            if samples_log is not None:
+                samples_log.close()
+        return self._finish(steps, preempted)
 
     def _eval_and_log(self, metrics: Metrics) -> float | None:
         val_loss = self.evaluate()
@@ -331,31 +360,26 @@ class DDPTrainer:
             metrics.scalars(self.step, {"val/loss": val_loss})
         return val_loss
 
-    def _check_memory(self, metrics: Metrics) -> None:
-        stats = memory_stats(self.env.device)
-        log.info("memory: %s", ", ".join(f"{k} {v:.2f}" for k, v in stats.items()))
-        metrics.scalars(self.step, {f"memory/{k}": v for k, v in stats.items()})
-        if in_use_gb(stats) > self.cfg.max_memory_gb:
-            log.warning("memory in use %.2f GiB exceeds max_memory_gb=%g", in_use_gb(stats), self.cfg.max_memory_gb)
-
-    def _finish(self, first_loss, loss, val_loss, tokens_total, wall) -> dict:
+    def _finish(self, steps: StepLog, preempted: bool) -> dict:
         cfg, env = self.cfg, self.env
         per_epoch = self.sampler.steps_per_epoch * self.sampler.global_batch
         summary = {
-            "first_train_loss": first_loss,
-            "final_train_loss": loss,
-            "final_val_loss": val_loss,
+            "first_train_loss": steps.first_loss,
+            "final_train_loss": steps.loss,
+            "final_val_loss": steps.val_loss,
             "steps": self.step,
             "epochs": self.sampler.epoch + self.sampler.consumed / per_epoch,
-            "tokens_per_sec": tokens_total / wall if wall > 0 else 0.0,
-            "wall_s": wall,
+            "tokens_per_sec": steps.tokens_per_sec(),
+            "wall_s": steps.wall_s(),
             "world_size": env.world_size,
             "model_sha256": model_sha256(self.raw_model),
+            "preempted": preempted,
         }
         if env.is_main:
-            atomic_torch_save(unwrap(self.model).state_dict(), Path(cfg.checkpoint_dir) / "final_model.pt")
+            if not preempted:
+                atomic_torch_save(unwrap(self.model).state_dict(), Path(cfg.checkpoint_dir) / "final_model.pt")
             atomic_write_bytes(Path(cfg.log_dir) / "summary.json", json.dumps(summary, indent=2).encode())
-        log.info("done: %s", json.dumps(summary))
+        log.info("%s: %s", "preempted" if preempted else "done", json.dumps(summary))
         return summary
 
     def close(self) -> None:
@@ -364,9 +388,3 @@ class DDPTrainer:
             self.loader._iterator._shutdown_workers()
         if self._owns_process_group:
             distributed.teardown()
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)

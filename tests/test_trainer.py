@@ -33,10 +33,10 @@ def test_spec_signature_and_outputs(tmp_path):
 
 
 def test_same_seed_same_model_and_log_appends(tmp_path):
-    a = DDPTrainer(tiny(tmp_path, max_steps=3)).train()
-    b = DDPTrainer(TrainConfig(**tiny(tmp_path, max_steps=3))).train()
-    assert a["model_sha256"] == b["model_sha256"]
-    c = DDPTrainer(tiny(tmp_path, max_steps=3, seed=2)).train()
+    a = DDPTrainer(tiny(tmp_path, max_steps=3, resume="none")).train()
+    b = DDPTrainer(TrainConfig(**tiny(tmp_path, max_steps=3, resume="none"))).train()
+    assert a["model_sha256"] == b["model_sha256"] and b["steps"] == 3
+    c = DDPTrainer(tiny(tmp_path, max_steps=3, seed=2, resume="none")).train()
     assert c["model_sha256"] != a["model_sha256"]
     log = (tmp_path / "logs" / "rank_0.log").read_text()
     assert log.count("done: ") == 3
@@ -46,7 +46,7 @@ def test_same_seed_same_model_and_log_appends(tmp_path):
 def test_stops_at_epochs_and_target_loss(tmp_path):
     summary = DDPTrainer(tiny(tmp_path, num_epochs=2, gradient_accumulation_steps=2, batch_size=4)).train()
     assert summary["steps"] == 2 * (128 // 8) and summary["epochs"] == 2
-    summary = DDPTrainer(tiny(tmp_path, target_loss=3.0, max_steps=500)).train()
+    summary = DDPTrainer(tiny(tmp_path, target_loss=3.0, max_steps=500, resume="none")).train()
     assert summary["final_train_loss"] <= 3.0 and summary["steps"] < 500
 
 
