@@ -40,13 +40,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if "check-config" in actions:
         print("configuration is valid", file=sys.stderr)
+        print(config.checkpoint_dir)  # read by launch_training.sh to find this run's PREEMPTED marker
         return 0
     if "debug" in actions:
         faulthandler.enable()
 
     from framework import distributed
     from framework.ddp_policy import format_report
-    from framework.trainer import DDPTrainer
+    from framework.trainer import DDPTrainer, FatalError
 
     try:
         if "doctor" in actions:
@@ -55,6 +56,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(format_report(trainer.report, trainer.decision))
             return 0 if trainer.decision.safe else 1
         DDPTrainer(config, debug="debug" in actions).train()
+    except FatalError as err:
+        # Already logged with its marker; one line, no traceback: a restart would not help.
+        print(f"fatal: {err}", file=sys.stderr)
+        return 1
     finally:
         distributed.teardown()
     return 0

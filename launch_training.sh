@@ -20,6 +20,11 @@ usage: ./launch_training.sh [options] [-- ddp_training.py flags]
       --test                a tiny model and dataset that trains in seconds
       --debug               DEBUG logs, faulthandler, NCCL_DEBUG=INFO, TORCH_DISTRIBUTED_DEBUG
       --doctor              run only the DDP preflight on every rank and print its report
+      --max-restarts N      restart the worker group up to N times after a failure (torchrun);
+                            each restart resumes from the newest valid checkpoint
+      --nnodes N            number of nodes (multi-node, with --rdzv-endpoint and --rdzv-id)
+      --rdzv-endpoint H:P   the c10d rendezvous endpoint, the same on every node
+      --rdzv-id ID          a run id, the same on every node
   -h, --help                this help
 
 With neither --gpus nor --cpu, all visible GPUs are used, or 2 CPU processes if there is none.
@@ -35,6 +40,7 @@ need_value() { [[ $# -ge 2 && -n "$2" ]] || die "$1 needs a value"; }
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 python="${PYTHON:-python3}"
 gpus="" cpu=0 nproc="" test_mode=0 debug=0
+max_restarts=0 nnodes=1 rdzv_endpoint="" rdzv_id=""
 train_args=()
 
 while [[ $# -gt 0 ]]; do
@@ -51,6 +57,10 @@ while [[ $# -gt 0 ]]; do
     --test) test_mode=1; shift ;;
     --debug) debug=1; shift ;;
     --doctor) train_args+=(--doctor); shift ;;
+    --max-restarts) need_value "$@"; max_restarts="$2"; shift 2 ;;
+    --nnodes) need_value "$@"; nnodes="$2"; shift 2 ;;
+    --rdzv-endpoint) need_value "$@"; rdzv_endpoint="$2"; shift 2 ;;
+    --rdzv-id) need_value "$@"; rdzv_id="$2"; shift 2 ;;
     -h|--help) usage; exit 0 ;;
     --) shift; train_args+=("$@"); break ;;
     *) die "unknown option '$1' (see --help; flags for ddp_training.py go after --)" ;;
@@ -59,6 +69,12 @@ done
 
 [[ -n "$gpus" && $cpu -eq 1 ]] && die "--gpus and --cpu exclude each other"
 [[ -z "$nproc" || "$nproc" =~ ^[1-9][0-9]*$ ]] || die "--nproc '$nproc': must be a positive integer"
+[[ "$max_restarts" =~ ^[0-9]+$ ]] || die "--max-restarts '$max_restarts': must be a non-negative integer"
+[[ "$nnodes" =~ ^[1-9][0-9]*$ ]] || die "--nnodes '$nnodes': must be a positive integer"
+if [[ $nnodes -gt 1 ]]; then
+  [[ "$rdzv_endpoint" =~ ^[A-Za-z0-9._-]+:[0-9]+$ ]] || die "--nnodes $nnodes needs --rdzv-endpoint HOST:PORT"
+  [[ "$rdzv_id" =~ ^[A-Za-z0-9._-]+$ ]] || die "--nnodes $nnodes needs --rdzv-id ID (letters, digits, . _ -)"
+fi
 
 if [[ -n "$gpus" ]]; then
   [[ "$gpus" =~ ^[0-9]+(,[0-9]+)*$ ]] || die "--gpus '$gpus': must be a comma-separated list of GPU ids, e.g. 0,1"
@@ -86,7 +102,7 @@ if [[ $test_mode -eq 1 ]]; then
   train_args=(--vocab-size 64 --hidden-size 64 --num-layers 2 --num-heads 2 --seq-len 32
               --dataset-size 2048 --batch-size 16 --dropout 0 --learning-rate 3e-3 --warmup-steps 5
               --max-steps 60 --log-interval 10 --eval-interval 0 --num-workers 0
-              --log-dir runs/test/logs --checkpoint-dir runs/test/checkpoints "${train_args[@]}")
+              --resume none --log-dir runs/test/logs --checkpoint-dir runs/test/checkpoints "${train_args[@]}")
 fi
 
 export GLOO_SOCKET_IFNAME="${GLOO_SOCKET_IFNAME:-lo}"
@@ -103,15 +119,20 @@ if [[ $debug -eq 1 ]]; then
 fi
 
 cd "$here"
-"$python" ddp_training.py --check-config "${train_args[@]}" || exit $?
+checkpoint_dir=$("$python" ddp_training.py --check-config "${train_args[@]}") || exit $?
 
-port=$("$python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+if [[ $nnodes -gt 1 ]]; then
+  rdzv=(--nnodes "$nnodes" --rdzv-backend c10d --rdzv-endpoint "$rdzv_endpoint" --rdzv-id "$rdzv_id")
+else
+  port=$("$python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+  rdzv=(--nnodes 1 --rdzv-backend c10d --rdzv-endpoint "127.0.0.1:$port" --local-addr 127.0.0.1)
+fi
 
+stamp=$(mktemp)
 # torchrun runs in the background so that this script can forward SIGTERM/SIGINT to it and
-# wait for it: neither torchrun nor its workers outlive the script.
-"$python" -m torch.distributed.run \
-  --nnodes 1 --nproc-per-node "$nproc" \
-  --rdzv-backend c10d --rdzv-endpoint "127.0.0.1:$port" \
+# wait for it: neither torchrun nor its workers outlive the script. torchrun forwards the signal
+# to its workers, which save a checkpoint and write PREEMPTED, and then exits 1 itself.
+"$python" -m torch.distributed.run "${rdzv[@]}" --nproc-per-node "$nproc" --max-restarts "$max_restarts" \
   ddp_training.py "${train_args[@]}" &
 child=$!
 trap 'kill -s TERM "$child" 2>/dev/null || true' TERM
@@ -121,4 +142,10 @@ while true; do
   wait "$child" && status=0 || status=$?
   kill -0 "$child" 2>/dev/null || break
 done
+marker="$checkpoint_dir/PREEMPTED"
+if [[ $status -ne 0 && -f "$marker" && "$marker" -nt "$stamp" ]]; then
+  echo "launch_training.sh: preempted; $(cat "$marker"); resume with the same command" >&2
+  status=0
+fi
+rm -f "$stamp"
 exit "$status"

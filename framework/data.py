@@ -227,10 +227,11 @@ def make_loader(dataset: Dataset, batch_sampler, *, num_workers: int, pin_memory
     collate = _passthrough if hasattr(dataset, "__getitems__") else default_collate
     extra = {}
     if num_workers > 0:
-        extra = dict(persistent_workers=True, timeout=timeout_s, worker_init_fn=_seed_worker,
-                     generator=torch.Generator().manual_seed(seed), prefetch_factor=2)
-    return DataLoader(dataset, batch_sampler=batch_sampler, num_workers=num_workers,
-                      pin_memory=pin_memory, collate_fn=collate, **extra)
+        extra = dict(persistent_workers=True, timeout=timeout_s, worker_init_fn=_seed_worker, prefetch_factor=2)
+    # A generator of its own even without workers: every iter() draws a base seed, and drawing it
+    # from the global RNG would shift the dropout stream of a resumed run.
+    return DataLoader(dataset, batch_sampler=batch_sampler, num_workers=num_workers, pin_memory=pin_memory,
+                      collate_fn=collate, generator=torch.Generator().manual_seed(seed), **extra)
 
 
 def fetch(dataset: Dataset, indices: list[int]):

@@ -185,9 +185,10 @@ def decide(report: ProbeReport, *, static_graph: str, find_unused: str, checkpoi
         reasons.append(f"the used parameters change between batches ({_few(report.changing)}): static_graph "
                        f"would fail with 'graph has changed'; no DDP setting fits. Use "
                        f"gradient_checkpointing=non_reentrant and untie shared weights")
-    if checkpointing == "reentrant" and not report.multi_fire and not report.unused:
-        reasons.append("reentrant checkpointing hides the checkpointed parameters from DDP's graph "
-                       "traversal -> find_unused_parameters must stay off")
+    if (report.hidden or checkpointing == "reentrant") and not report.multi_fire and not report.unused:
+        reasons.append(f"parameters hidden from the forward graph ({_few(report.hidden) or 'checkpointed'}), "
+                       "e.g. by reentrant checkpointing, would be marked ready twice by "
+                       "find_unused_parameters -> find_unused_parameters must stay off")
 
     static = {"auto": want_static, "true": True, "false": False}[static_graph]
     unused = {"auto": want_unused, "true": True, "false": False}[find_unused]

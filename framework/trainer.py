@@ -285,7 +285,9 @@ class DDPTrainer:
         try:
             return self._train()
         except NON_RETRIABLE as err:
-            write_marker(self.cfg.checkpoint_dir, FATAL, f"rank {self.env.rank}: {type(err).__name__}: {err}")
+            message = f"rank {self.env.rank}: {type(err).__name__}: {err}"
+            log.error("fatal, not retriable (FATAL marker written): %s", message)
+            write_marker(self.cfg.checkpoint_dir, FATAL, message)
             raise
         finally:
             self.close()
@@ -295,7 +297,8 @@ class DDPTrainer:
         metrics = Metrics(enabled=env.is_main, log_dir=cfg.log_dir, tensorboard=cfg.tensorboard,
                           progress_bar=cfg.progress_bar, total_steps=self.total_steps, initial_step=self.step)
         steps = StepLog(self, metrics)
-        samples_log = (open(Path(cfg.log_dir) / f"samples_rank_{env.rank}.jsonl", "a")
+        # Line-buffered: a process killed with -9 keeps every line it wrote.
+        samples_log = (open(Path(cfg.log_dir) / f"samples_rank_{env.rank}.jsonl", "a", buffering=1)
                        if cfg.record_samples else None)
         self.model.train()
         stop = self.step >= self.total_steps

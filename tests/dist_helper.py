@@ -40,6 +40,7 @@ class Launch:
     output: str
     results: dict[int, dict] = field(default_factory=dict)
     duration_s: float = 0.0
+    leftovers: list[int] = field(default_factory=list)  # still alive after torchrun exited
 
 
 def torchrun_cmd(script: str | Path, args: list[str], nproc: int = 2, port: int | None = None,
@@ -66,6 +67,30 @@ def kill_registered(out_dir: Path) -> list[int]:
     return killed
 
 
+def processes_matching(marker: str) -> list:
+    """Live processes whose command line mentions ``marker`` (e.g. a test's temp directory)."""
+    import psutil
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        cmdline = proc.info["cmdline"] or []
+        if proc.pid != os.getpid() and any(marker in part for part in cmdline):
+            found.append(proc)
+    return found
+
+
+def kill_matching(marker: str) -> list[int]:
+    """SIGKILL leftovers whose command line mentions ``marker``; returns their pids."""
+    import psutil
+    killed = []
+    for proc in processes_matching(marker):
+        try:
+            proc.kill()
+            killed.append(proc.pid)
+        except psutil.NoSuchProcess:
+            pass
+    return killed
+
+
 def launch(script: str | Path, args: list[str], out_dir: Path, *, nproc: int = 2, timeout: float = 300,
            env: dict[str, str] | None = None, torchrun_extra: list[str] | None = None) -> Launch:
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -81,11 +106,13 @@ def launch(script: str | Path, args: list[str], out_dir: Path, *, nproc: int = 2
         output, _ = proc.communicate()
         output += f"\n[dist_helper] torchrun timed out after {timeout}s and was killed"
     finally:
+        leftovers = [p.pid for p in processes_matching(str(out_dir))]
         kill_registered(out_dir)
+        kill_matching(str(out_dir))
     results = {}
     for path in out_dir.glob("result_rank*.json"):
         results[int(path.stem.removeprefix("result_rank"))] = json.loads(path.read_text())
-    return Launch(proc.returncode, output, results, time.monotonic() - start)
+    return Launch(proc.returncode, output, results, time.monotonic() - start, leftovers)
 
 
 # --- worker side ---------------------------------------------------------------------------

@@ -1,0 +1,201 @@
+"""Fault tolerance end to end on 2 gloo ranks, with real signals: kill -9 and elastic restart,
+SIGTERM to a worker and to launch_training.sh, damaged checkpoints, FATAL markers, 2 nodes."""
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from framework.data import ResumableDistributedSampler
+from tests.dist_helper import ROOT, free_port, launch, processes_matching, torchrun_cmd, worker_env
+
+# 32 steps per epoch (256 samples, 2 ranks x batch 4); 48 steps cross an epoch boundary.
+CONFIG = dict(vocab_size=64, hidden_size=96, num_heads=2, num_layers=2, seq_len=48, dataset_size=256,
+              batch_size=4, dropout=0.1, max_steps=48, save_every_steps=8, keep_last=3, log_interval=1,
+              eval_interval=0, eval_steps=4, num_workers=0, deterministic=True, record_samples=True,
+              tensorboard=True, target_loss=0.0, learning_rate=2e-3, warmup_steps=4, seed=5)
+STEPS_PER_EPOCH = 32
+
+
+def args_for(run_dir: Path, **extra) -> list[str]:
+    cfg = {**CONFIG, "log_dir": str(run_dir / "logs"), "checkpoint_dir": str(run_dir / "ck"), **extra}
+    out = []
+    for key, value in cfg.items():
+        out += [f"--{key.replace('_', '-')}", str(value).lower() if isinstance(value, bool) else str(value)]
+    return out
+
+
+def train(run_dir: Path, nproc=2, torchrun_extra=None, timeout=180, **extra):
+    return launch(ROOT / "ddp_training.py", args_for(run_dir, **extra), run_dir, nproc=nproc,
+                  torchrun_extra=torchrun_extra, timeout=timeout)
+
+
+def summary(run_dir: Path) -> dict:
+    return json.loads((run_dir / "logs" / "summary.json").read_text())
+
+
+def rank_log(run_dir: Path, rank: int = 0) -> str:
+    return (run_dir / "logs" / f"rank_{rank}.log").read_text()
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The uninterrupted run, computed once."""
+    run_dir = tmp_path_factory.mktemp("uninterrupted")
+    run = train(run_dir)
+    assert run.returncode == 0, run.output[-3000:]
+    result = summary(run_dir)
+    assert result["steps"] == 48 and not result["preempted"]
+    return result["model_sha256"]
+
+
+def committed_samples(run_dir: Path) -> dict[int, dict[int, list[int]]]:
+    """epoch -> step -> indices (both ranks), the last record of each step winning: a step
+    recorded by an incarnation that died before its checkpoint was redone after the restart."""
+    steps: dict[tuple[int, int], dict[int, list[int]]] = {}
+    for rank in (0, 1):
+        for line in (run_dir / "logs" / f"samples_rank_{rank}.jsonl").read_text().splitlines():
+            rec = json.loads(line)
+            steps.setdefault((rec["epoch"], rec["step"]), {})[rank] = rec["indices"]
+    by_epoch: dict[int, dict[int, list[int]]] = {}
+    for (epoch, step), ranks in steps.items():
+        by_epoch.setdefault(epoch, {})[step] = ranks[0] + ranks[1]
+    return by_epoch
+
+
+def assert_each_sample_once_per_epoch(run_dir: Path):
+    by_epoch = committed_samples(run_dir)
+    sampler = ResumableDistributedSampler(CONFIG["dataset_size"], 2, 0, CONFIG["batch_size"], 1, CONFIG["seed"])
+    assert sorted(by_epoch) == [0, 1]
+    for epoch, steps in by_epoch.items():
+        n_steps = STEPS_PER_EPOCH if epoch == 0 else 48 - STEPS_PER_EPOCH
+        assert len(steps) == n_steps
+        consumed = sorted(i for indices in steps.values() for i in indices)
+        expected = sorted(sampler.permutation(epoch)[:n_steps * 8].tolist())
+        assert consumed == expected, f"epoch {epoch}: samples skipped or repeated"
+
+
+@pytest.mark.parametrize("trial", range(5))
+def test_kill_9_then_elastic_restart_resumes_bit_exact(reference, tmp_path, trial):
+    run = train(tmp_path, torchrun_extra=["--max-restarts", "1"], fault_inject="sigkill@step=21,rank=1")
+    assert run.returncode == 0, run.output[-4000:]
+    log0 = rank_log(tmp_path)
+    assert "fault injection: sigkill at step 21 on rank 1" in rank_log(tmp_path, 1)
+    assert "resumed from step 16" in log0
+    result = summary(tmp_path)
+    assert result["steps"] == 48
+    assert result["model_sha256"] == reference
+    assert_each_sample_once_per_epoch(tmp_path)
+    assert not run.leftovers
+
+
+def test_sigterm_to_one_worker_saves_within_a_step_and_resumes(reference, tmp_path):
+    run = train(tmp_path, fault_inject="sigterm@step=20,rank=1")
+    assert run.returncode == 0, run.output[-4000:]
+    assert (tmp_path / "ck" / "PREEMPTED").read_text() == "preempted at step 21"
+    assert (tmp_path / "ck" / "step_00000021.pt").is_file()
+    assert summary(tmp_path)["preempted"] and summary(tmp_path)["steps"] == 21
+    assert not run.leftovers
+    resumed = train(tmp_path)
+    assert resumed.returncode == 0, resumed.output[-4000:]
+    assert "resumed from step 21" in rank_log(tmp_path)
+    assert summary(tmp_path)["model_sha256"] == reference
+    assert_each_sample_once_per_epoch(tmp_path)
+
+
+def test_sigterm_to_launch_script_exits_0_and_resumes(reference, tmp_path):
+    script = [str(ROOT / "launch_training.sh"), "--cpu", "--nproc", "2", "--", *args_for(tmp_path)]
+    env = {k: v for k, v in worker_env().items() if k != "PYTHONPATH"}
+    proc = subprocess.Popen(script, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log_file = tmp_path / "logs" / "rank_0.log"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if log_file.exists() and "step 3/48" in log_file.read_text():
+            break
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, output[-4000:]
+    assert "preempted" in output
+    marker = (tmp_path / "ck" / "PREEMPTED").read_text()
+    step = int(marker.split()[-1])
+    assert 3 <= step < 48 and (tmp_path / "ck" / f"step_{step:08d}.pt").is_file()
+    time.sleep(0.5)
+    assert not processes_matching(str(tmp_path))
+    resumed = train(tmp_path)
+    assert resumed.returncode == 0, resumed.output[-4000:]
+    assert f"resumed from step {step}" in rank_log(tmp_path)
+    assert summary(tmp_path)["model_sha256"] == reference
+
+
+def test_truncated_newest_checkpoint_falls_back(reference, tmp_path):
+    run = train(tmp_path, fault_inject="sigterm@step=29")
+    assert run.returncode == 0, run.output[-4000:]
+    newest = tmp_path / "ck" / "step_00000030.pt"
+    os.truncate(newest, newest.stat().st_size // 2)
+    resumed = train(tmp_path)
+    assert resumed.returncode == 0, resumed.output[-4000:]
+    log0 = rank_log(tmp_path)
+    assert "step_00000030.pt" in log0 and "truncated" in log0
+    assert "resumed from step 24" in log0
+    assert summary(tmp_path)["model_sha256"] == reference
+
+
+def test_fatal_marker_stops_a_restarted_group_at_once(tmp_path):
+    start = time.monotonic()
+    run = train(tmp_path, torchrun_extra=["--max-restarts", "2"], fault_inject="nan@step=3",
+                max_errors_per_epoch=0)
+    assert run.returncode != 0
+    marker = (tmp_path / "ck" / "FATAL").read_text()
+    assert "max_errors_per_epoch=0" in marker and "steps [3]" in marker
+    assert run.output.count("an earlier incarnation of this run failed and a restart cannot help") >= 2
+    assert "fault injection: nan at step 3" in rank_log(tmp_path)
+    assert time.monotonic() - start < 60
+    assert not run.leftovers
+
+
+def test_two_nodes_on_loopback_match_one_node(reference, tmp_path):
+    port = free_port()
+    procs = []
+    for node in range(2):
+        cmd = torchrun_cmd(ROOT / "ddp_training.py", args_for(tmp_path), nproc=1)
+        cmd[cmd.index("--nnodes") + 1] = "2"
+        cmd[cmd.index("--rdzv-endpoint") + 1] = f"127.0.0.1:{port}"
+        cmd[cmd.index("--rdzv-endpoint"):cmd.index("--rdzv-endpoint")] = ["--rdzv-id", "two-node-test"]
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=worker_env(), stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True, start_new_session=True))
+    outputs = [p.communicate(timeout=180)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    assert summary(tmp_path)["world_size"] == 2
+    assert summary(tmp_path)["model_sha256"] == reference
+
+
+def test_damaged_or_malicious_checkpoint_in_one_process(tmp_path):
+    from framework import DDPTrainer
+    from framework.checkpoint import CheckpointError
+
+    cfg = dict(CONFIG, max_steps=12, save_every_steps=4, record_samples=False, tensorboard=False,
+               log_dir=str(tmp_path / "logs"), checkpoint_dir=str(tmp_path / "ck"))
+    DDPTrainer(cfg).train()
+    newest = tmp_path / "ck" / "step_00000012.pt"
+    data = bytearray(newest.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    newest.write_bytes(bytes(data))
+    trainer = DDPTrainer({**cfg, "max_steps": 16})
+    assert trainer.step == 8
+    assert "checksum mismatch" in rank_log(tmp_path)
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {tmp_path / 'pwned'}",))
+
+    evil = tmp_path / "evil.pt"
+    torch.save({"model": Evil()}, evil)
+    with pytest.raises(CheckpointError, match="refused"):
+        DDPTrainer({**cfg, "resume": str(evil)})
+    assert not (tmp_path / "pwned").exists()
