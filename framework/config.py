@@ -140,6 +140,18 @@ class TrainConfig:
     """Append each committed step's sample indices to log_dir/samples_rank_N.jsonl (an audit trail)."""
     fault_inject: str = ""
     """Faults to rehearse, e.g. 'nan@step=5,rank=1; sigterm@step=8' (see README); empty = none."""
+    agree_nonfinite: bool = True
+    """Skip a step on every rank when any rank sees a non-finite loss or gradient (false: each rank alone)."""
+    consistency_check_interval: int = 100
+    """Check every this many steps that all ranks hold bit-identical parameters; 0 disables."""
+    step_timeout_s: float = 600.0
+    """Hang watchdog: a step may take max(this, step_timeout_factor x median step time); 0 disables."""
+    step_timeout_factor: float = 10.0
+    """Hang watchdog: multiple of the median step time allowed for one step."""
+    max_loader_restarts: int = 3
+    """DataLoader rebuilds allowed per epoch after a worker died or timed out."""
+    oom_recovery: Literal["auto", "true", "false"] = "auto"
+    """On out-of-memory, halve the micro-batch and double accumulation; auto = on with CUDA."""
 
     # --- distributed -------------------------------------------------------------------------
     backend: Literal["auto", "gloo", "nccl"] = "auto"
@@ -192,6 +204,10 @@ _BOUNDS: dict[str, tuple[float | None, float | None]] = {
     "save_interval": (0, None),
     "save_every_steps": (0, None),
     "keep_last": (1, None),
+    "consistency_check_interval": (0, None),
+    "step_timeout_s": (0.0, None),
+    "step_timeout_factor": (1.0, None),
+    "max_loader_restarts": (0, None),
     "max_errors_per_epoch": (0, None),
     "timeout_s": (1.0, None),
 }

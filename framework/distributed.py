@@ -12,6 +12,9 @@ import torch.distributed as dist
 
 log = logging.getLogger(__name__)
 
+# The store the process group was built on, when this module built it (heartbeats use it too).
+STORE: dist.Store | None = None
+
 
 @dataclass(frozen=True)
 class DistEnv:
@@ -90,9 +93,11 @@ def restart_safe_store(world_size: int, timeout: datetime.timedelta) -> dist.Sto
     torch 2.13 after a kill -9). With the restart count in the prefix, 3 of 3 passed."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
+    global STORE
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
                           is_master=False, timeout=timeout)
-    return dist.PrefixStore(f"restart_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
+    STORE = dist.PrefixStore(f"restart_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
+    return STORE
 
 
 def teardown() -> None:

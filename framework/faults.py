@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
 
-KINDS = ("nan", "oom", "kill_worker", "hang", "sigterm", "sigkill")
+KINDS = ("nan", "oom", "kill_worker", "hang", "sigterm", "sigkill", "ulp")
 
 
 @dataclass(frozen=True)
@@ -24,6 +24,7 @@ class Fault:
     step: int
     rank: int | None = None
     restart: int = 0
+    micro: int | None = None  # oom: the micro-step whose backward fails (default: the last)
 
 
 def parse(spec: str) -> list[Fault]:
@@ -37,12 +38,12 @@ def parse(spec: str) -> list[Fault]:
         fields: dict[str, int] = {}
         for item in filter(None, (a.strip() for a in args.split(","))):
             key, eq, value = item.partition("=")
-            if key not in ("step", "rank", "restart") or not eq or not value.strip().isdigit():
-                raise ValueError(f"fault {part!r}: {item!r} must be step=N, rank=N or restart=N")
+            if key not in ("step", "rank", "restart", "micro") or not eq or not value.strip().isdigit():
+                raise ValueError(f"fault {part!r}: {item!r} must be step=N, rank=N, restart=N or micro=N")
             fields[key] = int(value)
         if "step" not in fields:
             raise ValueError(f"fault {part!r}: needs step=N, e.g. {kind}@step=5")
-        faults.append(Fault(kind, fields["step"], fields.get("rank"), fields.get("restart", 0)))
+        faults.append(Fault(kind, fields["step"], fields.get("rank"), fields.get("restart", 0), fields.get("micro")))
     return faults
 
 
@@ -54,11 +55,13 @@ class FaultPlan:
         self.faults = parse(spec) if spec else []
         self.fired: set[Fault] = set()
 
-    def due(self, kind: str, step: int) -> bool:
-        """True once for each fault of ``kind`` planned for ``step`` on this rank and incarnation."""
+    def due(self, kind: str, step: int, micro: int | None = None, last_micro: int = 0) -> bool:
+        """True once for each fault of ``kind`` planned for ``step`` (and micro-step) on this rank
+        and incarnation."""
         for fault in self.faults:
             if (fault.kind == kind and fault.step == step and fault not in self.fired
-                    and fault.rank in (None, self.rank) and fault.restart == self.restart_count):
+                    and fault.rank in (None, self.rank) and fault.restart == self.restart_count
+                    and (micro is None or micro == (last_micro if fault.micro is None else fault.micro))):
                 self.fired.add(fault)
                 log.warning("fault injection: %s at step %d on rank %d", kind, step, self.rank)
                 return True
@@ -75,3 +78,39 @@ class FaultPlan:
         if self.due("hang", step):
             # sleep(3) through ctypes.PyDLL keeps the GIL: no Python thread can run, only faulthandler.
             ctypes.PyDLL(None).sleep(10**6)
+
+
+def oom_on_backward_of(module) -> "torch.utils.hooks.RemovableHandle":
+    """Make ``module``'s next forward output raise torch.OutOfMemoryError when backward reaches it
+    (an injected OOM in the middle of a backward pass). Remove the returned handle after the forward."""
+    import torch
+
+    def raise_oom(grad):
+        raise torch.OutOfMemoryError("injected OOM (fault_inject) in backward")
+
+    def on_forward(mod, args, output):
+        out = output[0] if isinstance(output, tuple) else output
+        if out.requires_grad:
+            out.register_hook(raise_oom)
+
+    return module.register_forward_hook(on_forward)
+
+
+def middle_module(model):
+    """The middle one of the model's leaf-holding children, e.g. the middle transformer block."""
+    blocks = getattr(model, "blocks", None)
+    if blocks is not None and len(blocks):
+        return blocks[len(blocks) // 2]
+    modules = [m for m in model.modules() if any(True for _ in m.parameters(recurse=False))]
+    return modules[len(modules) // 2]
+
+
+def nudge_one_ulp(model) -> str:
+    """Move the first element of the first parameter by one ulp; returns the parameter's name."""
+    import torch
+
+    name, p = next(iter(model.named_parameters()))
+    with torch.no_grad():
+        flat = p.view(-1)
+        flat[0] = torch.nextafter(flat[0], torch.tensor(float("inf"), dtype=p.dtype, device=p.device))
+    return name

@@ -7,6 +7,7 @@ dicts) so it loads under ``torch.load(weights_only=True)``.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from pathlib import Path
@@ -15,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from . import __version__, rng
-from .checkpoint import CheckpointManager, check_model_shapes, load_file
+from .checkpoint import CheckpointManager, atomic_write_bytes, check_model_shapes, load_file
 from .config import as_dict
 
 log = logging.getLogger(__name__)
@@ -103,3 +104,23 @@ def restore_rng(trainer, state: dict) -> None:
         rng.restore(state["rng"][trainer.env.rank])
     else:
         rng.seed_all(trainer.cfg.seed + 1 + trainer.env.rank + 7919 * trainer.step)
+
+
+MICRO_BATCH_FILE = "MICRO_BATCH.json"
+
+
+def record_micro_batch(checkpoint_dir: str, batch_size: int, accumulation: int, reason: str) -> None:
+    """Remember a smaller micro-batch for the next incarnation (after an OOM a restart must fix)."""
+    atomic_write_bytes(Path(checkpoint_dir) / MICRO_BATCH_FILE, json.dumps(
+        {"micro_batch_size": batch_size, "accumulation_steps": accumulation, "reason": reason}).encode())
+
+
+def apply_recorded_micro_batch(trainer) -> None:
+    path = Path(trainer.cfg.checkpoint_dir) / MICRO_BATCH_FILE
+    if not path.is_file():
+        return
+    rec = json.loads(path.read_text())
+    trainer.sampler.batch_size = int(rec["micro_batch_size"])
+    trainer.sampler.accumulation = int(rec["accumulation_steps"])
+    log.warning("micro-batch %d x %d accumulation steps, recorded after: %s", trainer.sampler.batch_size,
+                trainer.sampler.accumulation, rec["reason"])

@@ -25,7 +25,10 @@ from .config import TrainConfig, as_dict, resolve_config
 from .control import agree
 from .data import (ResumableDistributedSampler, build_datasets, eval_indices, fetch, make_loader,
                    workers_per_rank)
+from . import faults as fault_tools
 from .faults import FaultPlan
+from .health import Watchdog, first_divergent
+from .loader import BatchStream
 from .logs import setup_logging
 from .memory import GcPolicy
 from .metrics import Metrics, StepLog
@@ -38,6 +41,15 @@ log = logging.getLogger(__name__)
 
 class FatalError(RuntimeError):
     """An error that a restart cannot fix; it leaves a FATAL marker so a restarted group stops at once."""
+
+
+class MicroBatchOOM(RuntimeError):
+    """Out of memory where every rank can still agree: retry the step with half the micro-batch."""
+
+
+class SyncedBackwardOOM(RuntimeError):
+    """Out of memory inside a synced backward: the other ranks are in DDP's all-reduce, so only a
+    restart (with the halved micro-batch recorded) can continue."""
 
 
 # Errors that leave a FATAL marker: retrying cannot help.
@@ -108,9 +120,12 @@ class DDPTrainer:
             raise ValueError(f"dataset_size: {len(train_dataset)} training samples are fewer than one global "
                              f"batch of {self.sampler.global_batch} (batch_size x world_size x accumulation)")
         self.num_workers = workers_per_rank(cfg.num_workers, env.local_world_size)
-        self.loader = make_loader(train_dataset, self.sampler, num_workers=self.num_workers,
-                                  pin_memory=cfg.pin_memory and env.device.type == "cuda",
-                                  seed=cfg.seed + env.rank, timeout_s=cfg.timeout_s)
+        self.stream = BatchStream(
+            lambda: make_loader(train_dataset, self.sampler, num_workers=self.num_workers,
+                                pin_memory=cfg.pin_memory and env.device.type == "cuda",
+                                seed=cfg.seed + env.rank, timeout_s=cfg.timeout_s),
+            self.sampler, max_restarts=cfg.max_loader_restarts)
+        self.oom_recovery = cfg.oom_recovery == "true" or (cfg.oom_recovery == "auto" and env.device.type == "cuda")
         self.step = 0
         self.tokens_total = 0
         self.skipped_this_epoch: list[int] = []
@@ -119,6 +134,7 @@ class DDPTrainer:
         state = None if doctor else resume.choose_checkpoint(cfg.resume, self.checkpoints, env)
         if state is not None:
             resume.restore(self, state)
+            resume.apply_recorded_micro_batch(self)
             log.info("resumed from step %d (epoch %d, sample %d of the epoch)", self.step, self.sampler.epoch,
                      self.sampler.consumed)
         self._log_start()
@@ -136,6 +152,13 @@ class DDPTrainer:
         if state is not None:
             resume.restore_rng(self, state)
         self.faults = FaultPlan(cfg.fault_inject, env.rank)
+        self.watchdog = Watchdog(step_timeout_s=cfg.step_timeout_s, factor=cfg.step_timeout_factor,
+                                 log_file=self._log_file(), rank=env.rank, world_size=env.world_size,
+                                 store=distributed.STORE)
+
+    @property
+    def loader(self):
+        return self.stream.loader
 
     # --- construction helpers ----------------------------------------------------------------
     def _check_fatal_marker(self, cfg: TrainConfig) -> None:
@@ -147,6 +170,11 @@ class DDPTrainer:
         log.warning("clearing the FATAL marker of an earlier run: %s", message)
         if self.env.is_main:
             clear_marker(cfg.checkpoint_dir, FATAL)
+
+    def _log_file(self):
+        handler = next((h for h in logging.getLogger().handlers
+                        if getattr(h, "baseFilename", None) == str(self.log_path.resolve())), None)
+        return handler.stream if handler is not None else None
 
     def probe_batches(self, n: int = 2) -> list:
         """This rank's next ``n`` micro-batches, read without consuming them."""
@@ -185,24 +213,79 @@ class DDPTrainer:
 
     def forward_backward(self, micro_batches: list) -> torch.Tensor:
         """Accumulate gradients over ``micro_batches``; only the last backward all-reduces.
-        Returns this rank's mean loss over them as a (device) tensor."""
+        Returns this rank's mean loss over them as a (device) tensor.
+
+        With oom_recovery, an out-of-memory error in any forward or in a no_sync() backward is
+        agreed on by all ranks (one small all-reduce between the last forward and the synced
+        backward) and raised as MicroBatchOOM everywhere; one inside the synced backward is
+        SyncedBackwardOOM, because the other ranks are then already inside DDP's all-reduce."""
         n = len(micro_batches)
         total = torch.zeros((), device=self.env.device)
+        agree_oom = self.oom_recovery and self.env.distributed
+        oom = False
         try:
             for i, batch in enumerate(micro_batches):
+                last = i == n - 1
                 inputs, targets = self._to_device(batch)
-                sync = i == n - 1 or not isinstance(self.model, DDP)
+                sync = last or not isinstance(self.model, DDP)
                 with contextlib.nullcontext() if sync else self.model.no_sync():
-                    with self._autocast():
-                        loss = self.loss_fn(self.model(inputs), targets) / n
-                    self.scaler.scale(loss).backward()
-                total += loss.detach()
+                    loss = None
+                    if not oom:
+                        try:
+                            hook = (fault_tools.oom_on_backward_of(fault_tools.middle_module(self.raw_model))
+                                    if self.faults.due("oom", self.step, i, n - 1) else None)
+                            with self._autocast():
+                                loss = self.loss_fn(self.model(inputs), targets) / n
+                            if hook is not None:
+                                hook.remove()
+                            if last and self.faults.due("kill_worker", self.step):
+                                loss.register_hook(self._kill_worker_hook)
+                        except torch.OutOfMemoryError:
+                            oom = self._oom_seen("forward", i)
+                    if last and agree_oom:
+                        oom = agree(loss=total, world_size=1, distributed=True, oom=oom).oom
+                    if oom:
+                        if last or not agree_oom:
+                            raise MicroBatchOOM(f"out of memory at step {self.step}")
+                        continue
+                    try:
+                        self.scaler.scale(loss).backward()
+                    except torch.OutOfMemoryError:
+                        if last and self.env.distributed:
+                            raise SyncedBackwardOOM(f"out of memory in the synced backward of step {self.step}")
+                        oom = self._oom_seen("backward", i)
+                        if not agree_oom:
+                            raise MicroBatchOOM(f"out of memory at step {self.step}") from None
+                        continue
+                    total += loss.detach()
         except RuntimeError as err:
             diagnosed = ddp_policy.diagnose(err)
             if diagnosed is None:
                 raise
             raise diagnosed from err
         return total
+
+    def _kill_worker_hook(self, grad: torch.Tensor) -> None:
+        """Fault injection: kill a DataLoader worker while the main thread is in backward."""
+        log.warning("fault injection: killed DataLoader worker %s during backward", self.stream.kill_a_worker())
+
+    def _oom_seen(self, where: str, micro: int) -> bool:
+        log.warning("out of memory in the %s of micro-step %d of step %d (micro-batch %d)", where, micro,
+                    self.step, self.sampler.batch_size)
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.env.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return True
+
+    def _halve_micro_batch(self, reason: str) -> tuple[int, int]:
+        b, a = self.sampler.batch_size, self.sampler.accumulation
+        if b == 1 or b % 2:
+            raise FatalError(f"{reason} at micro-batch {b}: cannot halve it further without changing the "
+                             f"effective batch; lower seq_len or the model size, or turn on gradient_checkpointing")
+        self.sampler.batch_size, self.sampler.accumulation = b // 2, a * 2
+        log.warning("%s: micro-batch %d -> %d, gradient accumulation %d -> %d (the effective batch stays %d)",
+                    reason, b, b // 2, a, a * 2, self.sampler.global_batch)
+        return b // 2, a * 2
 
     def optimizer_step(self, loss: torch.Tensor, *, stop: bool = False, preempt: bool = False):
         """Clip, agree with the other ranks, then step (or skip a non-finite step everywhere)."""
@@ -221,7 +304,8 @@ class DDPTrainer:
         nonfinite = (~torch.isfinite(grad_norm) | ~torch.isfinite(loss)) if not self.scaler.is_enabled() else False
         agreed = agree(loss=loss, world_size=self.env.world_size, distributed=self.env.distributed,
                        nonfinite=nonfinite, stop=stop, preempt=preempt)
-        if agreed.nonfinite:
+        skip = agreed.nonfinite if cfg.agree_nonfinite else bool(nonfinite)
+        if skip:
             self.optimizer.zero_grad(set_to_none=True)
             self.scaler.update()
             self._record_skip()
@@ -308,16 +392,22 @@ class DDPTrainer:
             with (PreemptionHandler() if on_main_thread else contextlib.nullcontext()) as preemption, \
                     GcPolicy(cfg.cleanup_interval, env.device) as gc_policy:
                 while not stop and self.sampler.epoch < cfg.num_epochs:
-                    batches = iter(self.loader)
-                    for _ in range(self.sampler.steps_remaining()):
+                    self.stream.start_epoch()
+                    while self.sampler.steps_remaining() > 0:
+                        self.watchdog.arm(self.step)
                         self.faults.fire_process_faults(self.step)
-                        micro = [next(batches) for _ in range(self.sampler.accumulation)]
-                        loss = self.forward_backward(micro)
+                        self.watchdog.beat(self.step)
+                        micro = self.stream.next_step()
+                        loss = self._forward_backward_with_retry(micro)
                         self._inject_nan()
                         agreed, lr, grad_norm = self.optimizer_step(
                             loss, preempt=preemption is not None and preemption.requested is not None)
                         indices = self.sampler.advance()
                         self.step += 1
+                        self.watchdog.disarm()
+                        if self.faults.due("ulp", self.step):
+                            log.warning("fault injection: %s nudged by one ulp",
+                                        fault_tools.nudge_one_ulp(self.raw_model))
                         step_tokens = sum(b[0].numel() for b in micro) * env.world_size
                         self.tokens_total += step_tokens
                         if samples_log is not None:
@@ -325,6 +415,7 @@ class DDPTrainer:
                                                           "indices": indices}) + "\n")
                         steps.record(agreed.loss, lr, grad_norm, step_tokens)
                         gc_policy.step(self.step)
+                        self._check_consistency()
                         epoch_ended = self.sampler.steps_remaining() == 0
                         if agreed.preempt:
                             self.save_checkpoint(blocking=True)
@@ -341,7 +432,7 @@ class DDPTrainer:
                             steps.val_loss = self._eval_and_log(metrics)
                         if stop:
                             break
-                    else:
+                    if not stop:
                         self.sampler.set_epoch(self.sampler.epoch + 1)
                         self.skipped_this_epoch = []
             if not preempted:
@@ -355,6 +446,29 @@ class DDPTrainer:
             if samples_log is not None:
                 samples_log.close()
         return self._finish(steps, preempted)
+
+    def _forward_backward_with_retry(self, micro: list) -> torch.Tensor:
+        """forward_backward, retrying the same samples with half the micro-batch after an agreed OOM."""
+        while True:
+            try:
+                return self.forward_backward(micro)
+            except MicroBatchOOM as err:
+                self._halve_micro_batch(str(err))
+                micro = self.stream.refetch_step()
+            except SyncedBackwardOOM as err:
+                b, a = self._halve_micro_batch(str(err))
+                resume.record_micro_batch(self.cfg.checkpoint_dir, b, a, str(err))
+                log.error("%s: the other ranks are inside DDP's all-reduce, so this rank exits; the restarted "
+                          "group resumes from the last checkpoint with micro-batch %d x %d", err, b, a)
+                raise
+
+    def _check_consistency(self) -> None:
+        interval = self.cfg.consistency_check_interval
+        if not (interval and self.env.distributed and self.step % interval == 0):
+            return
+        name = first_divergent(self.raw_model, self.env.device)
+        if name is not None:
+            raise FatalError(f"ranks diverged by step {self.step}: parameter {name!r} differs between ranks")
 
     def _eval_and_log(self, metrics: Metrics) -> float | None:
         val_loss = self.evaluate()
@@ -387,7 +501,9 @@ class DDPTrainer:
 
     def close(self) -> None:
         """Release the loader's workers and, if this trainer created it, the process group."""
-        if getattr(self, "loader", None) is not None and getattr(self.loader, "_iterator", None) is not None:
-            self.loader._iterator._shutdown_workers()
+        if getattr(self, "stream", None) is not None:
+            self.stream.shutdown()
+        if getattr(self, "watchdog", None) is not None:
+            self.watchdog.disarm()
         if self._owns_process_group:
             distributed.teardown()

@@ -1,0 +1,115 @@
+"""Run health: the cross-rank divergence check, and the hang watchdog with heartbeats."""
+
+from __future__ import annotations
+
+import faulthandler
+import logging
+import statistics
+import threading
+import time
+from collections import deque
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_MIX = 0x9E3779B97F4A7C15 - 2**64  # odd, as a signed int64
+
+
+def parameter_hashes(model: torch.nn.Module) -> torch.Tensor:
+    """One int64 per parameter: a position-weighted sum of the raw bits, so a 1-ulp change in
+    any element changes it (a float sum could round the difference away)."""
+    hashes = []
+    for p in model.parameters():
+        bits = p.detach().reshape(-1).view(_INT_VIEW[p.element_size()]).to(torch.int64)
+        weights = torch.arange(bits.numel(), dtype=torch.int64, device=bits.device) * _MIX + 1
+        hashes.append((bits * weights).sum())  # wraps modulo 2**64, deterministically
+    return torch.stack(hashes).cpu()
+
+
+def first_divergent(model: torch.nn.Module, device: torch.device) -> str | None:
+    """The first parameter whose bits differ between ranks, or None; one all-reduce (MAX of the
+    hashes and of their negations gives the maximum and the minimum at once)."""
+    hashes = parameter_hashes(model)
+    both = torch.cat([hashes, -hashes]).to(device)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX)
+    both = both.cpu()
+    n = hashes.numel()
+    differs = (both[:n] != -both[n:]).nonzero()
+    if differs.numel() == 0:
+        return None
+    names = [name for name, _ in model.named_parameters()]
+    return names[int(differs[0])]
+
+
+class Watchdog:
+    """A per-step deadline of max(step_timeout_s, factor x median step time), armed with
+    faulthandler so it fires even while a hung call holds the GIL: it dumps every thread's stack
+    to the rank's log and exits the process non-zero, so torchrun tears the group down or
+    restarts it. Each rank also writes a heartbeat (its step) to torchrun's store; a helper
+    thread names the ranks that stopped beating shortly before the deadline, which works on the
+    ranks waiting in a collective (they release the GIL)."""
+
+    def __init__(self, *, step_timeout_s: float, factor: float, log_file, rank: int, world_size: int,
+                 store=None):
+        self.minimum = step_timeout_s
+        self.factor = factor
+        self.log_file = log_file
+        self.rank = rank
+        self.world_size = world_size
+        self.store = store
+        self.durations: deque[float] = deque(maxlen=50)
+        self._armed_at: float | None = None
+        self._deadline = step_timeout_s
+        self._timer: threading.Timer | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.minimum > 0
+
+    def deadline(self) -> float:
+        median = statistics.median(self.durations) if self.durations else 0.0
+        return max(self.minimum, self.factor * median)
+
+    def beat(self, step: int) -> None:
+        """Record in the store that this rank got going on ``step``."""
+        if self.enabled and self.store is not None:
+            self.store.set(f"heartbeat/{self.rank}", f"{step} {time.time():.3f}")
+
+    def arm(self, step: int) -> None:
+        if not self.enabled:
+            return
+        self._deadline = self.deadline()
+        faulthandler.dump_traceback_later(self._deadline, exit=True, file=self.log_file)
+        self._armed_at = time.perf_counter()
+        if self.store is not None and self.world_size > 1:
+            self._timer = threading.Timer(max(0.1, self._deadline - 1.0), self._name_stragglers, args=(step,))
+            self._timer.daemon = True
+            self._timer.start()
+
+    def disarm(self) -> None:
+        if not self.enabled or self._armed_at is None:
+            return
+        faulthandler.cancel_dump_traceback_later()
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self.durations.append(time.perf_counter() - self._armed_at)
+        self._armed_at = None
+
+    def _name_stragglers(self, step: int) -> None:
+        behind = []
+        for r in range(self.world_size):
+            beat = (self.store.get(f"heartbeat/{r}").decode() if self.store.check([f"heartbeat/{r}"])
+                    else "-1 0").split()
+            if int(beat[0]) < step:
+                behind.append(f"rank {r} (last heartbeat at step {beat[0]}, {time.time() - float(beat[1]):.1f} s ago)")
+        if behind:
+            log.error("step %d is about to time out (%.1f s): straggler %s", step, self._deadline, "; ".join(behind))
+        else:
+            log.error("step %d is about to time out (%.1f s): every rank started it, none finished",
+                      step, self._deadline)
+        for handler in logging.getLogger().handlers:
+            handler.flush()

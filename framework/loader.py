@@ -1,0 +1,121 @@
+"""The stream of micro-batches, one optimizer step at a time, that survives DataLoader workers
+dying or timing out.
+
+PyTorch's SIGCHLD handler raises a worker's death at whatever bytecode the main thread happens
+to run, even in the optimizer step. This module replaces it with one that only sets a flag,
+or raises while the main thread is fetching a batch; the stream then rebuilds the loader and
+continues at the first sample not yet committed (the sampler's ``consumed``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from typing import Callable
+
+from torch.utils.data import DataLoader
+
+log = logging.getLogger(__name__)
+
+
+class LoaderFailure(RuntimeError):
+    """A DataLoader worker died, or a fetch timed out."""
+
+
+# The messages of the errors DataLoader raises for a dead or stuck worker.
+_LOADER_ERRORS = ("DataLoader worker", "DataLoader timed out", "exited unexpectedly")
+
+
+class BatchStream:
+    def __init__(self, make_loader: Callable[[], DataLoader], sampler, *, max_restarts: int):
+        self.make_loader = make_loader
+        self.sampler = sampler
+        self.max_restarts = max_restarts
+        self.restarts_this_epoch = 0
+        self.loader = make_loader()
+        self._it = None
+        self._child_exited = False
+        self._fetching = False
+
+    # --- workers -----------------------------------------------------------------------------
+    def worker_pids(self) -> list[int]:
+        workers = getattr(self._it, "_workers", None) or []  # DataLoader keeps them privately
+        return [w.pid for w in workers if w.pid is not None]
+
+    def _dead_workers(self) -> list[int]:
+        workers = getattr(self._it, "_workers", None) or []
+        return [w.pid for w in workers if not w.is_alive()]
+
+    def _on_sigchld(self, signum, frame) -> None:
+        self._child_exited = True
+        if self._fetching and self._dead_workers():
+            raise LoaderFailure(f"DataLoader worker(s) {self._dead_workers()} died")
+
+    def _install_sigchld_handler(self) -> None:
+        if self.loader.num_workers > 0 and hasattr(signal, "SIGCHLD"):
+            signal.signal(signal.SIGCHLD, self._on_sigchld)
+
+    # --- iteration ---------------------------------------------------------------------------
+    def start_epoch(self) -> None:
+        self.restarts_this_epoch = 0
+        self._start()
+
+    def _start(self) -> None:
+        self._it = iter(self.loader)  # the sampler starts at its ``consumed`` sample
+        self._install_sigchld_handler()
+
+    def restart(self, reason: str) -> None:
+        """Drop the current loader (and its workers) and continue at the first uncommitted sample."""
+        self.restarts_this_epoch += 1
+        if self.restarts_this_epoch > self.max_restarts:
+            raise LoaderFailure(f"{reason}; more than max_loader_restarts={self.max_restarts} loader restarts "
+                                f"in epoch {self.sampler.epoch}")
+        log.warning("%s: rebuilding the DataLoader (restart %d of %d this epoch), continuing at sample %d of "
+                    "epoch %d", reason, self.restarts_this_epoch, self.max_restarts, self.sampler.consumed,
+                    self.sampler.epoch)
+        self.shutdown()
+        self.loader = self.make_loader()
+        self.sampler.delivered.clear()
+        self._start()
+
+    def next_step(self) -> list:
+        """The micro-batches of the next optimizer step (``sampler.accumulation`` of them)."""
+        while True:
+            try:
+                if self._child_exited:
+                    self._child_exited = False
+                    if self._dead_workers():
+                        raise LoaderFailure(f"DataLoader worker(s) {self._dead_workers()} died")
+                self._fetching = True
+                try:
+                    return [next(self._it) for _ in range(self.sampler.accumulation)]
+                finally:
+                    self._fetching = False
+            except LoaderFailure as err:
+                self.restart(str(err))
+            except RuntimeError as err:
+                if not any(text in str(err) for text in _LOADER_ERRORS):
+                    raise
+                self.restart(str(err).splitlines()[0])
+
+    def refetch_step(self) -> list:
+        """Rebuild the iterator at the first uncommitted sample (after the micro-batch size
+        changed) and return the step's micro-batches again."""
+        self.sampler.delivered.clear()
+        self._start()
+        return self.next_step()
+
+    def kill_a_worker(self) -> int | None:
+        """Fault injection: SIGKILL this rank's first DataLoader worker."""
+        pids = self.worker_pids()
+        if not pids:
+            log.warning("fault injection: kill_worker, but this rank has no DataLoader workers")
+            return None
+        os.kill(pids[0], signal.SIGKILL)
+        return pids[0]
+
+    def shutdown(self) -> None:
+        if self._it is not None and hasattr(self._it, "_shutdown_workers"):
+            self._it._shutdown_workers()
+        self._it = None
