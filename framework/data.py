@@ -207,9 +207,12 @@ def eval_indices(num_samples: int, limit: int, world_size: int, rank: int) -> li
 
 
 def workers_per_rank(requested: int, local_world_size: int) -> int:
-    """Scale the node's workers down by the local ranks, leaving each rank one core of its own."""
+    """Scale the node's workers down by the local ranks, leaving each rank one core of its own;
+    at least one when any were asked for."""
+    if requested == 0:
+        return 0
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(0, min(requested, cores // local_world_size - 1))
+    return max(1, min(requested, cores // local_world_size - 1))
 
 
 def _seed_worker(worker_id: int) -> None:

@@ -48,9 +48,13 @@ class Watchdog:
     """A per-step deadline of max(step_timeout_s, factor x median step time), armed with
     faulthandler so it fires even while a hung call holds the GIL: it dumps every thread's stack
     to the rank's log and exits the process non-zero, so torchrun tears the group down or
-    restarts it. Each rank also writes a heartbeat (its step) to torchrun's store; a helper
-    thread names the ranks that stopped beating shortly before the deadline, which works on the
-    ranks waiting in a collective (they release the GIL)."""
+    restarts it.
+
+    Re-arming faulthandler costs a thread start, so it is re-armed only every quarter deadline,
+    with a third more slack: a hang is caught between 1 and 1.33 deadlines. A monitor thread
+    names the stragglers: on a rank that waits in a collective (which releases the GIL) it writes
+    this rank's heartbeat to torchrun's store once the step is slow, and shortly before the
+    deadline reports the ranks whose heartbeat is behind, i.e. the ones that never got there."""
 
     def __init__(self, *, step_timeout_s: float, factor: float, log_file, rank: int, world_size: int,
                  store=None):
@@ -61,9 +65,13 @@ class Watchdog:
         self.world_size = world_size
         self.store = store
         self.durations: deque[float] = deque(maxlen=50)
-        self._armed_at: float | None = None
+        self._step = -1
+        self._started: float | None = None
+        self._armed_at = -float("inf")
         self._deadline = step_timeout_s
-        self._timer: threading.Timer | None = None
+        self._reported = -1
+        self._monitor: threading.Thread | None = None
+        self._closed = threading.Event()
 
     @property
     def enabled(self) -> bool:
@@ -73,31 +81,43 @@ class Watchdog:
         median = statistics.median(self.durations) if self.durations else 0.0
         return max(self.minimum, self.factor * median)
 
-    def beat(self, step: int) -> None:
-        """Record in the store that this rank got going on ``step``."""
-        if self.enabled and self.store is not None:
-            self.store.set(f"heartbeat/{self.rank}", f"{step} {time.time():.3f}")
-
     def arm(self, step: int) -> None:
         if not self.enabled:
             return
-        self._deadline = self.deadline()
-        faulthandler.dump_traceback_later(self._deadline, exit=True, file=self.log_file)
-        self._armed_at = time.perf_counter()
-        if self.store is not None and self.world_size > 1:
-            self._timer = threading.Timer(max(0.1, self._deadline - 1.0), self._name_stragglers, args=(step,))
-            self._timer.daemon = True
-            self._timer.start()
+        now = time.perf_counter()
+        self._step, self._started = step, now
+        if now - self._armed_at > self._deadline / 4:
+            self._deadline = self.deadline()
+            faulthandler.dump_traceback_later(self._deadline * 4 / 3, exit=True, file=self.log_file)
+            self._armed_at = now
+        if self._monitor is None and self.store is not None and self.world_size > 1:
+            self._monitor = threading.Thread(target=self._watch, name="step-watchdog", daemon=True)
+            self._monitor.start()
 
     def disarm(self) -> None:
-        if not self.enabled or self._armed_at is None:
-            return
-        faulthandler.cancel_dump_traceback_later()
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        self.durations.append(time.perf_counter() - self._armed_at)
-        self._armed_at = None
+        if self._started is not None:
+            self.durations.append(time.perf_counter() - self._started)
+            self._started = None
+
+    def close(self) -> None:
+        self._closed.set()
+        self._started = None
+        if self.enabled:
+            faulthandler.cancel_dump_traceback_later()
+
+    def _watch(self) -> None:
+        beaten = -1
+        while not self._closed.wait(0.25):
+            started, step = self._started, self._step
+            if started is None:
+                continue
+            elapsed = time.perf_counter() - started
+            if elapsed > self._deadline / 4 and beaten != step:
+                self.store.set(f"heartbeat/{self.rank}", f"{step} {time.time():.3f}")
+                beaten = step
+            if elapsed > self._deadline * 0.75 and self._reported != step:
+                self._reported = step
+                self._name_stragglers(step)
 
     def _name_stragglers(self, step: int) -> None:
         behind = []
@@ -105,11 +125,10 @@ class Watchdog:
             beat = (self.store.get(f"heartbeat/{r}").decode() if self.store.check([f"heartbeat/{r}"])
                     else "-1 0").split()
             if int(beat[0]) < step:
-                behind.append(f"rank {r} (last heartbeat at step {beat[0]}, {time.time() - float(beat[1]):.1f} s ago)")
+                behind.append(f"rank {r} (last heartbeat at step {beat[0]})")
         if behind:
             log.error("step %d is about to time out (%.1f s): straggler %s", step, self._deadline, "; ".join(behind))
         else:
-            log.error("step %d is about to time out (%.1f s): every rank started it, none finished",
-                      step, self._deadline)
+            log.error("step %d is about to time out (%.1f s): every rank is stuck inside it", step, self._deadline)
         for handler in logging.getLogger().handlers:
             handler.flush()

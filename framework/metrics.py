@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import time
@@ -84,6 +85,17 @@ class StepLog:
             self.metrics.scalars(t.step, {f"memory/{k}": v for k, v in stats.items()})
             if in_use_gb(stats) > cfg.max_memory_gb:
                 log.warning("memory in use %.2f GiB exceeds max_memory_gb=%g", in_use_gb(stats), cfg.max_memory_gb)
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Time spent inside (evaluation) does not count as training time for tokens/s."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            spent = time.perf_counter() - start
+            self.start += spent
+            self.window_start += spent
 
     def wall_s(self) -> float:
         return time.perf_counter() - self.start

@@ -23,7 +23,7 @@ from .checkpoint import (FATAL, PREEMPTED, CheckpointError, CheckpointManager, a
                          atomic_write_bytes, clear_marker, model_sha256, read_marker, unwrap, write_marker)
 from .config import TrainConfig, as_dict, resolve_config
 from .control import agree
-from .data import (ResumableDistributedSampler, build_datasets, eval_indices, fetch, make_loader,
+from .data import (MarkovDataset, ResumableDistributedSampler, TokenWindows, build_datasets, eval_indices, fetch, make_loader,
                    workers_per_rank)
 from . import faults as fault_tools
 from .faults import FaultPlan
@@ -111,6 +111,7 @@ class DDPTrainer:
         self.amp = cfg.use_amp == "true" or (cfg.use_amp == "auto" and env.device.type == "cuda")
         self.amp_dtype = torch.bfloat16 if cfg.amp_dtype == "bf16" else torch.float16
         self.scaler = torch.amp.GradScaler(env.device.type, enabled=self.amp and self.amp_dtype == torch.float16)
+        self.params = [p for p in self.raw_model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.raw_model, lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
                                          betas=(cfg.beta1, cfg.beta2))
 
@@ -119,7 +120,10 @@ class DDPTrainer:
         if self.sampler.steps_per_epoch == 0:
             raise ValueError(f"dataset_size: {len(train_dataset)} training samples are fewer than one global "
                              f"batch of {self.sampler.global_batch} (batch_size x world_size x accumulation)")
-        self.num_workers = workers_per_rank(cfg.num_workers, env.local_world_size)
+        # The built-in datasets are in memory and batch in one vectorised read: a worker process
+        # would only add the cost of shipping each batch back (measured: ~1.5 ms a step on CPU).
+        in_memory = isinstance(train_dataset, (MarkovDataset, TokenWindows))
+        self.num_workers = 0 if in_memory else workers_per_rank(cfg.num_workers, env.local_world_size)
         self.stream = BatchStream(
             lambda: make_loader(train_dataset, self.sampler, num_workers=self.num_workers,
                                 pin_memory=cfg.pin_memory and env.device.type == "cuda",
@@ -295,11 +299,10 @@ class DDPTrainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.scaler.unscale_(self.optimizer)
-        params = [p for p in self.raw_model.parameters() if p.grad is not None]
+        grads = [p.grad for p in self.params if p.grad is not None]
+        grad_norm = torch.nn.utils.get_total_norm(grads)
         if cfg.grad_clip > 0:
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-        else:
-            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+            torch.nn.utils.clip_grads_with_norm_(self.params, cfg.grad_clip, grad_norm)
         # With a GradScaler, overflow is the scaler's to handle; otherwise a non-finite step is skipped.
         nonfinite = (~torch.isfinite(grad_norm) | ~torch.isfinite(loss)) if not self.scaler.is_enabled() else False
         agreed = agree(loss=loss, world_size=self.env.world_size, distributed=self.env.distributed,
@@ -396,7 +399,6 @@ class DDPTrainer:
                     while self.sampler.steps_remaining() > 0:
                         self.watchdog.arm(self.step)
                         self.faults.fire_process_faults(self.step)
-                        self.watchdog.beat(self.step)
                         micro = self.stream.next_step()
                         loss = self._forward_backward_with_retry(micro)
                         self._inject_nan()
@@ -429,12 +431,14 @@ class DDPTrainer:
                         if not stop and self._save_due(epoch_ended):
                             self.save_checkpoint()
                         if cfg.eval_interval and self.step % cfg.eval_interval == 0 and not stop:
-                            steps.val_loss = self._eval_and_log(metrics)
+                            with steps.paused():
+                                steps.val_loss = self._eval_and_log(metrics)
                         if stop:
                             break
                     if not stop:
                         self.sampler.set_epoch(self.sampler.epoch + 1)
                         self.skipped_this_epoch = []
+            self.watchdog.close()
             if not preempted:
                 if steps.loss is not None and cfg.target_loss > 0 and steps.loss <= cfg.target_loss:
                     log.info("target_loss %g reached at step %d (loss %.4f)", cfg.target_loss, self.step, steps.loss)
@@ -504,6 +508,6 @@ class DDPTrainer:
         if getattr(self, "stream", None) is not None:
             self.stream.shutdown()
         if getattr(self, "watchdog", None) is not None:
-            self.watchdog.disarm()
+            self.watchdog.close()
         if self._owns_process_group:
             distributed.teardown()
