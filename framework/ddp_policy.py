@@ -210,10 +210,12 @@ def decide(report: ProbeReport, *, static_graph: str, find_unused: str, checkpoi
 
 def wrap(model: nn.Module, device: torch.device, decision: Decision, *, bucket_cap_mb: float,
          gradient_as_bucket_view: bool, broadcast_buffers: bool) -> DDP:
+    # torch 2.13 deprecates broadcast_buffers (with a warning) but its replacement still syncs
+    # buffers at init, so the keyword is passed only when a user turns the broadcast off.
+    extra = {} if broadcast_buffers else {"broadcast_buffers": False}
     return DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
                static_graph=decision.static_graph, find_unused_parameters=decision.find_unused_parameters,
-               bucket_cap_mb=bucket_cap_mb, gradient_as_bucket_view=gradient_as_bucket_view,
-               broadcast_buffers=broadcast_buffers)
+               bucket_cap_mb=bucket_cap_mb, gradient_as_bucket_view=gradient_as_bucket_view, **extra)
 
 
 def warm_up(ddp_model: DDP, batch, loss_fn, autocast) -> None:

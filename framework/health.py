@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import faulthandler
 import logging
+import signal
 import statistics
 import threading
 import time
@@ -94,6 +95,13 @@ class Watchdog:
             self._monitor = threading.Thread(target=self._watch, name="step-watchdog", daemon=True)
             self._monitor.start()
 
+    def dump_on(self, signum: int) -> None:
+        """Also dump every thread's stack when ``signum`` arrives, from C, before the Python
+        handler runs: when torchrun tears the group down, a rank stuck while holding the GIL still
+        shows where it was."""
+        if self.enabled and self.log_file is not None:
+            faulthandler.register(signum, file=self.log_file, chain=True)
+
     def disarm(self) -> None:
         if self._started is not None:
             self.durations.append(time.perf_counter() - self._started)
@@ -104,6 +112,8 @@ class Watchdog:
         self._started = None
         if self.enabled:
             faulthandler.cancel_dump_traceback_later()
+            for signum in (signal.SIGTERM,):
+                faulthandler.unregister(signum)
 
     def _watch(self) -> None:
         beaten = -1

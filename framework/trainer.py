@@ -9,6 +9,7 @@ import itertools
 import json
 import logging
 import os
+import signal
 import threading
 from pathlib import Path
 from typing import Any, Callable
@@ -219,10 +220,10 @@ class DDPTrainer:
         """Accumulate gradients over ``micro_batches``; only the last backward all-reduces.
         Returns this rank's mean loss over them as a (device) tensor.
 
-        With oom_recovery, an out-of-memory error in any forward or in a no_sync() backward is
-        agreed on by all ranks (one small all-reduce between the last forward and the synced
-        backward) and raised as MicroBatchOOM everywhere; one inside the synced backward is
-        SyncedBackwardOOM, because the other ranks are then already inside DDP's all-reduce."""
+        With oom_recovery, an out-of-memory error in a no_sync() micro-step is agreed on by all
+        ranks (one small all-reduce before the last micro-step) and raised as MicroBatchOOM
+        everywhere; one in the last (synced) micro-step is SyncedBackwardOOM, because the other
+        ranks are then already inside DDP's all-reduce. In one process every OOM is retried."""
         n = len(micro_batches)
         total = torch.zeros((), device=self.env.device)
         agree_oom = self.oom_recovery and self.env.distributed
@@ -232,32 +233,30 @@ class DDPTrainer:
                 last = i == n - 1
                 inputs, targets = self._to_device(batch)
                 sync = last or not isinstance(self.model, DDP)
+                if last and agree_oom:
+                    # Before the last forward: DDP's synced forward prepares its reducer, so every
+                    # rank must either run it or skip it.
+                    oom = agree(loss=total, world_size=1, distributed=True, oom=oom).oom
+                if oom:
+                    if last or not agree_oom:
+                        raise MicroBatchOOM(f"out of memory at step {self.step}")
+                    continue
                 with contextlib.nullcontext() if sync else self.model.no_sync():
-                    loss = None
-                    if not oom:
-                        try:
-                            hook = (fault_tools.oom_on_backward_of(fault_tools.middle_module(self.raw_model))
-                                    if self.faults.due("oom", self.step, i, n - 1) else None)
-                            with self._autocast():
-                                loss = self.loss_fn(self.model(inputs), targets) / n
-                            if hook is not None:
-                                hook.remove()
-                            if last and self.faults.due("kill_worker", self.step):
-                                loss.register_hook(self._kill_worker_hook)
-                        except torch.OutOfMemoryError:
-                            oom = self._oom_seen("forward", i)
-                    if last and agree_oom:
-                        oom = agree(loss=total, world_size=1, distributed=True, oom=oom).oom
-                    if oom:
-                        if last or not agree_oom:
-                            raise MicroBatchOOM(f"out of memory at step {self.step}")
-                        continue
                     try:
+                        hook = (fault_tools.oom_on_backward_of(fault_tools.middle_module(self.raw_model))
+                                if self.faults.due("oom", self.step, i, n - 1) else None)
+                        with self._autocast():
+                            loss = self.loss_fn(self.model(inputs), targets) / n
+                        if hook is not None:
+                            hook.remove()
+                        if last and self.faults.due("kill_worker", self.step):
+                            loss.register_hook(self._kill_worker_hook)
                         self.scaler.scale(loss).backward()
                     except torch.OutOfMemoryError:
                         if last and self.env.distributed:
-                            raise SyncedBackwardOOM(f"out of memory in the synced backward of step {self.step}")
-                        oom = self._oom_seen("backward", i)
+                            raise SyncedBackwardOOM(f"out of memory in the synced forward/backward of step "
+                                                    f"{self.step}") from None
+                        oom = self._oom_seen(i)
                         if not agree_oom:
                             raise MicroBatchOOM(f"out of memory at step {self.step}") from None
                         continue
@@ -273,8 +272,8 @@ class DDPTrainer:
         """Fault injection: kill a DataLoader worker while the main thread is in backward."""
         log.warning("fault injection: killed DataLoader worker %s during backward", self.stream.kill_a_worker())
 
-    def _oom_seen(self, where: str, micro: int) -> bool:
-        log.warning("out of memory in the %s of micro-step %d of step %d (micro-batch %d)", where, micro,
+    def _oom_seen(self, micro: int) -> bool:
+        log.warning("out of memory in micro-step %d of step %d (micro-batch %d)", micro,
                     self.step, self.sampler.batch_size)
         self.optimizer.zero_grad(set_to_none=True)
         if self.env.device.type == "cuda":
@@ -394,6 +393,8 @@ class DDPTrainer:
         try:
             with (PreemptionHandler() if on_main_thread else contextlib.nullcontext()) as preemption, \
                     GcPolicy(cfg.cleanup_interval, env.device) as gc_policy:
+                if preemption is not None:
+                    self.watchdog.dump_on(signal.SIGTERM)
                 while not stop and self.sampler.epoch < cfg.num_epochs:
                     self.stream.start_epoch()
                     while self.sampler.steps_remaining() > 0:
@@ -457,6 +458,7 @@ class DDPTrainer:
             try:
                 return self.forward_backward(micro)
             except MicroBatchOOM as err:
+                self.optimizer.zero_grad(set_to_none=True)  # every rank: some hold finished micro-steps
                 self._halve_micro_batch(str(err))
                 micro = self.stream.refetch_step()
             except SyncedBackwardOOM as err:

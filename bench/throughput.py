@@ -1,0 +1,415 @@
+#!/usr/bin/env python3
+"""Training throughput of DDPTrainer against a bare PyTorch loop, on CPU, in one run.
+
+Model and data: configs/nanogpt_shakespeare_char.toml (GPT, 4 layers, 4 heads, hidden 128,
+seq_len 64, dropout 0, AdamW, grad clip 1.0) on data/tinyshakespeare.txt, batch 12 per rank for
+every variant. Every process runs one compute thread (OMP_NUM_THREADS=1, torch.set_num_threads(1)).
+
+Variants, each in fresh processes:
+  (a) DDPTrainer, 1 process                        (as users run it: logging, TensorBoard,
+  (c) DDPTrainer, 2 processes under torchrun        per-step control all-reduce, default loader)
+  (b) bare loop, 1 process                         (framework.model.GPT + lm_loss, the framework's
+  (d) bare loop in torch DDP (gloo), 2 processes    AdamW, clip 1.0, same LR schedule; batches
+                                                    indexed straight out of the same token array)
+  (e) two copies of (b) at once, no communication: the 2-process ceiling of this machine
+      (sum of their tokens/s over the time both were running).
+(c) and (d) use the same launch: torchrun, c10d rendezvous on a free port, GLOO_SOCKET_IFNAME=lo.
+
+Timing, the same for every variant: each process records time.perf_counter() at the end of every
+optimizer step (for DDPTrainer by wrapping the instance's ``optimizer_step``, which changes
+nothing else; for the bare loop right after ``zero_grad``). The first ``--warmup`` steps are
+excluded; tokens/s = steps * global tokens per step / (stamp[warmup + steps - 1] - stamp[warmup - 1]),
+so the window holds exactly ``steps`` whole loop iterations, data loading, logging, TensorBoard,
+memory checks and GC included, and excludes start-up, the first steps, the final evaluation and
+the final checkpoint. For DDPTrainer, eval_interval is set to 0 (evaluation is not training
+throughput; the bare loop has none) and eval_steps to 1 (the final evaluation runs after the
+timed window and only costs wall time); everything else is the config file's. DDPTrainer's own
+summary tokens_per_sec (which includes start-up and warm-up steps) is shown for reference.
+
+(a) and (b) are interleaved and repeated (b a b a ...), as are (c) and (d), to spread the drift
+of this shared machine over both; the median of the repeats is reported. Results are printed as a
+table with the ratios a/b, c/d, c/a, d/b, e/b and written to bench/results/throughput.json.
+
+usage: python bench/throughput.py [--quick] [--steps N] [--warmup N] [--repeats N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import dataclasses
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+CONFIG = ROOT / "configs" / "nanogpt_shakespeare_char.toml"
+RESULTS = ROOT / "bench" / "results" / "throughput.json"
+SCRIPT = Path(__file__).resolve()
+
+
+# ============================================================================ worker side ====
+def load_cfg(workdir: Path, total_steps: int):
+    from framework.config import build_config, load_config_file
+    values = load_config_file(CONFIG)
+    values.update(max_steps=total_steps, eval_interval=0, eval_steps=1, tensorboard=True,
+                  log_dir=str(workdir / "logs"), checkpoint_dir=str(workdir / "checkpoints"))
+    return build_config(values, env={})
+
+
+class Clock:
+    """End-of-step stamps: wall (perf_counter, CLOCK_MONOTONIC, comparable across processes) and
+    the training thread's CPU time (thread_time), which other load on the machine barely moves."""
+
+    def __init__(self):
+        self.wall: list[float] = []
+        self.cpu: list[float] = []
+
+    def tick(self) -> None:
+        self.wall.append(time.perf_counter())
+        self.cpu.append(time.thread_time())
+
+
+def run_framework(cfg, clock: Clock) -> dict:
+    from framework.trainer import DDPTrainer
+    trainer = DDPTrainer(cfg)
+    step = trainer.optimizer_step
+
+    def timed_step(*args, **kwargs):
+        out = step(*args, **kwargs)
+        clock.tick()
+        return out
+
+    trainer.optimizer_step = timed_step  # instance attribute: _train() calls it, nothing else changes
+    summary = trainer.train()
+    return {"loader_workers": trainer.num_workers, "world_size": trainer.env.world_size,
+            "rank": trainer.env.rank, "self_reported_tokens_per_sec": summary["tokens_per_sec"],
+            "tokens_per_step": cfg.batch_size * cfg.seq_len * trainer.env.world_size}
+
+
+def run_bare(cfg, clock: Clock, seed_offset: int = 0) -> dict:
+    """The bare loop: same model, loss, optimizer, schedule and clip; batches indexed from the
+    same token array; torch DDP when launched by torchrun with WORLD_SIZE > 1."""
+    import torch
+    import torch.distributed as dist
+    from framework.data import build_datasets
+    from framework.model import GPT, GPTConfig, lm_loss
+    from framework.optim import build_optimizer, lr_at
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if world > 1:
+        dist.init_process_group("gloo")
+    rank = dist.get_rank() if world > 1 else 0
+    bundle = build_datasets(cfg)
+    cfg = dataclasses.replace(cfg, vocab_size=bundle.vocab_size)
+    data = torch.from_numpy(bundle.train.tokens.astype("int64"))  # the framework's train tokens
+    torch.manual_seed(cfg.seed)
+    raw = GPT(GPTConfig.from_train_config(cfg))
+    model = torch.nn.parallel.DistributedDataParallel(raw) if world > 1 else raw
+    opt = build_optimizer(raw, lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
+                          betas=(cfg.beta1, cfg.beta2))
+    gen = torch.Generator().manual_seed(cfg.seed + 1 + rank + 100 * seed_offset)
+    offsets = torch.arange(cfg.seq_len + 1)
+    B, T = cfg.batch_size, cfg.seq_len
+    model.train()
+    for step in range(cfg.max_steps):
+        lr = lr_at(step, lr=cfg.learning_rate, warmup_steps=cfg.warmup_steps,
+                   total_steps=cfg.max_steps, min_lr=cfg.min_lr)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        ix = torch.randint(len(data) - T - 1, (B,), generator=gen)
+        rows = data[ix[:, None] + offsets]
+        loss = lm_loss(model(rows[:, :-1]), rows[:, 1:])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(raw.parameters(), cfg.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        clock.tick()
+        if (step + 1) % cfg.log_interval == 0 and rank == 0:
+            print(f"step {step + 1} loss {loss.item():.4f}", flush=True)
+    if world > 1:
+        dist.destroy_process_group()
+    return {"loader_workers": 0, "world_size": world, "rank": rank,
+            "self_reported_tokens_per_sec": None, "tokens_per_step": B * T * world}
+
+
+def worker_main(args) -> None:
+    import torch
+    torch.set_num_threads(1)
+    workdir = Path(args.workdir)
+    cfg = load_cfg(workdir, args.warmup + args.steps)
+    clock = Clock()
+    if args.worker == "framework":
+        info = run_framework(cfg, clock)
+    else:
+        info = run_bare(cfg, clock, args.copy)
+    if info["rank"] == 0:
+        info.update(stamps=clock.wall, cpu_stamps=clock.cpu, warmup=args.warmup, steps=args.steps,
+                    threads=torch.get_num_threads())
+        Path(args.result).write_text(json.dumps(info))
+
+
+# ====================================================================== orchestrator side ====
+CHILDREN: list[subprocess.Popen] = []
+
+
+def kill_children() -> None:
+    """Terminate every process this script started and their descendants (torchrun's ranks,
+    DataLoader workers), by pid: SIGTERM, then SIGKILL for what is left after 10 s."""
+    import psutil
+    procs = []
+    for child in CHILDREN:
+        if child.poll() is None:
+            try:
+                top = psutil.Process(child.pid)
+                procs += [top] + top.children(recursive=True)
+            except psutil.NoSuchProcess:
+                pass
+    for p in procs:
+        try:
+            p.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=10)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    for child in CHILDREN:
+        try:
+            child.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+    CHILDREN.clear()
+
+
+def _on_signal(signum, frame):
+    kill_children()
+    sys.exit(128 + signum)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def child_env() -> dict:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("DDP_") and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                                                     "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")}
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo",
+               PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""))
+    return env
+
+
+def start(kind: str, nproc: int, tmp: Path, name: str, args, copy: int = 0):
+    workdir = tmp / name
+    workdir.mkdir(parents=True)
+    result = workdir / "result.json"
+    cmd = [sys.executable]
+    if nproc > 1:
+        cmd += ["-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
+                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}"]
+    cmd += [str(SCRIPT), "--worker", kind, "--steps", str(args.steps), "--warmup", str(args.warmup),
+            "--workdir", str(workdir), "--result", str(result), "--copy", str(copy)]
+    log = open(workdir / "output.log", "w")
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(), stdout=log, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL)
+    log.close()
+    CHILDREN.append(proc)
+    return proc, result, workdir / "output.log"
+
+
+def finish(proc, result: Path, log: Path, name: str, timeout: float) -> dict:
+    try:
+        rc = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_children()
+        raise SystemExit(f"{name}: no result after {timeout:.0f} s; output:\n{log.read_text()[-3000:]}")
+    CHILDREN.remove(proc)
+    if rc != 0 or not result.is_file():
+        raise SystemExit(f"{name}: exit code {rc}; output:\n{log.read_text()[-3000:]}")
+    return json.loads(result.read_text())
+
+
+def rate(res: dict) -> float:
+    s, w = res["stamps"], res["warmup"]
+    return res["steps"] * res["tokens_per_step"] / (s[-1] - s[w - 1])
+
+
+def run_variant(kind: str, nproc: int, tmp: Path, name: str, args) -> dict:
+    t0 = time.perf_counter()
+    res = finish(*start(kind, nproc, tmp, name, args), name, args.timeout)
+    res["tokens_per_sec"] = rate(res)
+    res["ms_per_step"] = 1000 * (res["stamps"][-1] - res["stamps"][res["warmup"] - 1]) / res["steps"]
+    res["cpu_ms_per_step"] = 1000 * (res["cpu_stamps"][-1] - res["cpu_stamps"][res["warmup"] - 1]) / res["steps"]
+    print(f"  {name:<14} {res['tokens_per_sec']:>9.0f} tok/s  {res['ms_per_step']:6.2f} ms/step  {res['cpu_ms_per_step']:6.2f} cpu ms/step  "
+          f"(process wall {time.perf_counter() - t0:.1f} s)", flush=True)
+    return res
+
+
+def run_concurrent_pair(tmp: Path, name: str, args) -> dict:
+    """(e): two bare single-process copies at once; sums their rates over the interval in which
+    both were past warm-up and still stepping (perf_counter is CLOCK_MONOTONIC, shared by processes)."""
+    t0 = time.perf_counter()
+    started = [start("bare", 1, tmp, f"{name}_{i}", args, copy=i) for i in range(2)]
+    results = [finish(*s, name, args.timeout) for s in started]
+    lo = max(r["stamps"][r["warmup"] - 1] for r in results)
+    hi = min(r["stamps"][-1] for r in results)
+    if hi - lo < 0.5 * min(r["stamps"][-1] - r["stamps"][r["warmup"] - 1] for r in results):
+        print("  warning: the two copies overlapped for less than half their timed window")
+    rates = [sum(lo < t <= hi for t in r["stamps"]) * r["tokens_per_step"] / (hi - lo) for r in results]
+    total = sum(rates)
+    print(f"  {name:<14} {total:>9.0f} tok/s  = {rates[0]:.0f} + {rates[1]:.0f} over {hi - lo:.1f} s shared "
+          f"(process wall {time.perf_counter() - t0:.1f} s)", flush=True)
+    return {"tokens_per_sec": total, "per_copy_tokens_per_sec": rates, "overlap_s": hi - lo,
+            "loader_workers": 0, "ms_per_step": None, "cpu_ms_per_step": None,
+            "self_reported_tokens_per_sec": None}
+
+
+def busy_fraction(seconds: float = 2.0) -> float:
+    """Fraction of all cores busy over ``seconds`` (from /proc/stat; 1-min load average elsewhere)."""
+    def sample():
+        with open("/proc/stat") as f:
+            values = [int(v) for v in f.readline().split()[1:8]]
+        return sum(values), values[3] + values[4]
+    try:
+        total0, idle0 = sample()
+        time.sleep(seconds)
+        total1, idle1 = sample()
+    except OSError:
+        return os.getloadavg()[0] / (os.cpu_count() or 1)
+    return 1.0 - (idle1 - idle0) / max(1, total1 - total0)
+
+
+def git_state() -> dict:
+    """The commit and whether framework/ had uncommitted edits (it changes under other people's hands)."""
+    def git(*cmd):
+        out = subprocess.run(["git", *cmd], cwd=ROOT, capture_output=True, text=True)
+        return out.stdout.strip() if out.returncode == 0 else None
+    status = git("status", "--porcelain", "--", "framework")
+    return {"commit": git("rev-parse", "HEAD"), "framework_dirty": bool(status) if status is not None else None}
+
+
+def orchestrate(args) -> int:
+    atexit.register(kill_children)
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
+    import torch
+    cores = len(os.sched_getaffinity(0))
+    load_before = os.getloadavg()
+    busy_before = busy_fraction()
+    print(f"torch {torch.__version__}, {cores} cores; warm-up {args.warmup} steps, timed {args.steps} "
+          f"steps, {args.repeats} repeat(s) of a/b and c/d; CPU busy before start {busy_before:.0%}", flush=True)
+    if busy_before > 0.1:
+        print("  note: other processes are using this machine; expect noisy numbers", flush=True)
+    runs: dict[str, list[dict]] = {k: [] for k in "abcde"}
+    with tempfile.TemporaryDirectory(prefix="bench_throughput_") as tmpdir:
+        tmp = Path(tmpdir)
+        plan = {"b": ("bare", 1), "a": ("framework", 1), "d": ("bare", 2), "c": ("framework", 2)}
+        for pair in ("ba", "dc"):  # interleaved: b a b a ..., then d c d c ...
+            for i in range(args.repeats):
+                for k in pair:
+                    if k in args.variants:
+                        kind, nproc = plan[k]
+                        runs[k].append(run_variant(kind, nproc, tmp, f"{k}{i}_{kind}_{nproc}p", args))
+        if "e" in args.variants:
+            runs["e"].append(run_concurrent_pair(tmp, "e_2x_bare", args))
+        kill_children()
+
+    labels = {"a": ("DDPTrainer", 1), "b": ("bare loop", 1), "c": ("DDPTrainer torchrun", 2),
+              "d": ("bare loop torch DDP", 2), "e": ("2 x bare loop, no comm", 2)}
+    labels = {k: v for k, v in labels.items() if runs[k]}
+    runs = {k: v for k, v in runs.items() if v}
+    med = {k: statistics.median(r["tokens_per_sec"] for r in v) for k, v in runs.items()}
+    print()
+    print(f"{'variant':<30} {'procs':>5} {'loader':>6} {'tok/s (median)':>15} {'ms/step':>8} {'cpu ms':>7} "
+          f"{'runs tok/s':>20} {'self-reported':>13}")
+    for k, (label, nproc) in labels.items():
+        v = runs[k]
+        ms = [r["ms_per_step"] for r in v if r["ms_per_step"]]
+        selfrep = [r["self_reported_tokens_per_sec"] for r in v if r["self_reported_tokens_per_sec"]]
+        ms_text = f"{statistics.median(ms):.2f}" if ms else "-"
+        cpu = [r["cpu_ms_per_step"] for r in v if r["cpu_ms_per_step"]]
+        cpu_text = f"{statistics.median(cpu):.2f}" if cpu else "-"
+        runs_text = " ".join(f"{r['tokens_per_sec']:.0f}" for r in v)
+        self_text = f"{statistics.median(selfrep):.0f}" if selfrep else "-"
+        print(f"({k}) {label:<26} {nproc:>5} {v[0]['loader_workers']:>6} {med[k]:>15.0f} "
+              f"{ms_text:>8} {cpu_text:>7} {runs_text:>20} {self_text:>13}")
+    print("  loader = DataLoader worker processes per rank (DDPTrainer: its default num_workers=4, "
+          "scaled by workers_per_rank);\n"
+          "  cpu ms = training thread's CPU time per step (rank 0; excludes loader workers and gloo threads);\n"
+          "  self-reported = DDPTrainer's summary tokens_per_sec (includes start-up and warm-up steps)")
+    ratios = {name: med[name[0]] / med[name[2]] for name in ("a/b", "c/d", "c/a", "d/b", "e/b")
+              if name[0] in med and name[2] in med}
+    targets = {"a/b": 0.97, "c/d": 0.97}
+    print()
+    for name, value in ratios.items():
+        note = (f"  (target >= {targets[name]}: {'met' if value >= targets[name] else 'NOT met'})"
+                if name in targets else "")
+        print(f"{name} = {value:.3f}{note}")
+
+    out = {
+        "description": "training tokens/s, global over ranks; see bench/throughput.py docstring",
+        "quick": args.quick, "torch": torch.__version__, "cores": cores, "config": str(CONFIG.relative_to(ROOT)),
+        "git": git_state(),
+        "cpu_busy_before_start": busy_before,
+        "load_average_1min": {"before": load_before[0], "after": os.getloadavg()[0]},
+        "variants_run": args.variants, "warmup_steps": args.warmup, "timed_steps": args.steps, "repeats": args.repeats,
+        "threads_per_process": 1, "batch_size_per_rank": 12, "seq_len": 64,
+        "variants": {k: {"label": labels[k][0], "processes": labels[k][1], "median_tokens_per_sec": med[k],
+                         "loader_workers_per_rank": runs[k][0]["loader_workers"],
+                         "runs": [{key: r.get(key) for key in ("tokens_per_sec", "ms_per_step", "cpu_ms_per_step",
+                                                               "self_reported_tokens_per_sec",
+                                                               "per_copy_tokens_per_sec", "overlap_s")
+                                   if r.get(key) is not None} for r in runs[k]]}
+                     for k in labels},
+        "ratios": ratios,
+        "targets_met": {name: ratios[name] >= t for name, t in targets.items() if name in ratios},
+    }
+    dest = Path(args.out)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp_path = dest.with_name(dest.name + ".tmp")
+    tmp_path.write_text(json.dumps(out, indent=2) + "\n")
+    os.replace(tmp_path, dest)
+    print(f"\nwrote {dest}")
+    return 0
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="short smoke run (few steps, one repeat)")
+    p.add_argument("--steps", type=int, help="timed steps per run (default 150; 30 with --quick)")
+    p.add_argument("--warmup", type=int, help="untimed warm-up steps per run (default 20; 5 with --quick)")
+    p.add_argument("--repeats", type=int, help="interleaved repeats of a/b and c/d (default 3; 1 with --quick)")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds allowed per variant run")
+    p.add_argument("--variants", default="abcde", help="subset of abcde to run (default: all)")
+    p.add_argument("--out", default=str(RESULTS), help="JSON output path")
+    # worker mode (internal)
+    p.add_argument("--worker", choices=["framework", "bare"], help=argparse.SUPPRESS)
+    p.add_argument("--workdir", help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    p.add_argument("--copy", type=int, default=0, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    args.steps = args.steps or (30 if args.quick else 150)
+    args.warmup = args.warmup or (5 if args.quick else 20)
+    args.repeats = args.repeats or (1 if args.quick else 3)
+    if args.worker:
+        worker_main(args)
+        return 0
+    return orchestrate(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

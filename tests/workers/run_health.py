@@ -1,0 +1,115 @@
+"""Run under torchrun with 2 ranks: the run-health cases that need no restart, one after another
+in the same process group. Each case's outcome goes into result_rank{r}.json for
+tests/test_run_health.py."""
+
+from __future__ import annotations
+
+import os
+import traceback
+
+import psutil
+import torch
+import torch.distributed as dist
+from torch.utils.data import Dataset
+
+from tests.dist_helper import register_worker, write_result
+
+BASE = dict(vocab_size=32, hidden_size=32, num_layers=2, num_heads=2, seq_len=16, dataset_size=128,
+            batch_size=4, dropout=0.0, num_workers=0, tensorboard=False, eval_interval=0, eval_steps=2,
+            target_loss=0.0, seed=3, learning_rate=2e-3, max_steps=10, log_interval=1, resume="none",
+            consistency_check_interval=2, record_samples=True)
+
+CASES = {
+    # NaN in rank 1's gradients after DDP's all-reduce: both ranks skip the step.
+    "nan_skip": dict(fault_inject="nan@step=4,rank=1"),
+    # The same without the agreement: rank 1 skips alone, and the divergence check catches it.
+    "nan_no_agreement": dict(fault_inject="nan@step=4,rank=1", agree_nonfinite=False),
+    # One ulp on one rank, caught by the next check (interval 2: step 6 after the nudge at 5).
+    "ulp": dict(fault_inject="ulp@step=5,rank=1"),
+    # OOM in the backward of a no_sync() micro-step: agreed, micro-batch halved, step retried.
+    "oom_no_sync": dict(fault_inject="oom@step=3,rank=1,micro=0", gradient_accumulation_steps=2,
+                        oom_recovery="true"),
+    "oom_no_sync_reference": dict(batch_size=2, gradient_accumulation_steps=4),
+    # A DataLoader worker SIGKILLed while the main thread is in backward.
+    "kill_worker": dict(fault_inject="kill_worker@step=3,rank=0", num_workers=1, dataset="plain"),
+    # The naive tiled MLP (backward per chunk) desynchronises the ranks silently; the check sees it.
+    "naive_tiled": dict(model="naive_tiled", ddp_static_graph="false", find_unused_parameters="false"),
+}
+
+
+class PlainTokens(Dataset):
+    """The synthetic data as a plain map-style dataset (no batched read), so it goes through
+    DataLoader worker processes."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __len__(self):
+        return len(self.inner)
+
+    def __getitem__(self, i):
+        return self.inner[i]
+
+
+def run_case(name, overrides, out_dir, rank):
+    from framework.data import build_datasets
+    from framework.config import resolve_config
+    from framework.trainer import DDPTrainer
+
+    overrides = dict(overrides)
+    dataset = overrides.pop("dataset", None)
+    model_kind = overrides.pop("model", None)
+    cfg = {**BASE, **overrides, "log_dir": str(out_dir / name / "logs"),
+           "checkpoint_dir": str(out_dir / name / "ck")}
+    kwargs = {}
+    if dataset == "plain":
+        bundle = build_datasets(resolve_config(cfg))
+        kwargs = dict(train_dataset=PlainTokens(bundle.train), val_dataset=bundle.val)
+    if model_kind == "naive_tiled":
+        from tests.workers.failure_matrix import TiledMLPNet, sequences
+        torch.manual_seed(BASE["seed"])
+        data = sequences()
+        kwargs = dict(model=TiledMLPNet("naive", 4, False), train_dataset=data, val_dataset=None,
+                      loss_fn=torch.nn.functional.mse_loss)
+    trainer = DDPTrainer(cfg, **kwargs)
+    worker_pids = []
+    if dataset == "plain":
+        original = trainer.stream.kill_a_worker
+
+        def kill_and_remember():
+            pid = original()
+            worker_pids.append(pid)
+            return pid
+        trainer.stream.kill_a_worker = kill_and_remember
+    out = {}
+    try:
+        out["summary"] = trainer.train()
+    except Exception as err:  # the case's outcome, asserted by the test
+        out["error"] = f"{type(err).__name__}: {err}"
+        out["traceback"] = traceback.format_exc()
+    out["killed_worker_pids"] = worker_pids
+    out["killed_alive"] = [psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+                           for p in worker_pids]
+    out["steps_per_epoch"] = trainer.sampler.steps_per_epoch
+    out["micro_batch"] = [trainer.sampler.batch_size, trainer.sampler.accumulation]
+    return out
+
+
+def main():
+    out_dir = register_worker()
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    results = {}
+    for name, overrides in CASES.items():
+        try:
+            results[name] = run_case(name, overrides, out_dir, rank)
+        except Exception as err:  # recorded per case so one failure does not hide the others
+            results[name] = {"setup_error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()}
+        dist.barrier()
+    write_result(out_dir, rank, {"cases": results})
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()
