@@ -79,8 +79,8 @@ def setup(backend: str = "auto", timeout_s: float = 600.0, *, rank: int | None =
                                 store=restart_safe_store(world_size, timeout))
     else:
         chosen = dist.get_backend()
-    log.info("process group up: backend=%s rank=%d/%d local_rank=%d device=%s",
-             chosen, rank, world_size, local_rank, device)
+    log.info("process group up: backend=%s rank=%d/%d local_rank=%d device=%s TORCH_DISTRIBUTED_DEBUG=%s",
+             chosen, rank, world_size, local_rank, device, os.environ.get("TORCH_DISTRIBUTED_DEBUG", "OFF"))
     return DistEnv(rank, local_rank, world_size, local_world_size, device, chosen)
 
 

@@ -70,6 +70,8 @@ class StepLog:
         self.tokens += tokens
         self.window_tokens += tokens
         self.metrics.progress(loss)
+        log.debug("step %d: loss %.6f lr %.3e micro-batch %d x %d", t.step, loss, lr, t.sampler.batch_size,
+                  t.sampler.accumulation)
         if t.step % cfg.log_interval == 0:
             now = time.perf_counter()
             tps = self.window_tokens / (now - self.window_start)

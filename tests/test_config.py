@@ -147,3 +147,15 @@ def test_readme_config_table_matches_docstrings():
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     table = readme.split("<!-- config-table:start -->\n")[1].split("\n<!-- config-table:end -->")[0]
     assert table == markdown_table()
+
+
+def test_operator_overrides_for_ddp_settings():
+    cfg = build_config(env={"DDP_STATIC_GRAPH": "1", "DDP_FIND_UNUSED_PARAMETERS": "0"})
+    assert (cfg.ddp_static_graph, cfg.find_unused_parameters) == ("true", "false")
+
+
+def test_fault_inject_spec_is_validated(capsys):
+    code, _, err = run_main(["--fault-inject", "explode@step=3"], capsys)
+    assert code == 2 and "unknown kind 'explode'" in err
+    code, _, err = run_main(["--fault-inject", "nan@rank=1"], capsys)
+    assert code == 2 and "needs step=N" in err

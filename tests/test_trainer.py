@@ -85,3 +85,43 @@ def test_bad_dict_config_raises_config_error(tmp_path):
 def test_dataset_smaller_than_global_batch(tmp_path):
     with pytest.raises(ValueError, match="fewer than one global batch"):
         DDPTrainer(tiny(tmp_path, dataset_size=4))
+
+
+def test_preempt_and_resume_in_one_process_is_bit_exact(tmp_path):
+    base = tiny(tmp_path, max_steps=12, save_every_steps=4, dropout=0.1, deterministic=True)
+    whole = DDPTrainer({**base, "checkpoint_dir": str(tmp_path / "whole"), "resume": "none"}).train()
+    first = DDPTrainer({**base, "fault_inject": "sigterm@step=5"}).train()
+    assert first["preempted"] and first["steps"] == 6
+    second = DDPTrainer(base).train()
+    assert second["steps"] == 12 and not second["preempted"]
+    assert second["model_sha256"] == whole["model_sha256"]
+
+
+def test_oom_at_micro_batch_1_is_a_clear_error(tmp_path):
+    from framework.trainer import FatalError
+    with pytest.raises(FatalError, match="cannot halve it further"):
+        DDPTrainer(tiny(tmp_path, batch_size=1, max_steps=3, oom_recovery="true", fault_inject="oom@step=1")).train()
+    assert "FatalError" in (tmp_path / "ck" / "FATAL").read_text()
+
+
+def test_oom_in_one_process_retries_with_half_the_micro_batch(tmp_path):
+    got = DDPTrainer(tiny(tmp_path, max_steps=4, oom_recovery="true", fault_inject="oom@step=1",
+                          checkpoint_dir=str(tmp_path / "a"))).train()
+    want = DDPTrainer(tiny(tmp_path, max_steps=4, batch_size=4, gradient_accumulation_steps=2,
+                           checkpoint_dir=str(tmp_path / "b"))).train()
+    a = torch.load(tmp_path / "a" / "final_model.pt", weights_only=True)
+    b = torch.load(tmp_path / "b" / "final_model.pt", weights_only=True)
+    assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-5
+    assert got["steps"] == want["steps"] == 4
+
+
+def test_unwrap_finds_the_module_inside_nested_wrappers():
+    from framework.checkpoint import unwrap
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+    inner = torch.nn.Linear(2, 2)
+    assert unwrap(Wrapper(Wrapper(inner))) is inner
