@@ -80,7 +80,7 @@ class FaultPlan:
             ctypes.PyDLL(None).sleep(10**6)
 
 
-def oom_on_backward_of(module) -> "torch.utils.hooks.RemovableHandle":
+def oom_on_backward_of(module):
     """Make ``module``'s next forward output raise torch.OutOfMemoryError when backward reaches it
     (an injected OOM in the middle of a backward pass). Remove the returned handle after the forward."""
     import torch

@@ -12,7 +12,6 @@ import logging
 import os
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 from . import __version__, rng

@@ -24,9 +24,10 @@ from .checkpoint import (FATAL, PREEMPTED, CheckpointError, CheckpointManager, a
                          atomic_write_bytes, clear_marker, model_sha256, read_marker, unwrap, write_marker)
 from .config import TrainConfig, as_dict, resolve_config
 from .control import agree
-from .data import (MarkovDataset, ResumableDistributedSampler, TokenWindows, build_datasets, eval_indices, fetch, make_loader,
+from .data import (MarkovDataset, ResumableDistributedSampler, TokenWindows, build_datasets, fetch, make_loader,
                    workers_per_rank)
 from . import faults as fault_tools
+from .evaluation import validation_loss
 from .faults import FaultPlan
 from .health import Watchdog, first_divergent
 from .loader import BatchStream
@@ -36,21 +37,9 @@ from .metrics import Metrics, StepLog
 from .model import GPT, GPTConfig, lm_loss
 from .optim import build_optimizer, lr_at
 from .preemption import PreemptionHandler
+from .recovery import FatalError, MicroBatchOOM, SyncedBackwardOOM, forward_backward_with_retry
 
 log = logging.getLogger(__name__)
-
-
-class FatalError(RuntimeError):
-    """An error that a restart cannot fix; it leaves a FATAL marker so a restarted group stops at once."""
-
-
-class MicroBatchOOM(RuntimeError):
-    """Out of memory where every rank can still agree: retry the step with half the micro-batch."""
-
-
-class SyncedBackwardOOM(RuntimeError):
-    """Out of memory inside a synced backward: the other ranks are in DDP's all-reduce, so only a
-    restart (with the halved micro-batch recorded) can continue."""
 
 
 # Errors that leave a FATAL marker: retrying cannot help.
@@ -280,16 +269,6 @@ class DDPTrainer:
             torch.cuda.empty_cache()
         return True
 
-    def _halve_micro_batch(self, reason: str) -> tuple[int, int]:
-        b, a = self.sampler.batch_size, self.sampler.accumulation
-        if b == 1 or b % 2:
-            raise FatalError(f"{reason} at micro-batch {b}: cannot halve it further without changing the "
-                             f"effective batch; lower seq_len or the model size, or turn on gradient_checkpointing")
-        self.sampler.batch_size, self.sampler.accumulation = b // 2, a * 2
-        log.warning("%s: micro-batch %d -> %d, gradient accumulation %d -> %d (the effective batch stays %d)",
-                    reason, b, b // 2, a, a * 2, self.sampler.global_batch)
-        return b // 2, a * 2
-
     def optimizer_step(self, loss: torch.Tensor, *, stop: bool = False, preempt: bool = False):
         """Clip, agree with the other ranks, then step (or skip a non-finite step everywhere)."""
         cfg = self.cfg
@@ -330,29 +309,18 @@ class DDPTrainer:
             next(p for p in self.raw_model.parameters() if p.grad is not None).grad.view(-1)[0] = float("nan")
 
     # --- evaluation --------------------------------------------------------------------------
-    @torch.no_grad()
     def evaluate(self) -> float | None:
-        """Mean validation loss over the first ``eval_steps * batch_size`` validation samples, each
-        rank taking an unpadded shard; sums and counts are all-reduced, so it is exact for any
-        world size."""
-        if self.val_dataset is None or len(self.val_dataset) == 0:
-            return None
-        cfg, env = self.cfg, self.env
+        """Mean validation loss over the first ``eval_steps * batch_size`` validation samples,
+        exact for any world size (see framework/evaluation.py)."""
         was_training = self.model.training
         self.model.eval()
-        indices = eval_indices(len(self.val_dataset), cfg.eval_steps * cfg.batch_size, env.world_size, env.rank)
-        sums = torch.zeros(2, dtype=torch.float64, device=env.device)
-        for lo in range(0, len(indices), cfg.batch_size):
-            inputs, targets = self._to_device(fetch(self.val_dataset, indices[lo:lo + cfg.batch_size]))
-            with self._autocast():
-                loss = self.loss_fn(self.raw_model(inputs), targets)
-            sums[0] += loss.double() * inputs.shape[0]
-            sums[1] += inputs.shape[0]
-        if env.distributed:
-            dist.all_reduce(sums)
-        self.model.train(was_training)
-        total, count = sums.tolist()
-        return total / count
+        try:
+            return validation_loss(self.raw_model, self.val_dataset, self.loss_fn,
+                                   limit=self.cfg.eval_steps * self.cfg.batch_size, batch_size=self.cfg.batch_size,
+                                   rank=self.env.rank, world_size=self.env.world_size, device=self.env.device,
+                                   autocast=self._autocast, distributed=self.env.distributed)
+        finally:
+            self.model.train(was_training)
 
     # --- checkpoints -------------------------------------------------------------------------
     def save_checkpoint(self, *, blocking: bool = False) -> None:
@@ -401,7 +369,7 @@ class DDPTrainer:
                         self.watchdog.arm(self.step)
                         self.faults.fire_process_faults(self.step)
                         micro = self.stream.next_step()
-                        loss = self._forward_backward_with_retry(micro)
+                        loss = forward_backward_with_retry(self, micro)
                         self._inject_nan()
                         agreed, lr, grad_norm = self.optimizer_step(
                             loss, preempt=preemption is not None and preemption.requested is not None)
@@ -451,22 +419,6 @@ class DDPTrainer:
             if samples_log is not None:
                 samples_log.close()
         return self._finish(steps, preempted)
-
-    def _forward_backward_with_retry(self, micro: list) -> torch.Tensor:
-        """forward_backward, retrying the same samples with half the micro-batch after an agreed OOM."""
-        while True:
-            try:
-                return self.forward_backward(micro)
-            except MicroBatchOOM as err:
-                self.optimizer.zero_grad(set_to_none=True)  # every rank: some hold finished micro-steps
-                self._halve_micro_batch(str(err))
-                micro = self.stream.refetch_step()
-            except SyncedBackwardOOM as err:
-                b, a = self._halve_micro_batch(str(err))
-                resume.record_micro_batch(self.cfg.checkpoint_dir, b, a, str(err))
-                log.error("%s: the other ranks are inside DDP's all-reduce, so this rank exits; the restarted "
-                          "group resumes from the last checkpoint with micro-batch %d x %d", err, b, a)
-                raise
 
     def _check_consistency(self) -> None:
         interval = self.cfg.consistency_check_interval

@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 import ddp_training
-from framework.ddp_policy import ProbeReport, decide, diagnose, preserved_state, probe
+from framework.ddp_policy import ProbeReport, decide, diagnose, probe
 from framework.trainer import DDPTrainer
 
 

@@ -2,9 +2,7 @@
 DDP settings, on 2 gloo ranks (one torchrun launch) and in one process, against the plain model."""
 
 import pytest
-import torch
 
-from framework.data import fetch
 from framework.trainer import DDPTrainer
 from tests.dist_helper import launch
 from tests.workers.memory_modes import BASE, COMBOS, FORCED, ITERATIONS, reference_grads

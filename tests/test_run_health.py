@@ -4,7 +4,6 @@ DataLoader worker killed mid-backward, the hang watchdog, and the divergence che
 import json
 import re
 import time
-from pathlib import Path
 
 import pytest
 import torch

@@ -1,0 +1,29 @@
+"""Validation loss, computed by every rank on its own unpadded shard and all-reduced."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .data import eval_indices, fetch
+
+
+@torch.no_grad()
+def validation_loss(model, dataset, loss_fn, *, limit: int, batch_size: int, rank: int, world_size: int,
+                    device: torch.device, autocast, distributed: bool) -> float | None:
+    """Mean loss over the first ``limit`` samples of ``dataset``. Each rank takes an unpadded
+    shard; sums and counts are all-reduced in float64, so the result is exact for any world size."""
+    if dataset is None or len(dataset) == 0:
+        return None
+    indices = eval_indices(len(dataset), limit, world_size, rank)
+    sums = torch.zeros(2, dtype=torch.float64, device=device)
+    for lo in range(0, len(indices), batch_size):
+        inputs, targets = (t.to(device, non_blocking=True) for t in fetch(dataset, indices[lo:lo + batch_size]))
+        with autocast():
+            loss = loss_fn(model(inputs), targets)
+        sums[0] += loss.double() * inputs.shape[0]
+        sums[1] += inputs.shape[0]
+    if distributed:
+        dist.all_reduce(sums)
+    total, count = sums.tolist()
+    return total / count
