@@ -130,3 +130,11 @@ def write_result(out_dir: Path, rank: int, result: dict) -> None:
     tmp = out_dir / f".result_rank{rank}.json.tmp"
     tmp.write_text(json.dumps(result))
     tmp.replace(out_dir / f"result_rank{rank}.json")
+
+
+def launch_cases(script: str | Path, out_dir: Path, *, timeout: float = 300) -> dict[int, dict]:
+    """One 2-rank launch of a case-looping worker; asserts it succeeded and returns rank -> result."""
+    run = launch(script, [], out_dir, nproc=2, timeout=timeout)
+    assert run.returncode == 0, run.output[-4000:]
+    assert sorted(run.results) == [0, 1], run.output[-4000:]
+    return run.results

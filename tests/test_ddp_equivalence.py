@@ -6,7 +6,7 @@ import torch
 from framework.config import resolve_config
 from framework.model import GPT, GPTConfig
 from framework.trainer import DDPTrainer
-from tests.dist_helper import launch
+from tests.dist_helper import launch_cases
 from tests.workers.ddp_equivalence import BASE, EVAL_CASE, GRAD_CASES, TRAIN_CASES
 
 WORKER = "tests/workers/ddp_equivalence.py"
@@ -15,10 +15,7 @@ TOL = 1e-5
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
-    run = launch(WORKER, [], tmp_path_factory.mktemp("ddp_equivalence"), nproc=2, timeout=240)
-    assert run.returncode == 0, run.output[-4000:]
-    assert sorted(run.results) == [0, 1], run.output[-4000:]
-    return run.results
+    return launch_cases(WORKER, tmp_path_factory.mktemp("ddp_equivalence"), timeout=240)
 
 
 def case(results, rank, name):

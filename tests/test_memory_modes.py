@@ -4,7 +4,7 @@ DDP settings, on 2 gloo ranks (one torchrun launch) and in one process, against 
 import pytest
 
 from framework.trainer import DDPTrainer
-from tests.dist_helper import launch
+from tests.dist_helper import launch_cases
 from tests.workers.memory_modes import BASE, COMBOS, FORCED, ITERATIONS, reference_grads
 
 TOL = 1e-5
@@ -12,10 +12,7 @@ TOL = 1e-5
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
-    run = launch("tests/workers/memory_modes.py", [], tmp_path_factory.mktemp("memory_modes"), timeout=300)
-    assert run.returncode == 0, run.output[-4000:]
-    assert sorted(run.results) == [0, 1], run.output[-4000:]
-    return run.results
+    return launch_cases("tests/workers/memory_modes.py", tmp_path_factory.mktemp("memory_modes"), timeout=300)
 
 
 def case(results, rank, name):

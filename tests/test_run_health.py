@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from framework.data import ResumableDistributedSampler
-from tests.dist_helper import ROOT, launch
+from tests.dist_helper import ROOT, launch, launch_cases
 from tests.test_fault_tolerance import args_for, rank_log, summary
 from tests.workers.run_health import BASE
 
@@ -17,10 +17,7 @@ from tests.workers.run_health import BASE
 @pytest.fixture(scope="module")
 def health(tmp_path_factory):
     out = tmp_path_factory.mktemp("run_health")
-    run = launch("tests/workers/run_health.py", [], out, timeout=300)
-    assert run.returncode == 0, run.output[-4000:]
-    assert sorted(run.results) == [0, 1], run.output[-4000:]
-    return out, run.results
+    return out, launch_cases("tests/workers/run_health.py", out)
 
 
 def case(health, name, rank):
