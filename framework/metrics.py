@@ -24,7 +24,9 @@ class Metrics:
             return
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
-            self.writer = SummaryWriter(str(Path(log_dir) / "tensorboard"), purge_step=initial_step or None)
+            # A resumed run purges what an earlier incarnation logged after its checkpoint.
+            self.writer = SummaryWriter(str(Path(log_dir) / "tensorboard"),
+                                        purge_step=initial_step + 1 if initial_step else None)
         show = progress_bar == "true" or (progress_bar == "auto" and sys.stderr.isatty())
         if show:
             from tqdm import tqdm

@@ -125,3 +125,29 @@ def test_unwrap_finds_the_module_inside_nested_wrappers():
 
     inner = torch.nn.Linear(2, 2)
     assert unwrap(Wrapper(Wrapper(inner))) is inner
+
+
+def test_tensorboard_curves_do_not_double_back_after_resume(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cfg = tiny(tmp_path, max_steps=12, save_every_steps=4, log_interval=1)
+    DDPTrainer(cfg).train()
+    # As after a crash at step 12: resume from the checkpoint of step 4 and redo steps 5..12.
+    resumed = DDPTrainer({**cfg, "resume": str(tmp_path / "ck" / "step_00000004.pt")})
+    assert resumed.step == 4
+    resumed.train()
+    events = EventAccumulator(str(tmp_path / "logs" / "tensorboard"))
+    events.Reload()
+    steps = [e.step for e in events.Scalars("train/loss")]
+    assert steps == list(range(1, 13))
+
+
+def test_doctor_through_the_launcher(tmp_path):
+    import subprocess
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([str(root / "launch_training.sh"), "--cpu", "--test", "--doctor", "-l", str(tmp_path)],
+                          cwd=root, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.count("training would be safe") == 1  # printed by rank 0 only
+    assert "chosen: static_graph=False, find_unused_parameters=False" in proc.stdout
