@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import sys
 import time
 from pathlib import Path
 
+import torch
+
+from . import __version__
+from .checkpoint import atomic_write_bytes
+from .config import as_dict
 from .memory import in_use_gb, memory_stats
 
 log = logging.getLogger(__name__)
@@ -107,3 +113,24 @@ class StepLog:
     def tokens_per_sec(self) -> float:
         wall = self.wall_s()
         return self.tokens / wall if wall > 0 else 0.0
+
+
+def log_run_start(trainer) -> None:
+    """The run's opening lines: versions and config, model, effective batch, each rank's share,
+    schedule; rank 0 also saves the resolved config as log_dir/config.json."""
+    cfg, env, s = trainer.cfg, trainer.env, trainer.sampler
+    log.info("framework %s, torch %s, config: %s", __version__, torch.__version__,
+             json.dumps(as_dict(cfg), sort_keys=True))
+    log.info("model: %s, %.2fM parameters, amp=%s", type(trainer.raw_model).__name__,
+             sum(p.numel() for p in trainer.raw_model.parameters()) / 1e6,
+             f"on ({cfg.amp_dtype})" if trainer.amp else "off (fp32)")
+    log.info("effective batch: %d per rank x %d ranks x %d accumulation = %d samples per step",
+             s.batch_size, env.world_size, s.accumulation, s.global_batch)
+    log.info("rank %d share: %d steps/epoch x %d samples = %d of %d samples per epoch; %d loader workers",
+             env.rank, s.steps_per_epoch, s.batch_size * s.accumulation,
+             s.steps_per_epoch * s.batch_size * s.accumulation, s.num_samples, trainer.num_workers)
+    log.info("schedule: %d steps (%d per epoch, num_epochs=%d, max_steps=%d)", trainer.total_steps,
+             s.steps_per_epoch, cfg.num_epochs, cfg.max_steps)
+    if env.is_main:
+        atomic_write_bytes(Path(cfg.log_dir) / "config.json",
+                           json.dumps(as_dict(cfg), indent=2, sort_keys=True).encode())

@@ -15,7 +15,8 @@ from pathlib import Path
 import torch.distributed as dist
 
 from . import __version__, rng
-from .checkpoint import CheckpointManager, atomic_write_bytes, check_model_shapes, load_file
+from .checkpoint import (FATAL, CheckpointManager, atomic_write_bytes, check_model_shapes, clear_marker,
+                         load_file, read_marker)
 from .config import as_dict
 
 log = logging.getLogger(__name__)
@@ -123,3 +124,17 @@ def apply_recorded_micro_batch(trainer) -> None:
     trainer.sampler.accumulation = int(rec["accumulation_steps"])
     log.warning("micro-batch %d x %d accumulation steps, recorded after: %s", trainer.sampler.batch_size,
                 trainer.sampler.accumulation, rec["reason"])
+
+
+def check_fatal_marker(checkpoint_dir: str, *, is_main: bool) -> None:
+    """A restarted group stops at once on an earlier incarnation's FATAL marker; a fresh launch
+    (restart count 0) clears it."""
+    from .recovery import FatalError
+    message = read_marker(checkpoint_dir, FATAL)
+    if message is None:
+        return
+    if restart_count() > 0:
+        raise FatalError(f"an earlier incarnation of this run failed and a restart cannot help: {message}")
+    log.warning("clearing the FATAL marker of an earlier run: %s", message)
+    if is_main:
+        clear_marker(checkpoint_dir, FATAL)

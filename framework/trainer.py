@@ -18,11 +18,11 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from . import __version__, ddp_policy, distributed, resume, rng
+from . import ddp_policy, distributed, resume, rng
 from .activation import apply_checkpointing
 from .checkpoint import (FATAL, PREEMPTED, CheckpointError, CheckpointManager, atomic_torch_save,
-                         atomic_write_bytes, clear_marker, model_sha256, read_marker, unwrap, write_marker)
-from .config import TrainConfig, as_dict, resolve_config
+                         atomic_write_bytes, model_sha256, unwrap, write_marker)
+from .config import TrainConfig, resolve_config
 from .control import agree
 from .data import (MarkovDataset, ResumableDistributedSampler, TokenWindows, build_datasets, fetch, make_loader,
                    workers_per_rank)
@@ -33,7 +33,7 @@ from .health import Watchdog, first_divergent
 from .loader import BatchStream
 from .logs import setup_logging
 from .memory import GcPolicy
-from .metrics import Metrics, StepLog
+from .metrics import Metrics, StepLog, log_run_start
 from .model import GPT, GPTConfig, lm_loss
 from .optim import build_optimizer, lr_at
 from .preemption import PreemptionHandler
@@ -65,7 +65,7 @@ class DDPTrainer:
         self._owns_process_group = not dist.is_initialized()
         self.log_path = setup_logging(distributed.read_env(rank, world_size)[0], cfg.log_dir, debug=debug)
         self.env = env = distributed.setup(cfg.backend, cfg.timeout_s, rank=rank, world_size=world_size)
-        self._check_fatal_marker(cfg)
+        resume.check_fatal_marker(cfg.checkpoint_dir, is_main=env.is_main)
         if cfg.deterministic:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True)
@@ -131,7 +131,7 @@ class DDPTrainer:
             resume.apply_recorded_micro_batch(self)
             log.info("resumed from step %d (epoch %d, sample %d of the epoch)", self.step, self.sampler.epoch,
                      self.sampler.consumed)
-        self._log_start()
+        log_run_start(self)
 
         self.report = self.decision = None
         if doctor:
@@ -155,16 +155,6 @@ class DDPTrainer:
         return self.stream.loader
 
     # --- construction helpers ----------------------------------------------------------------
-    def _check_fatal_marker(self, cfg: TrainConfig) -> None:
-        message = read_marker(cfg.checkpoint_dir, FATAL)
-        if message is None:
-            return
-        if resume.restart_count() > 0:
-            raise FatalError(f"an earlier incarnation of this run failed and a restart cannot help: {message}")
-        log.warning("clearing the FATAL marker of an earlier run: %s", message)
-        if self.env.is_main:
-            clear_marker(cfg.checkpoint_dir, FATAL)
-
     def _log_file(self):
         handler = next((h for h in logging.getLogger().handlers
                         if getattr(h, "baseFilename", None) == str(self.log_path.resolve())), None)
@@ -179,24 +169,6 @@ class DDPTrainer:
     def _total_steps(self) -> int:
         by_epochs = self.cfg.num_epochs * self.sampler.steps_per_epoch
         return min(self.cfg.max_steps, by_epochs) if self.cfg.max_steps else by_epochs
-
-    def _log_start(self) -> None:
-        cfg, env, s = self.cfg, self.env, self.sampler
-        log.info("framework %s, torch %s, config: %s", __version__, torch.__version__,
-                 json.dumps(as_dict(cfg), sort_keys=True))
-        log.info("model: %s, %.2fM parameters, amp=%s", type(self.raw_model).__name__,
-                 sum(p.numel() for p in self.raw_model.parameters()) / 1e6,
-                 f"on ({cfg.amp_dtype})" if self.amp else "off (fp32)")
-        log.info("effective batch: %d per rank x %d ranks x %d accumulation = %d samples per step",
-                 s.batch_size, env.world_size, s.accumulation, s.global_batch)
-        log.info("rank %d share: %d steps/epoch x %d samples = %d of %d samples per epoch; %d loader workers",
-                 env.rank, s.steps_per_epoch, s.batch_size * s.accumulation,
-                 s.steps_per_epoch * s.batch_size * s.accumulation, s.num_samples, self.num_workers)
-        log.info("schedule: %d steps (%d per epoch, num_epochs=%d, max_steps=%d)", self.total_steps,
-                 s.steps_per_epoch, cfg.num_epochs, cfg.max_steps)
-        if env.is_main:
-            atomic_write_bytes(Path(cfg.log_dir) / "config.json",
-                               json.dumps(as_dict(cfg), indent=2, sort_keys=True).encode())
 
     # --- one step ----------------------------------------------------------------------------
     def _autocast(self):
