@@ -101,5 +101,7 @@ def restart_safe_store(world_size: int, timeout: datetime.timedelta) -> dist.Sto
 
 
 def teardown() -> None:
+    global STORE
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    STORE = None  # release the store client here, not during interpreter shutdown

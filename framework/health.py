@@ -110,6 +110,10 @@ class Watchdog:
     def close(self) -> None:
         self._closed.set()
         self._started = None
+        if self._monitor is not None:
+            # No thread of ours may be inside a store call when the interpreter shuts down.
+            self._monitor.join()
+            self._monitor = None
         if self.enabled:
             faulthandler.cancel_dump_traceback_later()
             for signum in (signal.SIGTERM,):
