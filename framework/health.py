@@ -114,6 +114,7 @@ class Watchdog:
             # No thread of ours may be inside a store call when the interpreter shuts down.
             self._monitor.join()
             self._monitor = None
+        self.store = None  # and no reference keeps the store client alive until then
         if self.enabled:
             faulthandler.cancel_dump_traceback_later()
             for signum in (signal.SIGTERM,):
