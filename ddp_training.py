@@ -44,8 +44,6 @@ def main(argv: list[str] | None = None) -> int:
         print("configuration is valid", file=sys.stderr)
         print(config.checkpoint_dir)  # read by launch_training.sh to find this run's PREEMPTED marker
         return 0
-    # A fatal signal (SIGSEGV, SIGABRT from C++) prints every thread's Python stack.
-    faulthandler.enable()
 
     from framework import distributed
     from framework.ddp_policy import format_report
@@ -68,11 +66,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    faulthandler.enable()  # a fatal signal (SIGSEGV, SIGABRT from C++) prints every thread's stack
     code = main()
     # Everything is written and the process group is gone. Skip the interpreter's finalisation:
-    # in a torchrun-restarted group, torch 2.13 occasionally aborts there ("terminate called
-    # without an active exception", about 1 in 15 restarts here), turning a finished run into a
-    # failed one.
+    # with gloo, torch 2.13 occasionally aborts there ("terminate called without an active
+    # exception", a few percent of 2-rank runs here), turning a finished run into a failed one.
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -10,7 +10,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from tests.dist_helper import register_worker, write_result
+from tests.dist_helper import exit_worker, register_worker, write_result
 
 BASE = dict(vocab_size=32, hidden_size=32, num_layers=2, num_heads=2, seq_len=16, dataset_size=256,
             dropout=0.0, num_workers=0, tensorboard=False, learning_rate=1e-3, warmup_steps=2,
@@ -113,3 +113,4 @@ def main() -> None:
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     main()
+    exit_worker()

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint
 
-from tests.dist_helper import register_worker, write_result
+from tests.dist_helper import exit_worker, register_worker, write_result
 from tests.workers.naive_tiled_mlp import grad_then_backward_tiled_mlp, naive_tiled_mlp
 
 WORLD = 2
@@ -422,3 +422,4 @@ def main() -> None:
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     main()
+    exit_worker()

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset
 
-from tests.dist_helper import register_worker, write_result
+from tests.dist_helper import exit_worker, register_worker, write_result
 
 BASE = dict(vocab_size=32, hidden_size=32, num_layers=2, num_heads=2, seq_len=16, dataset_size=128,
             batch_size=4, dropout=0.0, num_workers=0, tensorboard=False, eval_interval=0, eval_steps=2,
@@ -113,3 +113,4 @@ def main():
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     main()
+    exit_worker()
