@@ -82,11 +82,6 @@ def atomic_torch_save(obj, path: str | Path) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def load(path: str | Path, map_location="cpu"):
-    """torch.load with ``weights_only=True``: tensors and plain containers only."""
-    return torch.load(path, map_location=map_location, weights_only=True)
-
-
 def load_file(path: str | Path) -> dict:
     """Load a checkpoint onto the CPU with the safe loader; refuse anything but tensors and plain types.
 

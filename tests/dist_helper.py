@@ -140,6 +140,23 @@ def launch_cases(script: str | Path, out_dir: Path, *, timeout: float = 300) -> 
     return run.results
 
 
+def recorded(fn, *args, **kwargs) -> dict:
+    """``fn``'s result, or its error and traceback: one failing case must not hide the others."""
+    import traceback
+    try:
+        return fn(*args, **kwargs)
+    except Exception as err:  # the case's failure is the result; pytest asserts on it
+        return {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()}
+
+
+def finish_worker(out_dir: Path, rank: int, result: dict) -> None:
+    """Write this rank's result, leave the process group and exit (see ``exit_worker``)."""
+    import torch.distributed as dist
+    write_result(out_dir, rank, result)
+    dist.destroy_process_group()
+    exit_worker()
+
+
 def exit_worker(code: int = 0) -> None:
     """End a worker without the interpreter's finalisation, after its result is written: with
     gloo, torch 2.13 occasionally aborts there ("terminate called without an active exception")."""

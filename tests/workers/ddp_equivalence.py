@@ -5,12 +5,11 @@ Every case's result goes into result_rank{r}.json for tests/test_ddp_equivalence
 from __future__ import annotations
 
 import os
-import traceback
 
 import torch
 import torch.distributed as dist
 
-from tests.dist_helper import exit_worker, register_worker, write_result
+from tests.dist_helper import finish_worker, recorded, register_worker
 
 BASE = dict(vocab_size=32, hidden_size=32, num_layers=2, num_heads=2, seq_len=16, dataset_size=256,
             dropout=0.0, num_workers=0, tensorboard=False, learning_rate=1e-3, warmup_steps=2,
@@ -98,19 +97,11 @@ def main() -> None:
     cases = [(n, run_grad_case, o) for n, o in GRAD_CASES.items()]
     cases += [(n, run_train_case, o) for n, o in TRAIN_CASES.items()]
     for name, fn, overrides in cases:
-        try:
-            results[name] = fn(name, overrides, out_dir, rank, world)
-        except Exception as err:  # recorded per case so one failure does not hide the others
-            results[name] = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()}
-    try:
-        results["eval"] = run_eval_case(out_dir, rank, world)
-    except Exception as err:  # recorded per case so one failure does not hide the others
-        results["eval"] = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()}
-    write_result(out_dir, rank, {"world_size": world, "cases": results})
-    dist.destroy_process_group()
+        results[name] = recorded(fn, name, overrides, out_dir, rank, world)
+    results["eval"] = recorded(run_eval_case, out_dir, rank, world)
+    finish_worker(out_dir, rank, {"world_size": world, "cases": results})
 
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     main()
-    exit_worker()

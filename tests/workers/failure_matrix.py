@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint
 
-from tests.dist_helper import exit_worker, register_worker, write_result
+from tests.dist_helper import finish_worker, register_worker
 from tests.workers.naive_tiled_mlp import grad_then_backward_tiled_mlp, naive_tiled_mlp
 
 WORLD = 2
@@ -415,11 +415,9 @@ def main() -> None:
                 results[name][part] = {"harness_error": f"{type(err).__name__}: {err}",
                                        "traceback": traceback.format_exc()}
             results[name][part]["seconds"] = round(time.perf_counter() - start, 3)
-    write_result(out_dir, rank, {"cases": results})
-    dist.destroy_process_group()
+    finish_worker(out_dir, rank, {"cases": results})
 
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     main()
-    exit_worker()

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import itertools
 import os
-import traceback
 
 import torch
 import torch.distributed as dist
 
-from tests.dist_helper import exit_worker, register_worker, write_result
+from tests.dist_helper import finish_worker, recorded, register_worker
 
 BASE = dict(vocab_size=32, hidden_size=32, num_layers=2, num_heads=2, seq_len=16, dataset_size=64,
             batch_size=2, dropout=0.0, num_workers=0, tensorboard=False, eval_interval=0, target_loss=0.0,
@@ -104,19 +103,11 @@ def main():
     rank, world = dist.get_rank(), dist.get_world_size()
     results = {}
     for name, overrides in {**COMBOS, **FORCED}.items():
-        try:
-            results[name] = run_case(name, overrides, out_dir, rank, world)
-        except Exception as err:  # recorded per case so one failure does not hide the others
-            results[name] = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()}
-    try:
-        results["probe_vs_forced_sha"] = run_sha_case("probe_vs_forced_sha", out_dir, rank, world)
-    except Exception as err:  # recorded so the other cases still report
-        results["probe_vs_forced_sha"] = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()}
-    write_result(out_dir, rank, {"cases": results})
-    dist.destroy_process_group()
+        results[name] = recorded(run_case, name, overrides, out_dir, rank, world)
+    results["probe_vs_forced_sha"] = recorded(run_sha_case, "probe_vs_forced_sha", out_dir, rank, world)
+    finish_worker(out_dir, rank, {"cases": results})
 
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     main()
-    exit_worker()

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset
 
-from tests.dist_helper import exit_worker, register_worker, write_result
+from tests.dist_helper import finish_worker, recorded, register_worker
 
 BASE = dict(vocab_size=32, hidden_size=32, num_layers=2, num_heads=2, seq_len=16, dataset_size=128,
             batch_size=4, dropout=0.0, num_workers=0, tensorboard=False, eval_interval=0, eval_steps=2,
@@ -101,16 +101,11 @@ def main():
     rank = dist.get_rank()
     results = {}
     for name, overrides in CASES.items():
-        try:
-            results[name] = run_case(name, overrides, out_dir, rank)
-        except Exception as err:  # recorded per case so one failure does not hide the others
-            results[name] = {"setup_error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()}
+        results[name] = recorded(run_case, name, overrides, out_dir, rank)
         dist.barrier()
-    write_result(out_dir, rank, {"cases": results})
-    dist.destroy_process_group()
+    finish_worker(out_dir, rank, {"cases": results})
 
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     main()
-    exit_worker()
