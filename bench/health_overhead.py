@@ -3,9 +3,9 @@
 
 Times, on a trained-for-a-few-steps model in one process (1 thread): a step; one memory reading
 (psutil RSS + available memory, every memory_check_interval steps); one young-generation
-gc.collect(1) after cleanup_interval steps with automatic gc off (as in training); a full gc.collect() for comparison; the watchdog's
-per-step arm/disarm; and the parameter hashing of the divergence check (every
-consistency_check_interval steps; its all-reduce, about 0.75 ms on 2 gloo ranks here, is added).
+gc.collect(1) after cleanup_interval steps with automatic gc off (as in training); a full
+gc.collect() for comparison; the watchdog's per-step arm/disarm; and the parameter hashing of the
+divergence check (every consistency_check_interval steps; its all-reduce, about 0.75 ms on 2 gloo ranks here, is added).
 Target: memory manager <= 1% of step time.
 
 usage: python bench/health_overhead.py

@@ -283,10 +283,10 @@ def worker_mlp(args) -> dict:
         class Held:
             __slots__ = ("t", "__weakref__")
 
-        def release(n):
+        def release(n, live=live):
             live["now"] -= n
 
-        def pack(t):
+        def pack(t, live=live, exclude=exclude):
             if t.untyped_storage().data_ptr() in exclude or t.dim() == 0 or t.size(-1) != 4 * C:
                 return t
             h = Held()
@@ -453,7 +453,8 @@ def main() -> int:
 
     pl, ti = mlp["plain"], mlp["tiled"]
     print()
-    print(f"MLP (B=1, T={args.seq_len}, C={MODEL['hidden_size']}, 4C={4 * MODEL['hidden_size']}), one forward+backward:")
+    hidden = MODEL["hidden_size"]
+    print(f"MLP (B=1, T={args.seq_len}, C={hidden}, 4C={4 * hidden}), one forward+backward:")
     print(f"  {'':<8} {'peak 4C MiB':>11} {'analytic':>8} {'4C after fwd':>12} {'saved peak':>10} "
           f"{'analytic':>8} {'peak all MiB':>12}")
     for label, r in (("plain", pl), (f"tiled{TILE_CHUNKS}", ti)):

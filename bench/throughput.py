@@ -236,7 +236,7 @@ def finish(proc, result: Path, log: Path, name: str, timeout: float) -> dict:
         rc = proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         kill_children()
-        raise SystemExit(f"{name}: no result after {timeout:.0f} s; output:\n{log.read_text()[-3000:]}")
+        raise SystemExit(f"{name}: no result after {timeout:.0f} s; output:\n{log.read_text()[-3000:]}") from None
     CHILDREN.remove(proc)
     if rc != 0 or not result.is_file():
         raise SystemExit(f"{name}: exit code {rc}; output:\n{log.read_text()[-3000:]}")
@@ -254,8 +254,8 @@ def run_variant(kind: str, nproc: int, tmp: Path, name: str, args) -> dict:
     res["tokens_per_sec"] = rate(res)
     res["ms_per_step"] = 1000 * (res["stamps"][-1] - res["stamps"][res["warmup"] - 1]) / res["steps"]
     res["cpu_ms_per_step"] = 1000 * (res["cpu_stamps"][-1] - res["cpu_stamps"][res["warmup"] - 1]) / res["steps"]
-    print(f"  {name:<14} {res['tokens_per_sec']:>9.0f} tok/s  {res['ms_per_step']:6.2f} ms/step  {res['cpu_ms_per_step']:6.2f} cpu ms/step  "
-          f"(process wall {time.perf_counter() - t0:.1f} s)", flush=True)
+    print(f"  {name:<14} {res['tokens_per_sec']:>9.0f} tok/s  {res['ms_per_step']:6.2f} ms/step  "
+          f"{res['cpu_ms_per_step']:6.2f} cpu ms/step  (process wall {time.perf_counter() - t0:.1f} s)", flush=True)
     return res
 
 

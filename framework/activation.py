@@ -8,6 +8,7 @@ from __future__ import annotations
 import fnmatch
 import functools
 import logging
+import typing
 from dataclasses import dataclass
 
 import torch
@@ -15,9 +16,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from .config import GradientCheckpointing
+
 log = logging.getLogger(__name__)
 
-MODES = ("off", "non_reentrant", "reentrant", "offload")
+MODES = typing.get_args(GradientCheckpointing)
 
 
 @dataclass
@@ -123,13 +126,13 @@ class TiledMLPFunction(torch.autograd.Function):
         weights = [w.detach().requires_grad_() for w in weights]
         grad_x = []
         grad_w = [torch.zeros_like(w) for w in weights]
-        for xc, gc in zip(x.chunk(ctx.chunks, dim=1), grad_out.chunk(ctx.chunks, dim=1)):
+        for xc, gc in zip(x.chunk(ctx.chunks, dim=1), grad_out.chunk(ctx.chunks, dim=1), strict=False):
             xc = xc.detach().requires_grad_()
             with torch.enable_grad(), torch.autocast(device_type, dtype=dtype, enabled=enabled):
                 out = _mlp(xc, *weights)
             gx, *gw = torch.autograd.grad(out, (xc, *weights), gc)
             grad_x.append(gx)
-            for acc, g in zip(grad_w, gw):
+            for acc, g in zip(grad_w, gw, strict=False):
                 acc += g
         return (torch.cat(grad_x, dim=1), None, *grad_w)
 

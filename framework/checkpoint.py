@@ -1,4 +1,4 @@
-"""Checkpoint I/O: atomic writes, the model fingerprint, unwrapping DDP, and the checkpoint manager.
+"""Checkpoint files: the safe loader, the CPU snapshot, and the checkpoint manager.
 
 A checkpoint directory holds ``step_00000042.pt`` files, each the whole training state, and
 ``manifest.json``, a list of ``{"file", "step", "sha256", "bytes"}`` entries, oldest first. Each
@@ -13,7 +13,6 @@ import hashlib
 import io
 import json
 import logging
-import os
 import pickle
 import re
 import threading
@@ -22,11 +21,11 @@ from pathlib import Path
 
 import torch
 
+from . import atomic
+
 log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
-PREEMPTED = "PREEMPTED"
-FATAL = "FATAL"
 _STEP_FILE = re.compile(r"step_(\d+)\.pt")
 _PLAIN = (type(None), bool, int, float, str, bytes, torch.dtype, torch.device, torch.Size)
 # What torch.load raises on a truncated or corrupt file.
@@ -35,51 +34,6 @@ _LOAD_ERRORS = (RuntimeError, EOFError, pickle.UnpicklingError)
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be used: refused by the safe loader, or not fitting the model."""
-
-
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The user's module inside any stack of wrappers exposing ``.module`` (DDP, compile, ...)."""
-    seen = set()
-    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module) and id(model) not in seen:
-        seen.add(id(model))
-        model = model.module
-    return getattr(model, "_orig_mod", model)
-
-
-def model_sha256(model: torch.nn.Module) -> str:
-    """SHA-256 over the state_dict's tensors in key order, as raw bytes: equal iff bit-identical."""
-    digest = hashlib.sha256()
-    for key, tensor in unwrap(model).state_dict().items():
-        digest.update(key.encode())
-        t = tensor.detach().cpu().contiguous()
-        digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return digest.hexdigest()
-
-
-def atomic_write_bytes(path: str | Path, data: bytes) -> None:
-    """Write to a temp file in the same directory, fsync, rename over ``path``, fsync the dir."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_torch_save(obj, path: str | Path) -> str:
-    """torch.save ``obj`` atomically; returns the SHA-256 of the bytes written."""
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    data = buf.getvalue()
-    atomic_write_bytes(path, data)
-    return hashlib.sha256(data).hexdigest()
 
 
 def load_file(path: str | Path) -> dict:
@@ -104,44 +58,6 @@ def _unpickling_detail(error: pickle.UnpicklingError) -> str:
     if detail:
         return " ".join(detail)
     return paragraphs[0] if paragraphs else type(error).__name__
-
-
-def write_marker(directory: str | Path, name: str, message: str) -> None:
-    """Atomically write the marker file ``directory/name`` (e.g. PREEMPTED or FATAL) holding ``message``."""
-    atomic_write_bytes(Path(directory) / name, message.encode("utf-8"))
-
-
-def read_marker(directory: str | Path, name: str) -> str | None:
-    """The marker's message, or None when there is no such marker."""
-    try:
-        return (Path(directory) / name).read_text(encoding="utf-8")
-    except FileNotFoundError:
-        return None
-
-
-def clear_marker(directory: str | Path, name: str) -> None:
-    """Remove the marker if it exists."""
-    (Path(directory) / name).unlink(missing_ok=True)
-
-
-def check_model_shapes(model_state: dict, model: torch.nn.Module) -> None:
-    """Raise CheckpointError listing every key of ``model_state`` that is missing, unexpected, or
-    shaped differently from ``model``'s state_dict."""
-    expected = {k: tuple(v.shape) for k, v in unwrap(model).state_dict().items()}
-    found = {k: tuple(v.shape) for k, v in model_state.items()}
-    problems = [f"{k} is {found[k]} in the checkpoint but {expected[k]} in the model"
-                for k in expected if k in found and found[k] != expected[k]]
-    problems += [f"{k} is missing from the checkpoint" for k in expected if k not in found]
-    problems += [f"{k} is in the checkpoint but not in the model" for k in found if k not in expected]
-    if not problems:
-        return
-    shown = problems[:10] + ([f"... and {len(problems) - 10} more"] if len(problems) > 10 else [])
-    hint = ""
-    prefixes = [p for p in ("module.", "_orig_mod.") if found and all(k.startswith(p) for k in found)]
-    if prefixes:
-        hint = (f" Every checkpoint key starts with {prefixes[0]!r}: it was saved from a wrapped model;"
-                f" save unwrap(model).state_dict() instead.")
-    raise CheckpointError("checkpoint does not fit the model: " + "; ".join(shown) + "." + hint)
 
 
 def to_cpu(obj, where: str = "state", _memo: dict | None = None):
@@ -272,11 +188,11 @@ class CheckpointManager:
         torch.save(snapshot, buf)
         data = buf.getvalue()
         entry = {"file": path.name, "step": step, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
-        atomic_write_bytes(path, data)
+        atomic.write_bytes(path, data)
         entries = [e for e in self._read_manifest_for_update(step) if e["step"] != step] + [entry]
         entries.sort(key=lambda e: e["step"])
         kept = entries[-self.keep_last:]
-        atomic_write_bytes(self.manifest_path, json.dumps(kept, indent=2).encode())
+        atomic.write_bytes(self.manifest_path, json.dumps(kept, indent=2).encode())
         self._prune(kept)
         self.last_write_s = time.perf_counter() - start
         log.info("checkpoint step %d written: %s, %.1f MB, stall %.3f s, write %.3f s", step, path,

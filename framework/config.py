@@ -16,7 +16,7 @@ import math
 import os
 import tomllib
 import typing
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
@@ -31,108 +31,118 @@ class ConfigError(ValueError):
         super().__init__("invalid configuration:\n" + "\n".join(f"  {p}" for p in self.problems))
 
 
+GradientCheckpointing = Literal["off", "non_reentrant", "reentrant", "offload"]
+Switch = Literal["auto", "true", "false"]
+
+
+def bounded(default: int | float, *, lo: int | float | None, hi: int | float | None = None):
+    """A numeric field whose value must lie in [lo, hi] (None: no bound on that side). Every
+    numeric field is declared through this, so a missing bound is a visible choice."""
+    return field(default=default, metadata={"bounds": (lo, hi)})
+
+
 @dataclass
 class TrainConfig:
     # --- model -------------------------------------------------------------------------------
-    vocab_size: int = 10000
+    vocab_size: int = bounded(10000, lo=2)
     """Vocabulary size of the built-in model; text data sets it from the corpus."""
-    hidden_size: int = 512
+    hidden_size: int = bounded(512, lo=1)
     """Width of the residual stream (embedding dimension)."""
-    num_layers: int = 6
+    num_layers: int = bounded(6, lo=1)
     """Number of transformer blocks."""
-    num_heads: int = 8
+    num_heads: int = bounded(8, lo=1)
     """Attention heads per block; must divide hidden_size."""
-    dropout: float = 0.1
+    dropout: float = bounded(0.1, lo=0.0, hi=0.999)
     """Dropout probability in attention, MLP and embeddings."""
     tie_embeddings: bool = False
     """Share the token embedding with the output projection."""
-    seq_len: int = 128
+    seq_len: int = bounded(128, lo=1)
     """Tokens per training sequence (context length)."""
 
     # --- memory savers -----------------------------------------------------------------------
-    gradient_checkpointing: Literal["off", "non_reentrant", "reentrant", "offload"] = "off"
-    """Recompute activations in backward: non_reentrant (recommended), reentrant, or offload (non_reentrant, kept inputs moved to CPU)."""
+    gradient_checkpointing: GradientCheckpointing = "off"
+    """Recompute activations in backward: non_reentrant (recommended), reentrant, or offload (CPU-held inputs)."""
     checkpoint_modules: str = "Block"
     """Comma-separated class names or module-name patterns to checkpoint (for a user's model)."""
-    tiled_mlp_chunks: int = 0
+    tiled_mlp_chunks: int = bounded(0, lo=0)
     """Run the MLP over this many sequence chunks, recomputing each in backward; 0 = off."""
 
     # --- data --------------------------------------------------------------------------------
     data: str = "synthetic"
     """'synthetic' (seeded Markov chain), a .txt file (character-level) or a .bin uint16 token file."""
-    dataset_size: int = 10000
+    dataset_size: int = bounded(10000, lo=1)
     """Number of training sequences generated for data=synthetic."""
-    batch_size: int = 32
+    batch_size: int = bounded(32, lo=1)
     """Sequences per micro-batch on each rank."""
-    gradient_accumulation_steps: int = 1
+    gradient_accumulation_steps: int = bounded(1, lo=1)
     """Micro-batches per optimizer step; all but the last run under no_sync()."""
-    num_workers: int = 4
+    num_workers: int = bounded(4, lo=0)
     """DataLoader workers per node; divided among local ranks and capped by free cores."""
     pin_memory: bool = True
     """Pin host memory for batches; used only on CUDA."""
 
     # --- optimisation ------------------------------------------------------------------------
-    learning_rate: float = 1e-4
+    learning_rate: float = bounded(1e-4, lo=0.0)
     """Peak AdamW learning rate."""
-    min_lr: float = 0.0
+    min_lr: float = bounded(0.0, lo=0.0)
     """Learning rate at the end of the cosine decay."""
-    warmup_steps: int = 0
+    warmup_steps: int = bounded(0, lo=0)
     """Linear warmup steps from 0 to learning_rate."""
-    beta1: float = 0.9
+    beta1: float = bounded(0.9, lo=0.0, hi=0.999999)
     """AdamW beta1."""
-    beta2: float = 0.95
+    beta2: float = bounded(0.95, lo=0.0, hi=0.999999)
     """AdamW beta2."""
-    weight_decay: float = 0.01
+    weight_decay: float = bounded(0.01, lo=0.0)
     """AdamW weight decay, applied to matrices only (not biases, norms or embeddings' positions)."""
-    grad_clip: float = 1.0
+    grad_clip: float = bounded(1.0, lo=0.0)
     """Clip the global gradient norm to this value; 0 disables clipping."""
-    num_epochs: int = 10
+    num_epochs: int = bounded(10, lo=1)
     """Passes over the training set (an upper bound when max_steps is set)."""
-    max_steps: int = 0
+    max_steps: int = bounded(0, lo=0)
     """Stop after this many optimizer steps; 0 means num_epochs decides."""
-    target_loss: float = 0.01
+    target_loss: float = bounded(0.01, lo=0.0)
     """Stop once the all-reduced training loss is at or below this; 0 disables."""
-    seed: int = 1337
+    seed: int = bounded(1337, lo=0, hi=2**63 - 1)
     """Seed for model init, data order and dropout."""
     deterministic: bool = False
     """Use deterministic kernels only (bit-reproducible runs, slower on CUDA)."""
 
     # --- precision ---------------------------------------------------------------------------
-    use_amp: Literal["auto", "true", "false"] = "auto"
+    use_amp: Switch = "auto"
     """Autocast: auto = on for CUDA, off (fp32) on CPU; true forces it, false disables it."""
     amp_dtype: Literal["bf16", "fp16"] = "bf16"
     """Autocast dtype; fp16 adds a GradScaler and needs CUDA."""
 
     # --- evaluation and logging --------------------------------------------------------------
-    eval_interval: int = 500
+    eval_interval: int = bounded(500, lo=0)
     """Evaluate every this many steps (and at the end); 0 evaluates only at the end."""
-    eval_steps: int = 20
+    eval_steps: int = bounded(20, lo=1)
     """Validation batches per evaluation (the same global prefix of the validation set on any world size)."""
-    log_interval: int = 10
+    log_interval: int = bounded(10, lo=1)
     """Log training metrics every this many steps."""
     log_dir: str = "logs"
     """Directory for per-rank logs, TensorBoard events, the resolved config and summary.json."""
     tensorboard: bool = True
     """Write TensorBoard scalars from rank 0."""
-    progress_bar: Literal["auto", "true", "false"] = "auto"
+    progress_bar: Switch = "auto"
     """tqdm bar on rank 0: auto shows it only when stderr is a terminal."""
-    memory_check_interval: int = 50
+    memory_check_interval: int = bounded(50, lo=1)
     """Log memory usage every this many steps."""
-    cleanup_interval: int = 100
+    cleanup_interval: int = bounded(100, lo=1)
     """Run a garbage collection on every rank every this many steps."""
-    max_memory_gb: float = 16.0
+    max_memory_gb: float = bounded(16.0, lo=0.0)
     """Warn when a rank's memory use exceeds this many GiB."""
 
     # --- checkpoints and recovery ------------------------------------------------------------
     checkpoint_dir: str = "checkpoints"
     """Directory for checkpoints and the final model."""
-    save_interval: int = 5
+    save_interval: int = bounded(5, lo=0)
     """Save a checkpoint every this many epochs; 0 disables epoch checkpoints."""
-    max_errors_per_epoch: int = 5
+    max_errors_per_epoch: int = bounded(5, lo=0)
     """Skipped (non-finite) steps allowed per epoch before the run aborts."""
-    save_every_steps: int = 0
+    save_every_steps: int = bounded(0, lo=0)
     """Save a checkpoint every this many optimizer steps; 0 disables step checkpoints."""
-    keep_last: int = 3
+    keep_last: int = bounded(3, lo=1)
     """Number of checkpoints kept in checkpoint_dir (older ones are deleted)."""
     resume: str = "auto"
     """auto = the newest valid checkpoint in checkpoint_dir, none = start fresh, or a checkpoint file."""
@@ -142,27 +152,27 @@ class TrainConfig:
     """Faults to rehearse, e.g. 'nan@step=5,rank=1; sigterm@step=8' (see README); empty = none."""
     agree_nonfinite: bool = True
     """Skip a step on every rank when any rank sees a non-finite loss or gradient (false: each rank alone)."""
-    consistency_check_interval: int = 100
+    consistency_check_interval: int = bounded(100, lo=0)
     """Check every this many steps that all ranks hold bit-identical parameters; 0 disables."""
-    step_timeout_s: float = 600.0
+    step_timeout_s: float = bounded(600.0, lo=0.0, hi=86400.0)
     """Hang watchdog: a step may take max(this, step_timeout_factor x median step time); 0 disables."""
-    step_timeout_factor: float = 10.0
+    step_timeout_factor: float = bounded(10.0, lo=1.0, hi=1000.0)
     """Hang watchdog: multiple of the median step time allowed for one step."""
-    max_loader_restarts: int = 3
+    max_loader_restarts: int = bounded(3, lo=0)
     """DataLoader rebuilds allowed per epoch after a worker died or timed out."""
-    oom_recovery: Literal["auto", "true", "false"] = "auto"
+    oom_recovery: Switch = "auto"
     """On out-of-memory, halve the micro-batch and double accumulation; auto = on with CUDA."""
 
     # --- distributed -------------------------------------------------------------------------
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """Process-group backend: auto = nccl with CUDA, gloo otherwise."""
-    timeout_s: float = 600.0
+    timeout_s: float = bounded(600.0, lo=1.0, hi=86400.0)
     """Timeout in seconds for process-group init and every collective."""
-    ddp_static_graph: Literal["auto", "true", "false"] = "auto"
+    ddp_static_graph: Switch = "auto"
     """DDP static_graph; auto decides from a preflight probe of the model (env DDP_STATIC_GRAPH=0|1)."""
-    find_unused_parameters: Literal["auto", "true", "false"] = "auto"
+    find_unused_parameters: Switch = "auto"
     """DDP find_unused_parameters; auto decides from the preflight probe (env DDP_FIND_UNUSED_PARAMETERS=0|1)."""
-    bucket_cap_mb: float = 25.0
+    bucket_cap_mb: float = bounded(25.0, lo=0.0)
     """DDP gradient bucket size in MiB."""
     gradient_as_bucket_view: bool = False
     """Let gradients alias DDP's communication buckets (saves one copy of the gradients)."""
@@ -170,47 +180,6 @@ class TrainConfig:
     """Broadcast module buffers from rank 0 at every forward."""
 
 
-# Inclusive lower and (optional) upper bounds for numeric fields.
-_BOUNDS: dict[str, tuple[float | None, float | None]] = {
-    "vocab_size": (2, None),
-    "hidden_size": (1, None),
-    "num_layers": (1, None),
-    "num_heads": (1, None),
-    "dropout": (0.0, 0.999),
-    "seq_len": (1, None),
-    "tiled_mlp_chunks": (0, None),
-    "bucket_cap_mb": (0.0, None),
-    "dataset_size": (1, None),
-    "batch_size": (1, None),
-    "gradient_accumulation_steps": (1, None),
-    "num_workers": (0, None),
-    "learning_rate": (0.0, None),
-    "min_lr": (0.0, None),
-    "warmup_steps": (0, None),
-    "beta1": (0.0, 0.999999),
-    "beta2": (0.0, 0.999999),
-    "weight_decay": (0.0, None),
-    "grad_clip": (0.0, None),
-    "num_epochs": (1, None),
-    "max_steps": (0, None),
-    "target_loss": (0.0, None),
-    "seed": (0, 2**63 - 1),
-    "eval_interval": (0, None),
-    "eval_steps": (1, None),
-    "log_interval": (1, None),
-    "memory_check_interval": (1, None),
-    "cleanup_interval": (1, None),
-    "max_memory_gb": (0.0, None),
-    "save_interval": (0, None),
-    "save_every_steps": (0, None),
-    "keep_last": (1, None),
-    "consistency_check_interval": (0, None),
-    "step_timeout_s": (0.0, None),
-    "step_timeout_factor": (1.0, None),
-    "max_loader_restarts": (0, None),
-    "max_errors_per_epoch": (0, None),
-    "timeout_s": (1.0, None),
-}
 
 
 def _field_docs(cls: type) -> dict[str, str]:
@@ -218,7 +187,7 @@ def _field_docs(cls: type) -> dict[str, str]:
     tree = ast.parse(inspect.getsource(cls))
     body = tree.body[0].body
     docs = {}
-    for node, nxt in zip(body, body[1:]):
+    for node, nxt in zip(body, body[1:], strict=False):
         if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
                 and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
                 and isinstance(nxt.value.value, str)):
@@ -296,8 +265,11 @@ def _unknown_key(key: str, source: str) -> str:
 def _check_values(cfg: TrainConfig) -> list[str]:
     """Range and cross-field checks on an already typed config."""
     problems = []
-    for key, (lo, hi) in _BOUNDS.items():
-        value = getattr(cfg, key)
+    for f in fields(cfg):
+        if "bounds" not in f.metadata:
+            continue
+        lo, hi = f.metadata["bounds"]
+        key, value = f.name, getattr(cfg, f.name)
         if lo is not None and value < lo:
             problems.append(f"{key}={value!r}: must be >= {lo}")
         elif hi is not None and value > hi:
@@ -416,8 +388,8 @@ def resolve_config(config: TrainConfig | dict | None) -> TrainConfig:
 def help_text() -> str:
     lines = []
     for f in fields(TrainConfig):
-        lines.append(f"  --{f.name.replace('_', '-')} {describe_type(f.name).upper() if _TYPES[f.name] is not bool else 'true|false'}"
-                     f"  (default: {f.default})")
+        kind = "true|false" if _TYPES[f.name] is bool else describe_type(f.name).upper()
+        lines.append(f"  --{f.name.replace('_', '-')} {kind}  (default: {f.default})")
         lines.append(f"      {FIELD_DOCS[f.name]}")
     return "\n".join(lines)
 

@@ -7,6 +7,7 @@ Datasets yield ``(x, y)`` pairs of token ids, ``y`` being ``x`` shifted by one. 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import math
 import os
@@ -128,6 +129,19 @@ def build_datasets(cfg) -> DataBundle:
                       f"{len(tokens) - split} val tokens, {len(train)} train windows")
 
 
+def builtin_datasets(cfg):
+    """``(cfg, train, val)`` for the built-in data, with vocab_size taken from the data."""
+    bundle = build_datasets(cfg)
+    if bundle.vocab_size != cfg.vocab_size:
+        log.info("vocab_size set to %d from the data", bundle.vocab_size)
+        cfg = dataclasses.replace(cfg, vocab_size=bundle.vocab_size)
+    log.info("data: %s", bundle.description)
+    if bundle.loss_floor is not None and cfg.target_loss and cfg.target_loss < bundle.loss_floor:
+        log.warning("target_loss=%g is below this data's loss floor %.4f: it cannot stop the run",
+                    cfg.target_loss, bundle.loss_floor)
+    return cfg, bundle.train, bundle.val
+
+
 class ResumableDistributedSampler(torch.utils.data.Sampler[list[int]]):
     """Yields this rank's micro-batches of indices.
 
@@ -193,12 +207,35 @@ class ResumableDistributedSampler(torch.utils.data.Sampler[list[int]]):
         taken = [self.delivered.popleft() for _ in range(min(self.accumulation, len(self.delivered)))]
         return [i for batch in taken for i in batch]
 
+    def remaining_steps(self, num_epochs: int) -> int:
+        """Optimizer steps from here to the end of epoch ``num_epochs - 1``."""
+        return self.steps_remaining() + max(0, num_epochs - self.epoch - 1) * self.steps_per_epoch
+
+    def set_micro_batch(self, batch_size: int, accumulation: int) -> None:
+        """Change how a step's samples are split (the global batch must stay the same)."""
+        assert batch_size * accumulation == self.batch_size * self.accumulation, (batch_size, accumulation)
+        self.batch_size, self.accumulation = batch_size, accumulation
+
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "consumed": self.consumed}
+        return {"epoch": self.epoch, "consumed": self.consumed, "batch_size": self.batch_size,
+                "accumulation": self.accumulation, "world_size": self.world_size,
+                "num_samples": self.num_samples, "seed": self.seed}
 
     def load_state_dict(self, state: dict) -> None:
+        """Continue at the saved sample. The saved micro-batch split (an out-of-memory error may
+        have halved it) is kept when the world size and the per-rank batch are the configured
+        ones; otherwise the configured split applies and the position is a global sample offset."""
+        for key in ("num_samples", "seed"):
+            if key in state and int(state[key]) != getattr(self, key):
+                raise ValueError(f"the checkpoint's data order was drawn with {key}={state[key]}, this run has "
+                                 f"{getattr(self, key)}: its sample position does not apply")
         self.epoch = int(state["epoch"])
         self.consumed = int(state["consumed"])
+        if "batch_size" not in state or int(state["world_size"]) != self.world_size:
+            return
+        b, a = int(state["batch_size"]), int(state["accumulation"])
+        if b * a == self.batch_size * self.accumulation:
+            self.batch_size, self.accumulation = b, a
 
 
 def eval_indices(num_samples: int, limit: int, world_size: int, rank: int) -> list[int]:

@@ -34,6 +34,15 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 log = logging.getLogger(__name__)
 
 
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The user's module inside any stack of wrappers exposing ``.module`` (DDP, compile, ...)."""
+    seen = set()
+    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module) and id(model) not in seen:
+        seen.add(id(model))
+        model = model.module
+    return getattr(model, "_orig_mod", model)
+
+
 @dataclass
 class ProbeReport:
     num_parameters: int
@@ -147,7 +156,7 @@ def agree_on_report(report: ProbeReport, model: nn.Module) -> ProbeReport:
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     flags = flags.cpu()
     for k, kind in enumerate(kinds):
-        setattr(report, kind, [n for n, f in zip(names, flags[k].tolist()) if f])
+        setattr(report, kind, [n for n, f in zip(names, flags[k].tolist(), strict=False) if f])
     return report
 
 

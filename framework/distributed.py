@@ -34,6 +34,11 @@ class DistEnv:
         return self.backend is not None
 
 
+def restart_count() -> int:
+    """How many times torchrun has restarted this worker group (0 in the first incarnation)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+
+
 def read_env(rank: int | None = None, world_size: int | None = None) -> tuple[int, int, int, int]:
     """Rank, local rank, world size and local world size, from the arguments or torchrun's env."""
     env_rank = int(os.environ.get("RANK", 0))
@@ -96,7 +101,7 @@ def restart_safe_store(world_size: int, timeout: datetime.timedelta) -> dist.Sto
     global STORE
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
                           is_master=False, timeout=timeout)
-    STORE = dist.PrefixStore(f"restart_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
+    STORE = dist.PrefixStore(f"restart_{restart_count()}/", store)
     return STORE
 
 

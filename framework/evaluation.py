@@ -27,3 +27,28 @@ def validation_loss(model, dataset, loss_fn, *, limit: int, batch_size: int, ran
         dist.all_reduce(sums)
     total, count = sums.tolist()
     return total / count
+
+
+class Evaluator:
+    """The validation loss every ``eval_interval`` steps (0: only at the end), on every rank."""
+
+    def __init__(self, model: torch.nn.Module, dataset, loss_fn, *, cfg, env, autocast):
+        self.model, self.dataset, self.loss_fn = model, dataset, loss_fn
+        self.interval = cfg.eval_interval
+        self.limit, self.batch_size = cfg.eval_steps * cfg.batch_size, cfg.batch_size
+        self.env, self.autocast = env, autocast
+
+    def should_run(self, step: int) -> bool:
+        return bool(self.interval) and step % self.interval == 0
+
+    def run(self) -> float | None:
+        """Mean validation loss over the first ``eval_steps * batch_size`` validation samples,
+        exact for any world size; the model is put back in the mode it was in."""
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            return validation_loss(self.model, self.dataset, self.loss_fn, limit=self.limit,
+                                   batch_size=self.batch_size, rank=self.env.rank, world_size=self.env.world_size,
+                                   device=self.env.device, autocast=self.autocast, distributed=self.env.distributed)
+        finally:
+            self.model.train(was_training)

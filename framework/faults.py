@@ -2,16 +2,18 @@
 ``nan@step=5,rank=1; oom@step=8; sigterm@step=4; sigkill@step=6,rank=1; hang@step=10,rank=0``.
 
 A fault fires once, at the given step, on the given rank (all ranks if none), and only in the
-first incarnation of the group (TORCHELASTIC_RESTART_COUNT=0) unless it says ``restart=N``.
+first incarnation of the group (restart count 0) unless it says ``restart=N``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
 import signal
 from dataclasses import dataclass
+from typing import Callable
 
 log = logging.getLogger(__name__)
 
@@ -48,10 +50,12 @@ def parse(spec: str) -> list[Fault]:
 
 
 class FaultPlan:
-    def __init__(self, spec: str, rank: int, restart_count: int | None = None):
+    """The faults planned for this rank and incarnation, behind the moments that fire them: the
+    start of a step, a micro-step's forward and backward, the gradients, the end of a step."""
+
+    def __init__(self, spec: str, rank: int, restart_count: int):
         self.rank = rank
-        self.restart_count = (int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-                              if restart_count is None else restart_count)
+        self.restart_count = restart_count
         self.faults = parse(spec) if spec else []
         self.fired: set[Fault] = set()
 
@@ -69,6 +73,8 @@ class FaultPlan:
 
     def fire_process_faults(self, step: int) -> None:
         """The faults that act on the whole process, at the start of ``step``."""
+        if not self.faults:
+            return
         if self.due("sigterm", step):
             os.kill(os.getpid(), signal.SIGTERM)
         if self.due("sigkill", step):
@@ -79,21 +85,45 @@ class FaultPlan:
             # sleep(3) through ctypes.PyDLL keeps the GIL: no Python thread can run, only faulthandler.
             ctypes.PyDLL(None).sleep(10**6)
 
+    @contextlib.contextmanager
+    def micro_step(self, step: int, micro: int, last_micro: int, model, kill_worker: Callable[[], int | None]):
+        """Around one micro-step's forward and backward: an OOM raised from the backward of the
+        model's middle block, and a DataLoader worker killed during the last backward. Yields
+        ``on_loss(loss)``, to be called between forward and backward."""
+        hook = middle_module(model).register_forward_hook(_raise_oom_in_backward) if (
+            self.faults and self.due("oom", step, micro, last_micro)) else None
+        kill = bool(self.faults) and micro == last_micro and self.due("kill_worker", step)
 
-def oom_on_backward_of(module):
-    """Make ``module``'s next forward output raise torch.OutOfMemoryError when backward reaches it
-    (an injected OOM in the middle of a backward pass). Remove the returned handle after the forward."""
+        def on_loss(loss) -> None:
+            if kill:
+                loss.register_hook(lambda grad: log.warning(
+                    "fault injection: killed DataLoader worker %s during backward", kill_worker()))
+        try:
+            yield on_loss
+        finally:
+            if hook is not None:
+                hook.remove()
+
+    def on_gradients(self, step: int, model) -> None:
+        """After backward: a NaN in this rank's first gradient."""
+        if self.faults and self.due("nan", step):
+            next(p for p in model.parameters() if p.grad is not None).grad.view(-1)[0] = float("nan")
+
+    def on_step_end(self, step: int, model) -> None:
+        """After the optimizer step: this rank's first parameter moved by one ulp."""
+        if self.faults and self.due("ulp", step):
+            log.warning("fault injection: %s nudged by one ulp", nudge_one_ulp(model))
+
+
+def _raise_oom_in_backward(module, args, output) -> None:
     import torch
 
     def raise_oom(grad):
         raise torch.OutOfMemoryError("injected OOM (fault_inject) in backward")
 
-    def on_forward(mod, args, output):
-        out = output[0] if isinstance(output, tuple) else output
-        if out.requires_grad:
-            out.register_hook(raise_oom)
-
-    return module.register_forward_hook(on_forward)
+    out = output[0] if isinstance(output, tuple) else output
+    if out.requires_grad:
+        out.register_hook(raise_oom)
 
 
 def middle_module(model):

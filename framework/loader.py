@@ -58,7 +58,10 @@ class BatchStream:
 
     # --- iteration ---------------------------------------------------------------------------
     def start_epoch(self) -> None:
-        self.restarts_this_epoch = 0
+        """Iterate the sampler's epoch from its first uncommitted sample; a new epoch gets a new
+        restart budget, a resumed one keeps what it had used."""
+        if self.sampler.consumed == 0:
+            self.restarts_this_epoch = 0
         self._start()
 
     def _start(self) -> None:
@@ -114,6 +117,12 @@ class BatchStream:
             return None
         os.kill(pids[0], signal.SIGKILL)
         return pids[0]
+
+    def state_dict(self) -> dict:
+        return {"restarts_this_epoch": self.restarts_this_epoch}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.restarts_this_epoch = int(state["restarts_this_epoch"])
 
     def shutdown(self) -> None:
         if self._it is not None and hasattr(self._it, "_shutdown_workers"):

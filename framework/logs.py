@@ -34,6 +34,13 @@ def setup_logging(rank: int, log_dir: str | Path, *, debug: bool = False) -> Pat
     return path
 
 
+def log_file_stream(path: Path):
+    """The open stream of the handler writing ``path`` (for faulthandler), or None."""
+    handler = next((h for h in logging.getLogger().handlers
+                    if getattr(h, "baseFilename", None) == str(Path(path).resolve())), None)
+    return handler.stream if handler is not None else None
+
+
 def close_logging() -> None:
     root = logging.getLogger()
     for handler in [h for h in root.handlers if getattr(h, _HANDLER_TAG, False)]:

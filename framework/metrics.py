@@ -11,8 +11,7 @@ from pathlib import Path
 
 import torch
 
-from . import __version__
-from .checkpoint import atomic_write_bytes
+from . import __version__, atomic
 from .config import as_dict
 from .memory import in_use_gb, memory_stats
 
@@ -61,9 +60,9 @@ class StepLog:
     """Per-step bookkeeping of a run: the latest losses, throughput, and the periodic log lines,
     TensorBoard scalars and memory readings."""
 
-    def __init__(self, trainer, metrics: Metrics):
-        self.trainer = trainer
+    def __init__(self, metrics: Metrics, *, cfg, device: torch.device, total_steps: int):
         self.metrics = metrics
+        self.cfg, self.device, self.total_steps = cfg, device, total_steps
         self.first_loss: float | None = None
         self.loss: float | None = None
         self.val_loss: float | None = None
@@ -71,30 +70,44 @@ class StepLog:
         self.start = self.window_start = time.perf_counter()
         self.window_tokens = 0
 
-    def record(self, loss: float, lr: float, grad_norm, tokens: int) -> None:
-        t, cfg = self.trainer, self.trainer.cfg
+    @classmethod
+    def open(cls, cfg, env, *, total_steps: int, initial_step: int) -> StepLog:
+        metrics = Metrics(enabled=env.is_main, log_dir=cfg.log_dir, tensorboard=cfg.tensorboard,
+                          progress_bar=cfg.progress_bar, total_steps=total_steps, initial_step=initial_step)
+        return cls(metrics, cfg=cfg, device=env.device, total_steps=total_steps)
+
+    def close(self) -> None:
+        self.metrics.close()
+
+    def record(self, step: int, epoch: int, loss: float, lr: float, grad_norm, tokens: int) -> None:
+        cfg = self.cfg
         self.loss = loss
         self.first_loss = loss if self.first_loss is None else self.first_loss
         self.tokens += tokens
         self.window_tokens += tokens
         self.metrics.progress(loss)
-        log.debug("step %d: loss %.6f lr %.3e micro-batch %d x %d", t.step, loss, lr, t.sampler.batch_size,
-                  t.sampler.accumulation)
-        if t.step % cfg.log_interval == 0:
+        log.debug("step %d: loss %.6f lr %.3e", step, loss, lr)
+        if step % cfg.log_interval == 0:
             now = time.perf_counter()
             tps = self.window_tokens / (now - self.window_start)
             norm = float(grad_norm)
             log.info("step %d/%d | epoch %d | loss %.4f | lr %.3e | grad_norm %.3f | %.0f tok/s",
-                     t.step, t.total_steps, t.sampler.epoch, loss, lr, norm, tps)
-            self.metrics.scalars(t.step, {"train/loss": loss, "train/lr": lr, "train/grad_norm": norm,
-                                          "train/tokens_per_sec": tps})
+                     step, self.total_steps, epoch, loss, lr, norm, tps)
+            self.metrics.scalars(step, {"train/loss": loss, "train/lr": lr, "train/grad_norm": norm,
+                                        "train/tokens_per_sec": tps})
             self.window_start, self.window_tokens = now, 0
-        if t.step % cfg.memory_check_interval == 0:
-            stats = memory_stats(t.env.device)
+        if step % cfg.memory_check_interval == 0:
+            stats = memory_stats(self.device)
             log.info("memory: %s", ", ".join(f"{k} {v:.2f}" for k, v in stats.items()))
-            self.metrics.scalars(t.step, {f"memory/{k}": v for k, v in stats.items()})
+            self.metrics.scalars(step, {f"memory/{k}": v for k, v in stats.items()})
             if in_use_gb(stats) > cfg.max_memory_gb:
                 log.warning("memory in use %.2f GiB exceeds max_memory_gb=%g", in_use_gb(stats), cfg.max_memory_gb)
+
+    def record_val(self, step: int, val_loss: float | None) -> None:
+        self.val_loss = val_loss
+        if val_loss is not None:
+            log.info("step %d | val_loss %.4f", step, val_loss)
+            self.metrics.scalars(step, {"val/loss": val_loss})
 
     @contextlib.contextmanager
     def paused(self):
@@ -107,6 +120,11 @@ class StepLog:
             self.start += spent
             self.window_start += spent
 
+    def summary(self, *, step: int, epochs: float, world_size: int, model_sha256: str, preempted: bool) -> dict:
+        return {"first_train_loss": self.first_loss, "final_train_loss": self.loss, "final_val_loss": self.val_loss,
+                "steps": step, "epochs": epochs, "tokens_per_sec": self.tokens_per_sec(), "wall_s": self.wall_s(),
+                "world_size": world_size, "model_sha256": model_sha256, "preempted": preempted}
+
     def wall_s(self) -> float:
         return time.perf_counter() - self.start
 
@@ -115,22 +133,38 @@ class StepLog:
         return self.tokens / wall if wall > 0 else 0.0
 
 
-def log_run_start(trainer) -> None:
+class SampleLog:
+    """The audit trail of record_samples: each committed step's sample indices on this rank, one
+    JSON line per step, line-buffered so that a process killed with -9 keeps every line it wrote."""
+
+    def __init__(self, path: Path | None):
+        self.file = open(path, "a", buffering=1) if path is not None else None
+
+    def write(self, epoch: int, step: int, indices: list[int]) -> None:
+        if self.file is not None:
+            self.file.write(json.dumps({"epoch": epoch, "step": step, "indices": indices}) + "\n")
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+
+
+def log_run_start(cfg, env, sampler, *, model: torch.nn.Module, amp: bool, total_steps: int,
+                  num_workers: int) -> None:
     """The run's opening lines: versions and config, model, effective batch, each rank's share,
     schedule; rank 0 also saves the resolved config as log_dir/config.json."""
-    cfg, env, s = trainer.cfg, trainer.env, trainer.sampler
+    s = sampler
     log.info("framework %s, torch %s, config: %s", __version__, torch.__version__,
              json.dumps(as_dict(cfg), sort_keys=True))
-    log.info("model: %s, %.2fM parameters, amp=%s", type(trainer.raw_model).__name__,
-             sum(p.numel() for p in trainer.raw_model.parameters()) / 1e6,
-             f"on ({cfg.amp_dtype})" if trainer.amp else "off (fp32)")
+    log.info("model: %s, %.2fM parameters, amp=%s", type(model).__name__,
+             sum(p.numel() for p in model.parameters()) / 1e6, f"on ({cfg.amp_dtype})" if amp else "off (fp32)")
     log.info("effective batch: %d per rank x %d ranks x %d accumulation = %d samples per step",
              s.batch_size, env.world_size, s.accumulation, s.global_batch)
     log.info("rank %d share: %d steps/epoch x %d samples = %d of %d samples per epoch; %d loader workers",
              env.rank, s.steps_per_epoch, s.batch_size * s.accumulation,
-             s.steps_per_epoch * s.batch_size * s.accumulation, s.num_samples, trainer.num_workers)
-    log.info("schedule: %d steps (%d per epoch, num_epochs=%d, max_steps=%d)", trainer.total_steps,
+             s.steps_per_epoch * s.batch_size * s.accumulation, s.num_samples, num_workers)
+    log.info("schedule: %d steps (%d per epoch, num_epochs=%d, max_steps=%d)", total_steps,
              s.steps_per_epoch, cfg.num_epochs, cfg.max_steps)
     if env.is_main:
-        atomic_write_bytes(Path(cfg.log_dir) / "config.json",
+        atomic.write_bytes(Path(cfg.log_dir) / "config.json",
                            json.dumps(as_dict(cfg), indent=2, sort_keys=True).encode())

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import threading
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +32,14 @@ class PreemptionHandler:
         log.warning("received %s: saving a checkpoint and stopping at the next step boundary",
                     signal.Signals(signum).name)
 
+    @property
+    def installed(self) -> bool:
+        """False off the main thread, where Python cannot install signal handlers."""
+        return bool(self._previous)
+
     def __enter__(self) -> "PreemptionHandler":
+        if threading.current_thread() is not threading.main_thread():
+            return self
         for sig in SIGNALS:
             self._previous[sig] = signal.signal(sig, self._handle)
         return self

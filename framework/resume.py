@@ -1,31 +1,98 @@
-"""The training state on disk: what a checkpoint holds, which one to resume from, and restoring it.
+"""The training state on disk: what a checkpoint holds, when to save one, which one to resume
+from, and restoring it.
 
-A checkpoint is the union of the stateful pieces' ``state_dict()``s plus every rank's RNG state,
-gathered to rank 0, which writes it. Everything is plain (tensors, ints, floats, strings, lists,
-dicts) so it loads under ``torch.load(weights_only=True)``.
+A checkpoint is the union of the stateful pieces' ``state_dict()``s (as in torchtitan) plus
+every rank's RNG state, gathered to rank 0, which writes it. Everything is plain (tensors, ints,
+floats, strings, lists, dicts) so it loads under ``torch.load(weights_only=True)``.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 from pathlib import Path
+from typing import Protocol
 
+import torch
 import torch.distributed as dist
 
 from . import __version__, rng
-from .checkpoint import (FATAL, CheckpointManager, atomic_write_bytes, check_model_shapes, clear_marker,
-                         load_file, read_marker)
-from .config import as_dict
+from .checkpoint import CheckpointError, CheckpointManager, load_file
+from .config import TrainConfig, as_dict
+from .ddp_policy import unwrap
 
 log = logging.getLogger(__name__)
 
-FORMAT = 1
+FORMAT = 2
+"""The checkpoint format written; format 1 (framework 0.1.0 before the state had owners) is read too."""
+
+# Keys whose change makes the saved sample position meaningless (the checkpoint is refused), and
+# keys that do not change what is computed (not worth a warning).
+_REFUSED = ("seed", "data", "dataset_size")
+_NEUTRAL = frozenset({
+    "log_dir", "checkpoint_dir", "resume", "log_interval", "tensorboard", "progress_bar", "memory_check_interval",
+    "max_memory_gb", "eval_interval", "eval_steps", "save_interval", "save_every_steps", "keep_last",
+    "record_samples", "fault_inject", "step_timeout_s", "step_timeout_factor", "timeout_s", "num_workers",
+    "max_loader_restarts", "consistency_check_interval", "cleanup_interval", "max_errors_per_epoch", "backend",
+    "pin_memory", "oom_recovery", "target_loss", "num_epochs", "max_steps", "ddp_static_graph",
+    "find_unused_parameters", "gradient_as_bucket_view", "bucket_cap_mb", "checkpoint_modules"})
 
 
-def restart_count() -> int:
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+class Stateful(Protocol):
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+def check_model_shapes(model_state: dict, model: torch.nn.Module) -> None:
+    """Raise CheckpointError listing every key of ``model_state`` that is missing, unexpected, or
+    shaped differently from ``model``'s state_dict."""
+    expected = {k: tuple(v.shape) for k, v in unwrap(model).state_dict().items()}
+    found = {k: tuple(v.shape) for k, v in model_state.items()}
+    problems = [f"{k} is {found[k]} in the checkpoint but {expected[k]} in the model"
+                for k in expected if k in found and found[k] != expected[k]]
+    problems += [f"{k} is missing from the checkpoint" for k in expected if k not in found]
+    problems += [f"{k} is in the checkpoint but not in the model" for k in found if k not in expected]
+    if not problems:
+        return
+    shown = problems[:10] + ([f"... and {len(problems) - 10} more"] if len(problems) > 10 else [])
+    hint = ""
+    prefixes = [p for p in ("module.", "_orig_mod.") if found and all(k.startswith(p) for k in found)]
+    if prefixes:
+        hint = (f" Every checkpoint key starts with {prefixes[0]!r}: it was saved from a wrapped model;"
+                f" save unwrap(model).state_dict() instead.")
+    raise CheckpointError("checkpoint does not fit the model: " + "; ".join(shown) + "." + hint)
+
+
+def upgrade(state: dict) -> dict:
+    """``state`` in the current format; CheckpointError for a format this version cannot read."""
+    version = state.get("format")
+    if version == FORMAT:
+        return state
+    if version == 1:
+        return {**state, "format": FORMAT,
+                "sampler": {**state["sampler"], "batch_size": state["micro_batch_size"],
+                            "accumulation": state["accumulation_steps"], "world_size": state["world_size"]},
+                "stream": {"restarts_this_epoch": 0},
+                "trainer": {"step": state["step"], "tokens_total": state["tokens_total"]},
+                "skips": {"steps": state["skipped_this_epoch"]}}
+    raise CheckpointError(f"checkpoint format {version!r} is unknown to framework {__version__} (it reads formats "
+                          f"1 to {FORMAT}); was it written by a newer version?")
+
+
+def config_changes(saved: dict, cfg: TrainConfig, *, builtin_data: bool) -> tuple[list[str], list[str]]:
+    """The changes from the checkpoint's configuration that cannot be honoured, and those that
+    change the result; each as ``key: saved -> now``."""
+    now = as_dict(cfg)
+    refused, changed = [], []
+    for key, value in now.items():
+        if key not in saved or saved[key] == value or key in _NEUTRAL:
+            continue
+        line = f"{key}: {saved[key]!r} -> {value!r}"
+        if key in _REFUSED and (builtin_data or key == "seed"):
+            refused.append(line)
+        elif key not in _REFUSED:
+            changed.append(line)
+    return refused, changed
 
 
 def gather_rng(distributed: bool, world_size: int) -> list[dict]:
@@ -38,103 +105,99 @@ def gather_rng(distributed: bool, world_size: int) -> list[dict]:
     return states
 
 
-def training_state(trainer) -> dict:
-    """The whole state of ``trainer`` (a collective: every rank calls it; rank 0 saves it)."""
-    return {
-        "format": FORMAT,
-        "framework_version": __version__,
-        "step": trainer.step,
-        "model": trainer.raw_model.state_dict(),
-        "optimizer": trainer.optimizer.state_dict(),
-        "scaler": trainer.scaler.state_dict(),
-        "schedule": {"total_steps": trainer.total_steps, "warmup_steps": trainer.cfg.warmup_steps},
-        "sampler": trainer.sampler.state_dict(),
-        "micro_batch_size": trainer.sampler.batch_size,
-        "accumulation_steps": trainer.sampler.accumulation,
-        "skipped_this_epoch": list(trainer.skipped_this_epoch),
-        "tokens_total": trainer.tokens_total,
-        "rng": gather_rng(trainer.env.distributed, trainer.env.world_size),
-        "config": as_dict(trainer.cfg),
-        "world_size": trainer.env.world_size,
-    }
+class Checkpointer:
+    """Saves the union of ``components``' states through ``manager`` when the configuration says
+    so, and restores it. ``components`` maps a name in the checkpoint to a Stateful; "model"
+    must be the unwrapped model."""
 
+    def __init__(self, cfg: TrainConfig, env, manager: CheckpointManager, components: dict[str, Stateful], *,
+                 builtin_data: bool):
+        self.cfg, self.env, self.manager = cfg, env, manager
+        self.components = components
+        self.builtin_data = builtin_data
 
-def choose_checkpoint(resume: str, manager: CheckpointManager, env) -> dict | None:
-    """Rank 0 picks the checkpoint (``resume`` = auto | none | PATH) and broadcasts the choice;
-    every rank then loads that same file. Returns the loaded state, or None to start fresh."""
-    if resume == "none":
-        return None
-    choice: list = [None]
-    if env.is_main:
-        if resume == "auto":
-            found = manager.latest_valid()
-            choice[0] = str(found[0]) if found else None
+    def should_save(self, step: int, epoch: int, epoch_ended: bool) -> bool:
+        cfg = self.cfg
+        return bool((cfg.save_every_steps and step % cfg.save_every_steps == 0)
+                    or (epoch_ended and cfg.save_interval and (epoch + 1) % cfg.save_interval == 0))
+
+    def maybe_save(self, step: int, epoch: int, epoch_ended: bool) -> bool:
+        """Save when ``step`` (or the end of ``epoch``) is due; every rank calls this."""
+        if not self.should_save(step, epoch, epoch_ended):
+            return False
+        self.save(step)
+        return True
+
+    def save(self, step: int, *, blocking: bool = False) -> None:
+        """Every rank calls this at the same step (the RNG states are gathered); rank 0 writes."""
+        self.manager.save(self.state(), step, blocking=blocking)
+
+    def state(self) -> dict:
+        """The whole training state (a collective)."""
+        state = {name: part.state_dict() for name, part in self.components.items()}
+        return {"format": FORMAT, "framework_version": __version__, **state,
+                "rng": gather_rng(self.env.distributed, self.env.world_size),
+                "config": as_dict(self.cfg), "world_size": self.env.world_size}
+
+    def load(self) -> dict | None:
+        """Rank 0 picks the checkpoint (``resume`` = auto | none | PATH) and loads it once; the
+        other ranks load the file it names. Returns the state, or None to start fresh."""
+        if self.cfg.resume == "none":
+            return None
+        choice: list = [None, None]  # the path, or the error that every rank raises
+        state = None
+        if self.env.is_main:
+            try:
+                path, state = self._choose()
+                choice[0] = None if path is None else str(path)
+            except CheckpointError as err:
+                choice[1] = str(err)
+            except (RuntimeError, EOFError, OSError) as err:
+                first_line = (str(err).splitlines() or [""])[0]
+                choice[1] = f"resume={self.cfg.resume}: unreadable: {type(err).__name__}: {first_line}"
+        if self.env.distributed:
+            dist.broadcast_object_list(choice, src=0)
+        if choice[1] is not None:
+            raise CheckpointError(choice[1])
+        if choice[0] is None:
+            return None
+        return upgrade(state if state is not None else load_file(Path(choice[0])))
+
+    def _choose(self) -> tuple[Path | None, dict | None]:
+        if self.cfg.resume == "auto":
+            return self.manager.latest_valid() or (None, None)
+        path = Path(self.cfg.resume)
+        return path, load_file(path)
+
+    def restore(self, state: dict) -> None:
+        """Load ``state`` into the components (the RNG is ``restore_rng``'s, last of all)."""
+        check_model_shapes(state["model"], self.components["model"])
+        refused, changed = config_changes(state.get("config", {}), self.cfg, builtin_data=self.builtin_data)
+        if refused:
+            raise CheckpointError(f"the checkpoint's run used other data: {'; '.join(refused)}; its sample "
+                                  f"position does not apply. Restore these values, or start fresh with "
+                                  f"resume=none or another checkpoint_dir")
+        if changed:
+            log.warning("resuming with a changed configuration (the run differs from an uninterrupted one): %s",
+                        "; ".join(changed))
+        for name, part in self.components.items():
+            try:
+                part.load_state_dict(state[name])
+            except (KeyError, ValueError) as err:
+                raise CheckpointError(f"checkpoint part {name!r} does not load: {err}") from err
+        if int(state["world_size"]) != self.env.world_size:
+            sampler = state["sampler"]
+            log.warning("resuming a world-size-%d checkpoint on %d ranks: model and optimizer resume, the data "
+                        "continues at global sample %d of epoch %d, but the run is no longer bitwise equal to "
+                        "an uninterrupted one", state["world_size"], self.env.world_size, sampler["consumed"],
+                        sampler["epoch"])
+
+    def restore_rng(self, state: dict, step: int) -> None:
+        if int(state["world_size"]) == self.env.world_size:
+            rng.restore(state["rng"][self.env.rank])
         else:
-            choice[0] = resume
-    if env.distributed:
-        dist.broadcast_object_list(choice, src=0)
-    if choice[0] is None:
-        return None
-    return load_file(Path(choice[0]))
+            rng.seed_all(self.cfg.seed + 1 + self.env.rank + 7919 * step)
 
-
-def restore(trainer, state: dict) -> None:
-    """Load ``state`` into ``trainer`` (all but the RNG, which ``restore_rng`` sets last)."""
-    check_model_shapes(state["model"], trainer.raw_model)
-    trainer.raw_model.load_state_dict(state["model"])
-    trainer.optimizer.load_state_dict(state["optimizer"])
-    trainer.scaler.load_state_dict(state["scaler"])
-    trainer.step = int(state["step"])
-    trainer.sampler.load_state_dict(state["sampler"])
-    trainer.skipped_this_epoch = list(state["skipped_this_epoch"])
-    trainer.tokens_total = int(state["tokens_total"])
-    same_world = int(state["world_size"]) == trainer.env.world_size
-    if same_world:
-        trainer.sampler.batch_size = int(state["micro_batch_size"])
-        trainer.sampler.accumulation = int(state["accumulation_steps"])
-    else:
-        log.warning("resuming a world-size-%d checkpoint on %d ranks: model and optimizer resume, the data "
-                    "continues at global sample %d of epoch %d, but the run is no longer bitwise equal to "
-                    "an uninterrupted one", state["world_size"], trainer.env.world_size,
-                    trainer.sampler.consumed, trainer.sampler.epoch)
-
-
-def restore_rng(trainer, state: dict) -> None:
-    if int(state["world_size"]) == trainer.env.world_size:
-        rng.restore(state["rng"][trainer.env.rank])
-    else:
-        rng.seed_all(trainer.cfg.seed + 1 + trainer.env.rank + 7919 * trainer.step)
-
-
-MICRO_BATCH_FILE = "MICRO_BATCH.json"
-
-
-def record_micro_batch(checkpoint_dir: str, batch_size: int, accumulation: int, reason: str) -> None:
-    """Remember a smaller micro-batch for the next incarnation (after an OOM a restart must fix)."""
-    atomic_write_bytes(Path(checkpoint_dir) / MICRO_BATCH_FILE, json.dumps(
-        {"micro_batch_size": batch_size, "accumulation_steps": accumulation, "reason": reason}).encode())
-
-
-def apply_recorded_micro_batch(trainer) -> None:
-    path = Path(trainer.cfg.checkpoint_dir) / MICRO_BATCH_FILE
-    if not path.is_file():
-        return
-    rec = json.loads(path.read_text())
-    trainer.sampler.batch_size = int(rec["micro_batch_size"])
-    trainer.sampler.accumulation = int(rec["accumulation_steps"])
-    log.warning("micro-batch %d x %d accumulation steps, recorded after: %s", trainer.sampler.batch_size,
-                trainer.sampler.accumulation, rec["reason"])
-
-
-def check_fatal_marker(checkpoint_dir: str, *, is_main: bool) -> None:
-    """A restarted group stops at once on an earlier incarnation's FATAL marker; a fresh launch
-    (restart count 0) clears it."""
-    from .recovery import FatalError
-    message = read_marker(checkpoint_dir, FATAL)
-    if message is None:
-        return
-    if restart_count() > 0:
-        raise FatalError(f"an earlier incarnation of this run failed and a restart cannot help: {message}")
-    log.warning("clearing the FATAL marker of an earlier run: %s", message)
-    if is_main:
-        clear_marker(checkpoint_dir, FATAL)
+    def close(self) -> None:
+        """Wait for the write in flight (raising its error)."""
+        self.manager.close()

@@ -1,46 +1,42 @@
-"""DDPTrainer: composes config, distributed setup, model, data, DDP policy, checkpoints and
-metrics into a training run."""
+"""DDPTrainer: composes config, distributed setup, model, data, DDP policy, the step, checkpoints
+and metrics into a training run."""
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import itertools
 import json
 import logging
 import os
 import signal
-import threading
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
 
-from . import ddp_policy, distributed, resume, rng
+from . import atomic, ddp_policy, distributed, markers, rng
 from .activation import apply_checkpointing
-from .checkpoint import (FATAL, PREEMPTED, CheckpointError, CheckpointManager, atomic_torch_save,
-                         atomic_write_bytes, model_sha256, unwrap, write_marker)
+from .checkpoint import CheckpointError, CheckpointManager, to_cpu
 from .config import TrainConfig, resolve_config
-from .control import agree
-from .data import (MarkovDataset, ResumableDistributedSampler, TokenWindows, build_datasets, fetch, make_loader,
+from .control import Agreement
+from .data import (MarkovDataset, ResumableDistributedSampler, TokenWindows, builtin_datasets, fetch, make_loader,
                    workers_per_rank)
-from . import faults as fault_tools
-from .evaluation import validation_loss
+from .evaluation import Evaluator
 from .faults import FaultPlan
-from .health import Watchdog, first_divergent
+from .health import ConsistencyCheck, Watchdog, model_sha256
 from .loader import BatchStream
-from .logs import setup_logging
+from .logs import log_file_stream, setup_logging
+from .markers import FatalError
 from .memory import GcPolicy
-from .metrics import Metrics, StepLog, log_run_start
+from .metrics import SampleLog, StepLog, log_run_start
 from .model import GPT, GPTConfig, lm_loss
-from .optim import build_optimizer, lr_at
+from .optim import LRSchedule, build_optimizer
 from .preemption import PreemptionHandler
-from .recovery import FatalError, MicroBatchOOM, SyncedBackwardOOM, forward_backward_with_retry
+from .resume import Checkpointer
+from .step import SkipBudget, TrainStep, apply_recorded_micro_batch
 
 log = logging.getLogger(__name__)
-
 
 # Errors that leave a FATAL marker: retrying cannot help.
 NON_RETRIABLE = (FatalError, ddp_policy.DDPConfigurationError, CheckpointError)
@@ -53,7 +49,8 @@ class DDPTrainer:
 
     A user's dataset yields ``(inputs, targets)``; ``loss_fn(model(inputs), targets)`` returns
     the mean loss of the batch. ``doctor=True`` only runs the DDP preflight (``report`` and
-    ``decision``) and does not wrap the model.
+    ``decision``) and does not wrap the model. A non-retriable error, here or in ``train``,
+    leaves a FATAL marker in checkpoint_dir.
     """
 
     def __init__(self, config: TrainConfig | dict | None = None, *, rank: int | None = None,
@@ -61,376 +58,285 @@ class DDPTrainer:
                  train_dataset=None, val_dataset=None,
                  loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, debug: bool = False,
                  doctor: bool = False):
-        cfg = resolve_config(config)
+        self.cfg = cfg = resolve_config(config)
         self._owns_process_group = not dist.is_initialized()
         self.log_path = setup_logging(distributed.read_env(rank, world_size)[0], cfg.log_dir, debug=debug)
-        self.env = env = distributed.setup(cfg.backend, cfg.timeout_s, rank=rank, world_size=world_size)
-        resume.check_fatal_marker(cfg.checkpoint_dir, is_main=env.is_main)
-        if cfg.deterministic:
+        self.env = distributed.setup(cfg.backend, cfg.timeout_s, rank=rank, world_size=world_size)
+        with self._fatal_on_error():
+            self._build(model, train_dataset, val_dataset, loss_fn, doctor)
+
+    @contextlib.contextmanager
+    def _fatal_on_error(self):
+        try:
+            yield
+        except NON_RETRIABLE as err:
+            markers.write_fatal(self.cfg.checkpoint_dir, self.env.rank, err)
+            self.close()
+            raise
+        except BaseException:
+            self.close()
+            raise
+
+    # --- construction --------------------------------------------------------------------------
+    def _build(self, model, train_dataset, val_dataset, loss_fn, doctor: bool) -> None:
+        markers.check_at_start(self.cfg.checkpoint_dir, restart_count=distributed.restart_count(),
+                               is_main=self.env.is_main)
+        if self.cfg.deterministic:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True)
             torch.backends.cudnn.benchmark = False
-
-        if train_dataset is None:
-            bundle = build_datasets(cfg)
-            train_dataset, val_dataset = bundle.train, bundle.val
-            if bundle.vocab_size != cfg.vocab_size:
-                log.info("vocab_size set to %d from the data", bundle.vocab_size)
-                cfg = dataclasses.replace(cfg, vocab_size=bundle.vocab_size)
-            log.info("data: %s", bundle.description)
-            if bundle.loss_floor is not None and cfg.target_loss and cfg.target_loss < bundle.loss_floor:
-                log.warning("target_loss=%g is below this data's loss floor %.4f: it cannot stop the run",
-                            cfg.target_loss, bundle.loss_floor)
-        self.cfg = cfg
+        builtin_data = train_dataset is None
+        if builtin_data:
+            self.cfg, train_dataset, val_dataset = builtin_datasets(self.cfg)
         self.train_dataset, self.val_dataset = train_dataset, val_dataset
+        self._build_model(model)
+        self.loss_fn = loss_fn or lm_loss
+        # Model init used the shared seed; dropout and everything after draw per-rank streams.
+        rng.seed_all(self.cfg.seed + 1 + self.env.rank)
+        self._build_optimizer()
+        self._build_data()
+        state = self._restore(builtin_data, load=not doctor)
+        self.total_steps = self.schedule.total_steps = self._total_steps()
+        log_run_start(self.cfg, self.env, self.sampler, model=self.raw_model, amp=self.amp,
+                      total_steps=self.total_steps, num_workers=self.num_workers)
+        self._wrap(doctor)
+        if state is not None:
+            self.checkpoints.restore_rng(state, self.step)
+        self._build_run_health()
 
+    def _build_optimizer(self) -> None:
+        cfg, device = self.cfg, self.env.device
+        self.amp = cfg.use_amp == "true" or (cfg.use_amp == "auto" and device.type == "cuda")
+        self.amp_dtype = torch.bfloat16 if cfg.amp_dtype == "bf16" else torch.float16
+        self.scaler = torch.amp.GradScaler(device.type, enabled=self.amp and self.amp_dtype == torch.float16)
+        self.optimizer = build_optimizer(self.raw_model, lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
+                                         betas=(cfg.beta1, cfg.beta2))
+        self.schedule = LRSchedule(lr=cfg.learning_rate, warmup_steps=cfg.warmup_steps, total_steps=0,
+                                   min_lr=cfg.min_lr)
+
+    def _restore(self, builtin_data: bool, *, load: bool) -> dict | None:
+        """The checkpoint to resume from, loaded into every stateful piece (the RNG comes last,
+        after the DDP preflight, which must not consume it)."""
+        cfg, env = self.cfg, self.env
+        self.step = self.tokens_total = 0
+        self.skips = SkipBudget(cfg.max_errors_per_epoch)
+        self.checkpoints = Checkpointer(
+            cfg, env, CheckpointManager(cfg.checkpoint_dir, keep_last=cfg.keep_last, rank=env.rank),
+            {"trainer": self, "model": self.raw_model, "optimizer": self.optimizer, "scaler": self.scaler,
+             "schedule": self.schedule, "sampler": self.sampler, "stream": self.stream, "skips": self.skips},
+            builtin_data=builtin_data)
+        state = self.checkpoints.load() if load else None
+        if state is not None:
+            self.checkpoints.restore(state)
+            log.info("resumed from step %d (epoch %d, sample %d of the epoch)", self.step, self.sampler.epoch,
+                     self.sampler.consumed)
+        if distributed.restart_count() > 0:
+            apply_recorded_micro_batch(self.sampler, cfg.checkpoint_dir)
+        return state
+
+    def _build_model(self, model: torch.nn.Module | None) -> None:
+        cfg = self.cfg
         torch.manual_seed(cfg.seed)
         if model is None:
             model = GPT(GPTConfig.from_train_config(cfg))
         elif cfg.tiled_mlp_chunks:
             log.warning("tiled_mlp_chunks applies to the built-in model only; use framework.activation.tiled_mlp "
                         "in your model's MLP")
-        self.raw_model = model.to(env.device)
+        self.raw_model = model.to(self.env.device)
         targets = [t.strip() for t in cfg.checkpoint_modules.split(",") if t.strip()]
         self.checkpointed, self.offload_stats = apply_checkpointing(self.raw_model, cfg.gradient_checkpointing,
                                                                     targets)
-        self.loss_fn = loss_fn or lm_loss
-        # Model init used the shared seed; dropout and everything after draw per-rank streams.
-        rng.seed_all(cfg.seed + 1 + env.rank)
 
-        self.amp = cfg.use_amp == "true" or (cfg.use_amp == "auto" and env.device.type == "cuda")
-        self.amp_dtype = torch.bfloat16 if cfg.amp_dtype == "bf16" else torch.float16
-        self.scaler = torch.amp.GradScaler(env.device.type, enabled=self.amp and self.amp_dtype == torch.float16)
-        self.params = [p for p in self.raw_model.parameters() if p.requires_grad]
-        self.optimizer = build_optimizer(self.raw_model, lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
-                                         betas=(cfg.beta1, cfg.beta2))
-
-        self.sampler = ResumableDistributedSampler(len(train_dataset), env.world_size, env.rank, cfg.batch_size,
+    def _build_data(self) -> None:
+        cfg, env, dataset = self.cfg, self.env, self.train_dataset
+        self.sampler = ResumableDistributedSampler(len(dataset), env.world_size, env.rank, cfg.batch_size,
                                                    cfg.gradient_accumulation_steps, cfg.seed)
         if self.sampler.steps_per_epoch == 0:
-            raise ValueError(f"dataset_size: {len(train_dataset)} training samples are fewer than one global "
+            raise ValueError(f"dataset_size: {len(dataset)} training samples are fewer than one global "
                              f"batch of {self.sampler.global_batch} (batch_size x world_size x accumulation)")
         # The built-in datasets are in memory and batch in one vectorised read: a worker process
         # would only add the cost of shipping each batch back (measured: ~1.5 ms a step on CPU).
-        in_memory = isinstance(train_dataset, (MarkovDataset, TokenWindows))
+        in_memory = isinstance(dataset, (MarkovDataset, TokenWindows))
         self.num_workers = 0 if in_memory else workers_per_rank(cfg.num_workers, env.local_world_size)
         self.stream = BatchStream(
-            lambda: make_loader(train_dataset, self.sampler, num_workers=self.num_workers,
+            lambda: make_loader(dataset, self.sampler, num_workers=self.num_workers,
                                 pin_memory=cfg.pin_memory and env.device.type == "cuda",
                                 seed=cfg.seed + env.rank, timeout_s=cfg.timeout_s),
             self.sampler, max_restarts=cfg.max_loader_restarts)
-        self.oom_recovery = cfg.oom_recovery == "true" or (cfg.oom_recovery == "auto" and env.device.type == "cuda")
-        self.step = 0
-        self.tokens_total = 0
-        self.skipped_this_epoch: list[int] = []
-        self.total_steps = self._total_steps()
-        self.checkpoints = CheckpointManager(cfg.checkpoint_dir, keep_last=cfg.keep_last, rank=env.rank)
-        state = None if doctor else resume.choose_checkpoint(cfg.resume, self.checkpoints, env)
-        if state is not None:
-            resume.restore(self, state)
-            resume.apply_recorded_micro_batch(self)
-            log.info("resumed from step %d (epoch %d, sample %d of the epoch)", self.step, self.sampler.epoch,
-                     self.sampler.consumed)
-        log_run_start(self)
 
+    def _total_steps(self) -> int:
+        """The run's last step, from where it stands now: a resume on another world size or
+        batch size has another number of steps left in its epochs."""
+        remaining = self.sampler.remaining_steps(self.cfg.num_epochs)
+        by_epochs = self.step + remaining
+        return min(self.cfg.max_steps, by_epochs) if self.cfg.max_steps else by_epochs
+
+    def _wrap(self, doctor: bool) -> None:
         self.report = self.decision = None
         if doctor:
             self.model = self.raw_model
             self.report, self.decision = ddp_policy.preflight(self.raw_model, self.probe_batches(), self.loss_fn,
-                                                              self._autocast, cfg)
-        elif env.distributed:
+                                                              self._autocast, self.cfg)
+        elif self.env.distributed:
             self.model, self.report, self.decision = ddp_policy.wrap_for_training(
-                self.raw_model, self.probe_batches(), self.loss_fn, self._autocast, cfg, env.device)
+                self.raw_model, self.probe_batches(), self.loss_fn, self._autocast, self.cfg, self.env.device)
         else:
             self.model = self.raw_model
-        if state is not None:
-            resume.restore_rng(self, state)
-        self.faults = FaultPlan(cfg.fault_inject, env.rank)
+
+    def _build_run_health(self) -> None:
+        cfg, env = self.cfg, self.env
+        self.faults = FaultPlan(cfg.fault_inject, env.rank, distributed.restart_count())
         self.watchdog = Watchdog(step_timeout_s=cfg.step_timeout_s, factor=cfg.step_timeout_factor,
-                                 log_file=self._log_file(), rank=env.rank, world_size=env.world_size,
+                                 log_file=log_file_stream(self.log_path), rank=env.rank, world_size=env.world_size,
                                  store=distributed.STORE)
+        self.steps = TrainStep(model=self.model, raw_model=self.raw_model, optimizer=self.optimizer,
+                               scaler=self.scaler, schedule=self.schedule, loss_fn=self.loss_fn,
+                               autocast=self._autocast, env=env, sampler=self.sampler, stream=self.stream,
+                               faults=self.faults, skips=self.skips, cfg=cfg,
+                               oom_recovery=cfg.oom_recovery == "true"
+                               or (cfg.oom_recovery == "auto" and env.device.type == "cuda"))
+        self.evaluator = Evaluator(self.raw_model, self.val_dataset, self.loss_fn, cfg=cfg, env=env,
+                                   autocast=self._autocast)
+        self.consistency = ConsistencyCheck(self.raw_model, interval=cfg.consistency_check_interval,
+                                            device=env.device, distributed=env.distributed)
+
+    def _autocast(self):
+        return torch.autocast(self.env.device.type, dtype=self.amp_dtype, enabled=self.amp)
+
+    # --- the trainer's own state, and the pieces tests and benchmarks drive directly -------------
+    def state_dict(self) -> dict:
+        return {"step": self.step, "tokens_total": self.tokens_total}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step, self.tokens_total = int(state["step"]), int(state["tokens_total"])
 
     @property
     def loader(self):
         return self.stream.loader
 
-    # --- construction helpers ----------------------------------------------------------------
-    def _log_file(self):
-        handler = next((h for h in logging.getLogger().handlers
-                        if getattr(h, "baseFilename", None) == str(self.log_path.resolve())), None)
-        return handler.stream if handler is not None else None
+    @property
+    def skipped_this_epoch(self) -> list[int]:
+        return self.skips.steps
 
     def probe_batches(self, n: int = 2) -> list:
         """This rank's next ``n`` micro-batches, read without consuming them."""
         indices = list(itertools.islice(iter(self.sampler), n))
         self.sampler.delivered.clear()
-        return [self._to_device(fetch(self.train_dataset, batch)) for batch in indices]
-
-    def _total_steps(self) -> int:
-        by_epochs = self.cfg.num_epochs * self.sampler.steps_per_epoch
-        return min(self.cfg.max_steps, by_epochs) if self.cfg.max_steps else by_epochs
-
-    # --- one step ----------------------------------------------------------------------------
-    def _autocast(self):
-        return torch.autocast(self.env.device.type, dtype=self.amp_dtype, enabled=self.amp)
-
-    def _to_device(self, batch):
-        return tuple(t.to(self.env.device, non_blocking=True) for t in batch)
+        return [tuple(t.to(self.env.device) for t in fetch(self.train_dataset, batch)) for batch in indices]
 
     def forward_backward(self, micro_batches: list) -> torch.Tensor:
-        """Accumulate gradients over ``micro_batches``; only the last backward all-reduces.
-        Returns this rank's mean loss over them as a (device) tensor.
-
-        With oom_recovery, an out-of-memory error in a no_sync() micro-step is agreed on by all
-        ranks (one small all-reduce before the last micro-step) and raised as MicroBatchOOM
-        everywhere; one in the last (synced) micro-step is SyncedBackwardOOM, because the other
-        ranks are then already inside DDP's all-reduce. In one process every OOM is retried."""
-        n = len(micro_batches)
-        total = torch.zeros((), device=self.env.device)
-        agree_oom = self.oom_recovery and self.env.distributed
-        oom = False
-        try:
-            for i, batch in enumerate(micro_batches):
-                last = i == n - 1
-                inputs, targets = self._to_device(batch)
-                sync = last or not isinstance(self.model, DDP)
-                if last and agree_oom:
-                    # Before the last forward: DDP's synced forward prepares its reducer, so every
-                    # rank must either run it or skip it.
-                    oom = agree(loss=total, world_size=1, distributed=True, oom=oom).oom
-                if oom:
-                    if last or not agree_oom:
-                        raise MicroBatchOOM(f"out of memory at step {self.step}")
-                    continue
-                with contextlib.nullcontext() if sync else self.model.no_sync():
-                    try:
-                        hook = (fault_tools.oom_on_backward_of(fault_tools.middle_module(self.raw_model))
-                                if self.faults.due("oom", self.step, i, n - 1) else None)
-                        with self._autocast():
-                            loss = self.loss_fn(self.model(inputs), targets) / n
-                        if hook is not None:
-                            hook.remove()
-                        if last and self.faults.due("kill_worker", self.step):
-                            loss.register_hook(self._kill_worker_hook)
-                        self.scaler.scale(loss).backward()
-                    except torch.OutOfMemoryError:
-                        if last and self.env.distributed:
-                            raise SyncedBackwardOOM(f"out of memory in the synced forward/backward of step "
-                                                    f"{self.step}") from None
-                        oom = self._oom_seen(i)
-                        if not agree_oom:
-                            raise MicroBatchOOM(f"out of memory at step {self.step}") from None
-                        continue
-                    total += loss.detach()
-        except RuntimeError as err:
-            diagnosed = ddp_policy.diagnose(err)
-            if diagnosed is None:
-                raise
-            raise diagnosed from err
-        return total
-
-    def _kill_worker_hook(self, grad: torch.Tensor) -> None:
-        """Fault injection: kill a DataLoader worker while the main thread is in backward."""
-        log.warning("fault injection: killed DataLoader worker %s during backward", self.stream.kill_a_worker())
-
-    def _oom_seen(self, micro: int) -> bool:
-        log.warning("out of memory in micro-step %d of step %d (micro-batch %d)", micro,
-                    self.step, self.sampler.batch_size)
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.env.device.type == "cuda":
-            torch.cuda.empty_cache()
-        return True
+        return self.steps.forward_backward(micro_batches, self.step)
 
     def optimizer_step(self, loss: torch.Tensor, *, stop: bool = False, preempt: bool = False):
-        """Clip, agree with the other ranks, then step (or skip a non-finite step everywhere)."""
-        cfg = self.cfg
-        lr = lr_at(self.step, lr=cfg.learning_rate, warmup_steps=cfg.warmup_steps,
-                   total_steps=self.total_steps, min_lr=cfg.min_lr)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.scaler.unscale_(self.optimizer)
-        grads = [p.grad for p in self.params if p.grad is not None]
-        grad_norm = torch.nn.utils.get_total_norm(grads)
-        if cfg.grad_clip > 0:
-            torch.nn.utils.clip_grads_with_norm_(self.params, cfg.grad_clip, grad_norm)
-        # With a GradScaler, overflow is the scaler's to handle; otherwise a non-finite step is skipped.
-        nonfinite = (~torch.isfinite(grad_norm) | ~torch.isfinite(loss)) if not self.scaler.is_enabled() else False
-        agreed = agree(loss=loss, world_size=self.env.world_size, distributed=self.env.distributed,
-                       nonfinite=nonfinite, stop=stop, preempt=preempt)
-        skip = agreed.nonfinite if cfg.agree_nonfinite else bool(nonfinite)
-        if skip:
-            self.optimizer.zero_grad(set_to_none=True)
-            self.scaler.update()
-            self._record_skip()
-        else:
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-            self.optimizer.zero_grad(set_to_none=True)
-        return agreed, lr, grad_norm
+        return self.steps.optimizer_step(loss, self.step, stop=stop, preempt=preempt)
 
-    def _record_skip(self) -> None:
-        self.skipped_this_epoch.append(self.step)
-        log.warning("step %d: non-finite loss or gradients on some rank; step skipped on all ranks",
-                    self.step)
-        if len(self.skipped_this_epoch) > self.cfg.max_errors_per_epoch:
-            raise FatalError(f"non-finite loss or gradients at steps {self.skipped_this_epoch}: more than "
-                             f"max_errors_per_epoch={self.cfg.max_errors_per_epoch} in epoch {self.sampler.epoch}")
-
-    def _inject_nan(self) -> None:
-        if self.faults.due("nan", self.step):
-            next(p for p in self.raw_model.parameters() if p.grad is not None).grad.view(-1)[0] = float("nan")
-
-    # --- evaluation --------------------------------------------------------------------------
     def evaluate(self) -> float | None:
-        """Mean validation loss over the first ``eval_steps * batch_size`` validation samples,
-        exact for any world size (see framework/evaluation.py)."""
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            return validation_loss(self.raw_model, self.val_dataset, self.loss_fn,
-                                   limit=self.cfg.eval_steps * self.cfg.batch_size, batch_size=self.cfg.batch_size,
-                                   rank=self.env.rank, world_size=self.env.world_size, device=self.env.device,
-                                   autocast=self._autocast, distributed=self.env.distributed)
-        finally:
-            self.model.train(was_training)
+        return self.evaluator.run()
 
-    # --- checkpoints -------------------------------------------------------------------------
     def save_checkpoint(self, *, blocking: bool = False) -> None:
-        """Every rank calls this at the same step (the RNG states are gathered); rank 0 writes."""
-        self.checkpoints.save(resume.training_state(self), self.step, blocking=blocking)
-
-    def _save_due(self, epoch_ended: bool) -> bool:
-        cfg = self.cfg
-        return bool((cfg.save_every_steps and self.step % cfg.save_every_steps == 0)
-                    or (epoch_ended and cfg.save_interval and (self.sampler.epoch + 1) % cfg.save_interval == 0))
+        self.checkpoints.save(self.step, blocking=blocking)
 
     # --- the loop ----------------------------------------------------------------------------
     def train(self) -> dict:
         """Run to max_steps, num_epochs or target_loss, or until preempted; returns the summary
-        (rank 0 also writes it). A non-retriable error leaves a FATAL marker in checkpoint_dir."""
-        try:
-            return self._train()
-        except NON_RETRIABLE as err:
-            message = f"rank {self.env.rank}: {type(err).__name__}: {err}"
-            log.error("fatal, not retriable (FATAL marker written): %s", message)
-            write_marker(self.cfg.checkpoint_dir, FATAL, message)
-            raise
-        finally:
-            self.close()
+        (rank 0 also writes it)."""
+        with self._fatal_on_error():
+            summary = self._train()
+        self.close()
+        return summary
 
     def _train(self) -> dict:
         cfg, env = self.cfg, self.env
-        metrics = Metrics(enabled=env.is_main, log_dir=cfg.log_dir, tensorboard=cfg.tensorboard,
-                          progress_bar=cfg.progress_bar, total_steps=self.total_steps, initial_step=self.step)
-        steps = StepLog(self, metrics)
-        # Line-buffered: a process killed with -9 keeps every line it wrote.
-        samples_log = (open(Path(cfg.log_dir) / f"samples_rank_{env.rank}.jsonl", "a", buffering=1)
-                       if cfg.record_samples else None)
+        steps = StepLog.open(cfg, env, total_steps=self.total_steps, initial_step=self.step)
+        samples_log = SampleLog(Path(cfg.log_dir) / f"samples_rank_{env.rank}.jsonl" if cfg.record_samples else None)
         self.model.train()
-        stop = self.step >= self.total_steps
-        preempted = False
-        on_main_thread = threading.current_thread() is threading.main_thread()
         try:
-            with (PreemptionHandler() if on_main_thread else contextlib.nullcontext()) as preemption, \
-                    GcPolicy(cfg.cleanup_interval, env.device) as gc_policy:
-                if preemption is not None:
+            with PreemptionHandler() as preemption, GcPolicy(cfg.cleanup_interval, env.device) as gc_policy:
+                if preemption.installed:
                     self.watchdog.dump_on(signal.SIGTERM)
-                while not stop and self.sampler.epoch < cfg.num_epochs:
-                    self.stream.start_epoch()
-                    while self.sampler.steps_remaining() > 0:
-                        self.watchdog.arm(self.step)
-                        self.faults.fire_process_faults(self.step)
-                        micro = self.stream.next_step()
-                        loss = forward_backward_with_retry(self, micro)
-                        self._inject_nan()
-                        agreed, lr, grad_norm = self.optimizer_step(
-                            loss, preempt=preemption is not None and preemption.requested is not None)
-                        indices = self.sampler.advance()
-                        self.step += 1
-                        self.watchdog.disarm()
-                        if self.faults.due("ulp", self.step):
-                            log.warning("fault injection: %s nudged by one ulp",
-                                        fault_tools.nudge_one_ulp(self.raw_model))
-                        step_tokens = sum(b[0].numel() for b in micro) * env.world_size
-                        self.tokens_total += step_tokens
-                        if samples_log is not None:
-                            samples_log.write(json.dumps({"epoch": self.sampler.epoch, "step": self.step,
-                                                          "indices": indices}) + "\n")
-                        steps.record(agreed.loss, lr, grad_norm, step_tokens)
-                        gc_policy.step(self.step)
-                        self._check_consistency()
-                        epoch_ended = self.sampler.steps_remaining() == 0
-                        if agreed.preempt:
-                            self.save_checkpoint(blocking=True)
-                            if env.is_main:
-                                write_marker(cfg.checkpoint_dir, PREEMPTED, f"preempted at step {self.step}")
-                            log.warning("preempted: checkpoint of step %d saved; exiting", self.step)
-                            preempted = stop = True
-                            break
-                        stop = (self.step >= self.total_steps or agreed.stop
-                                or (cfg.target_loss > 0 and agreed.loss <= cfg.target_loss))
-                        if not stop and self._save_due(epoch_ended):
-                            self.save_checkpoint()
-                        if cfg.eval_interval and self.step % cfg.eval_interval == 0 and not stop:
-                            with steps.paused():
-                                steps.val_loss = self._eval_and_log(metrics)
-                        if stop:
-                            break
-                    if not stop:
-                        self.sampler.set_epoch(self.sampler.epoch + 1)
-                        self.skipped_this_epoch = []
+                preempted = self._loop(steps, preemption, gc_policy, samples_log)
             self.watchdog.close()
             if not preempted:
-                if steps.loss is not None and cfg.target_loss > 0 and steps.loss <= cfg.target_loss:
+                if steps.loss is not None and 0 < cfg.target_loss and steps.loss <= cfg.target_loss:
                     log.info("target_loss %g reached at step %d (loss %.4f)", cfg.target_loss, self.step, steps.loss)
-                steps.val_loss = self._eval_and_log(metrics)
+                steps.record_val(self.step, self.evaluator.run())
                 self.save_checkpoint(blocking=True)
             self.checkpoints.close()
         finally:
-            metrics.close()
-            if samples_log is not None:
-                samples_log.close()
+            steps.close()
+            samples_log.close()
         return self._finish(steps, preempted)
 
-    def _check_consistency(self) -> None:
-        interval = self.cfg.consistency_check_interval
-        if not (interval and self.env.distributed and self.step % interval == 0):
-            return
-        name = first_divergent(self.raw_model, self.env.device)
-        if name is not None:
-            raise FatalError(f"ranks diverged by step {self.step}: parameter {name!r} differs between ranks")
+    def _loop(self, steps: StepLog, preemption: PreemptionHandler, gc_policy: GcPolicy, samples_log: SampleLog) -> bool:
+        """Train until the run stops; True when it stopped because of a preemption request."""
+        while self.step < self.total_steps and self.sampler.epoch < self.cfg.num_epochs:
+            self.stream.start_epoch()
+            while self.sampler.steps_remaining() > 0:
+                agreed = self._train_step(steps, preemption, samples_log)
+                gc_policy.step(self.step)
+                self.consistency.maybe_check(self.step)
+                epoch_ended = self.sampler.steps_remaining() == 0
+                if agreed.preempt:
+                    self._save_preempted()
+                    return True
+                if self._should_stop(agreed):
+                    return False
+                self.checkpoints.maybe_save(self.step, self.sampler.epoch, epoch_ended)
+                if self.evaluator.should_run(self.step):
+                    with steps.paused():
+                        steps.record_val(self.step, self.evaluator.run())
+            self.sampler.set_epoch(self.sampler.epoch + 1)
+            self.skips.new_epoch()
+        return False
 
-    def _eval_and_log(self, metrics: Metrics) -> float | None:
-        val_loss = self.evaluate()
-        if val_loss is not None:
-            log.info("step %d | val_loss %.4f", self.step, val_loss)
-            metrics.scalars(self.step, {"val/loss": val_loss})
-        return val_loss
+    def _train_step(self, steps: StepLog, preemption: PreemptionHandler, samples_log: SampleLog) -> Agreement:
+        self.watchdog.arm(self.step)
+        self.faults.fire_process_faults(self.step)
+        micro = self.stream.next_step()
+        loss = self.steps.forward_backward_with_retry(micro, self.step)
+        self.faults.on_gradients(self.step, self.raw_model)
+        agreed, lr, grad_norm = self.optimizer_step(loss, preempt=preemption.requested is not None)
+        indices = self.sampler.advance()
+        self.step += 1
+        self.watchdog.disarm()
+        self.faults.on_step_end(self.step, self.raw_model)
+        step_tokens = sum(b[0].numel() for b in micro) * self.env.world_size
+        self.tokens_total += step_tokens
+        samples_log.write(self.sampler.epoch, self.step, indices)
+        steps.record(self.step, self.sampler.epoch, agreed.loss, lr, grad_norm, step_tokens)
+        return agreed
+
+    def _should_stop(self, agreed: Agreement) -> bool:
+        target = self.cfg.target_loss
+        return self.step >= self.total_steps or agreed.stop or (target > 0 and agreed.loss <= target)
+
+    def _save_preempted(self) -> None:
+        self.save_checkpoint(blocking=True)
+        if self.env.is_main:
+            markers.write(self.cfg.checkpoint_dir, markers.PREEMPTED, f"preempted at step {self.step}")
+        log.warning("preempted: checkpoint of step %d saved; exiting", self.step)
 
     def _finish(self, steps: StepLog, preempted: bool) -> dict:
         cfg, env = self.cfg, self.env
         per_epoch = self.sampler.steps_per_epoch * self.sampler.global_batch
-        summary = {
-            "first_train_loss": steps.first_loss,
-            "final_train_loss": steps.loss,
-            "final_val_loss": steps.val_loss,
-            "steps": self.step,
-            "epochs": self.sampler.epoch + self.sampler.consumed / per_epoch,
-            "tokens_per_sec": steps.tokens_per_sec(),
-            "wall_s": steps.wall_s(),
-            "world_size": env.world_size,
-            "model_sha256": model_sha256(self.raw_model),
-            "preempted": preempted,
-        }
+        summary = steps.summary(step=self.step, epochs=self.sampler.epoch + self.sampler.consumed / per_epoch,
+                                world_size=env.world_size, model_sha256=model_sha256(self.raw_model),
+                                preempted=preempted)
         if env.is_main:
             if not preempted:
-                atomic_torch_save(unwrap(self.model).state_dict(), Path(cfg.checkpoint_dir) / "final_model.pt")
-            atomic_write_bytes(Path(cfg.log_dir) / "summary.json", json.dumps(summary, indent=2).encode())
+                atomic.torch_save(to_cpu(self.raw_model.state_dict()), Path(cfg.checkpoint_dir) / "final_model.pt")
+            atomic.write_bytes(Path(cfg.log_dir) / "summary.json", json.dumps(summary, indent=2).encode())
         log.info("%s: %s", "preempted" if preempted else "done", json.dumps(summary))
         return summary
 
     def close(self) -> None:
-        """Release the loader's workers and, if this trainer created it, the process group."""
+        """Wait for the checkpoint write in flight, release the loader's workers and, if this
+        trainer created it, the process group. Safe to call more than once."""
+        if getattr(self, "checkpoints", None) is not None:
+            try:
+                self.checkpoints.close()
+            except OSError as err:  # raised already where it mattered; here the run is ending anyway
+                log.error("the last checkpoint write failed: %s", err)
         if getattr(self, "stream", None) is not None:
             self.stream.shutdown()
         if getattr(self, "watchdog", None) is not None:

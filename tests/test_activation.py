@@ -93,7 +93,7 @@ def test_tiled_mlp_matches_plain_mlp(chunks):
     out = tiled_mlp(x, chunks, fc, proj)
     assert torch.allclose(out, ref, atol=1e-6)
     got = torch.autograd.grad(out, (x, fc.weight, fc.bias, proj.weight, proj.bias), g)
-    for a, b in zip(got, ref_grads):
+    for a, b in zip(got, ref_grads, strict=False):
         assert torch.allclose(a, b, atol=1e-5)
 
 

@@ -16,9 +16,13 @@ import numpy as np
 import pytest
 import torch
 
-from framework import checkpoint, rng
-from framework.checkpoint import (FATAL, PREEMPTED, CheckpointError, CheckpointManager, check_model_shapes,
-                                  clear_marker, load_file, read_marker, write_marker)
+from framework import atomic, checkpoint, rng
+from framework.checkpoint import CheckpointError, CheckpointManager, load_file
+from framework.markers import FATAL, PREEMPTED
+from framework.markers import clear as clear_marker
+from framework.markers import read as read_marker
+from framework.markers import write as write_marker
+from framework.resume import check_model_shapes
 
 
 def state_at(step: int) -> dict:
@@ -37,7 +41,7 @@ def assert_same(a, b):
             assert_same(a[k], b[k])
     elif isinstance(a, (list, tuple)):
         assert len(a) == len(b)
-        for x, y in zip(a, b):
+        for x, y in zip(a, b, strict=False):
             assert_same(x, y)
     else:
         assert a == b
@@ -100,13 +104,13 @@ def test_unsaveable_value_is_refused_before_the_write(tmp_path):
 def gated_write(monkeypatch):
     """Make every atomic write wait until the returned event is set."""
     gate = threading.Event()
-    real = checkpoint.atomic_write_bytes
+    real = atomic.write_bytes
 
     def slow(path, data):
         assert gate.wait(10), "test never opened the gate"
         real(path, data)
 
-    monkeypatch.setattr(checkpoint, "atomic_write_bytes", slow)
+    monkeypatch.setattr(atomic, "write_bytes", slow)
     return gate
 
 
@@ -142,7 +146,7 @@ def test_writer_error_surfaces_from_wait(tmp_path, monkeypatch):
         raise OSError(errno.ENOSPC, "No space left on device", str(path))
 
     manager = CheckpointManager(tmp_path)
-    monkeypatch.setattr(checkpoint, "atomic_write_bytes", disk_full)
+    monkeypatch.setattr(atomic, "write_bytes", disk_full)
     manager.save(state_at(1), 1)
     with pytest.raises(OSError, match="No space left"):
         manager.wait()

@@ -163,7 +163,7 @@ def test_fatal_marker_stops_a_restarted_group_at_once(tmp_path):
 def test_two_nodes_on_loopback_match_one_node(reference, tmp_path):
     port = free_port()
     procs = []
-    for node in range(2):
+    for _node in range(2):
         cmd = torchrun_cmd(ROOT / "ddp_training.py", args_for(tmp_path), nproc=1)
         cmd[cmd.index("--nnodes") + 1] = "2"
         cmd[cmd.index("--rdzv-endpoint") + 1] = f"127.0.0.1:{port}"

@@ -94,7 +94,8 @@ def test_oom_in_the_synced_backward_restarts_with_half_the_micro_batch(tmp_path)
                                                    max_steps=16, save_every_steps=4, record_samples=False,
                                                    dropout=0.0), ref_dir)
     assert ref.returncode == 0, ref.output[-3000:]
-    run = launch(ROOT / "ddp_training.py", args_for(oom_dir, max_steps=16, save_every_steps=4, record_samples=False, dropout=0.0,
+    run = launch(ROOT / "ddp_training.py", args_for(oom_dir, max_steps=16, save_every_steps=4, record_samples=False,
+                                                   dropout=0.0,
                                                    fault_inject="oom@step=6,rank=1", oom_recovery=True),
                  oom_dir, torchrun_extra=["--max-restarts", "1"])
     assert run.returncode == 0, run.output[-4000:]

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from framework import ConfigError, DDPTrainer, TrainConfig
-from framework.checkpoint import model_sha256
+from framework.health import model_sha256
 
 TINY = dict(vocab_size=32, hidden_size=32, num_layers=1, num_heads=2, seq_len=16, dataset_size=128, batch_size=8,
             dropout=0.0, num_workers=0, learning_rate=3e-3, target_loss=0.0, eval_steps=2, log_interval=2)
@@ -56,7 +56,8 @@ def test_user_model_dataset_and_loss(tmp_path):
     w = torch.randn(5, 1, generator=g)
     data = torch.utils.data.TensorDataset(x, x @ w)
     model = torch.nn.Linear(5, 1)
-    trainer = DDPTrainer(tiny(tmp_path, max_steps=300, num_epochs=100, learning_rate=0.05, weight_decay=0.0, grad_clip=0.0),
+    trainer = DDPTrainer(tiny(tmp_path, max_steps=300, num_epochs=100, learning_rate=0.05, weight_decay=0.0,
+                              grad_clip=0.0),
                          model=model, train_dataset=data, val_dataset=data, loss_fn=torch.nn.functional.mse_loss)
     summary = trainer.train()
     assert summary["final_val_loss"] < 0.01 < summary["first_train_loss"]
@@ -116,7 +117,7 @@ def test_oom_in_one_process_retries_with_half_the_micro_batch(tmp_path):
 
 
 def test_unwrap_finds_the_module_inside_nested_wrappers():
-    from framework.checkpoint import unwrap
+    from framework.ddp_policy import unwrap
 
     class Wrapper(torch.nn.Module):
         def __init__(self, module):

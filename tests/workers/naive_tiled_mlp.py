@@ -38,7 +38,7 @@ class _HiddenWeightsTiledMLP(torch.autograd.Function):
     def backward(cls, ctx, grad_out):
         (x,) = ctx.saved_tensors
         weights = [ctx.fc.weight, ctx.fc.bias, ctx.proj.weight, ctx.proj.bias]
-        pieces = list(zip(x.chunk(ctx.chunks, dim=1), grad_out.chunk(ctx.chunks, dim=1)))
+        pieces = list(zip(x.chunk(ctx.chunks, dim=1), grad_out.chunk(ctx.chunks, dim=1), strict=False))
         grad_x = []
         for i, (xc, gc) in enumerate(pieces):
             xc = xc.detach().requires_grad_()
@@ -46,7 +46,7 @@ class _HiddenWeightsTiledMLP(torch.autograd.Function):
                 out = _mlp(xc, ctx.fc, ctx.proj)
             if cls.last_chunk_uses_backward_only and i < len(pieces) - 1:
                 gx, *gw = torch.autograd.grad(out, (xc, *weights), gc)
-                for w, g in zip(weights, gw):
+                for w, g in zip(weights, gw, strict=False):
                     if w.grad is None:
                         w.grad = g.clone()
                     else:

@@ -1,0 +1,193 @@
+"""One optimizer step: forward/backward over the micro-batches with no_sync() accumulation, the
+out-of-memory agreement, and the optimizer step with its agreed skip.
+
+An out-of-memory error in a no_sync() micro-step is agreed on by every rank (one small
+all-reduce before the last, synced micro-step), and the step is retried with half the
+micro-batch and twice the accumulation. One in the synced backward cannot be agreed on: the
+other ranks are already inside DDP's all-reduce, so the halved micro-batch is recorded for the
+restarted group and the error propagates.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from . import ddp_policy, markers
+from .control import Agreement, agree
+from .markers import FatalError
+
+log = logging.getLogger(__name__)
+
+
+class MicroBatchOOM(RuntimeError):
+    """Out of memory where every rank can still agree: retry the step with half the micro-batch."""
+
+
+class SyncedBackwardOOM(RuntimeError):
+    """Out of memory inside a synced backward: only a restart (with the halved micro-batch recorded) helps."""
+
+
+def halve_micro_batch(sampler, reason: str) -> tuple[int, int]:
+    """Half the micro-batch, twice the accumulation; the same global batch per step."""
+    b, a = sampler.batch_size, sampler.accumulation
+    if b == 1 or b % 2:
+        raise FatalError(f"{reason} at micro-batch {b}: cannot halve it further without changing the "
+                         f"effective batch; lower seq_len or the model size, or turn on gradient_checkpointing")
+    sampler.set_micro_batch(b // 2, a * 2)
+    log.warning("%s: micro-batch %d -> %d, gradient accumulation %d -> %d (the effective batch stays %d)",
+                reason, b, b // 2, a, a * 2, sampler.global_batch)
+    return b // 2, a * 2
+
+
+def apply_recorded_micro_batch(sampler, checkpoint_dir) -> None:
+    """A restarted group takes the micro-batch that an out-of-memory error made it record."""
+    rec = markers.recorded_micro_batch(checkpoint_dir)
+    if rec is None:
+        return
+    b, a = int(rec["micro_batch_size"]), int(rec["accumulation_steps"])
+    if b * a != sampler.batch_size * sampler.accumulation:
+        log.warning("ignoring %s (%d x %d): this run's per-rank batch is %d", markers.MICRO_BATCH, b, a,
+                    sampler.batch_size * sampler.accumulation)
+        return
+    sampler.set_micro_batch(b, a)
+    log.warning("micro-batch %d x %d accumulation steps, recorded after: %s", b, a, rec["reason"])
+
+
+class SkipBudget:
+    """The steps skipped (non-finite) in the current epoch; more than ``limit`` is fatal."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.steps: list[int] = []
+
+    def record(self, step: int, epoch: int) -> None:
+        self.steps.append(step)
+        log.warning("step %d: non-finite loss or gradients on some rank; step skipped on all ranks", step)
+        if len(self.steps) > self.limit:
+            raise FatalError(f"non-finite loss or gradients at steps {self.steps}: more than "
+                             f"max_errors_per_epoch={self.limit} in epoch {epoch}")
+
+    def new_epoch(self) -> None:
+        self.steps = []
+
+    def state_dict(self) -> dict:
+        return {"steps": list(self.steps)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.steps = [int(s) for s in state["steps"]]
+
+
+class TrainStep:
+    """Runs optimizer steps on ``model`` (DDP-wrapped or not; ``raw_model`` is the unwrapped one)."""
+
+    def __init__(self, *, model, raw_model, optimizer, scaler, schedule, loss_fn, autocast, env, sampler, stream,
+                 faults, skips: SkipBudget, cfg, oom_recovery: bool):
+        self.model, self.raw_model = model, raw_model
+        self.optimizer, self.scaler, self.schedule = optimizer, scaler, schedule
+        self.loss_fn, self.autocast, self.env = loss_fn, autocast, env
+        self.sampler, self.stream, self.faults, self.skips = sampler, stream, faults, skips
+        self.cfg = cfg
+        self.oom_recovery = oom_recovery
+        self.params = [p for p in raw_model.parameters() if p.requires_grad]
+
+    def to_device(self, batch):
+        return tuple(t.to(self.env.device, non_blocking=True) for t in batch)
+
+    def forward_backward_with_retry(self, micro: list, step: int) -> torch.Tensor:
+        """``forward_backward``, retrying the same samples with half the micro-batch after an
+        agreed OOM; after an OOM in the synced backward, record the halved micro-batch and re-raise."""
+        while True:
+            try:
+                return self.forward_backward(micro, step)
+            except MicroBatchOOM as err:
+                self.optimizer.zero_grad(set_to_none=True)  # every rank: some hold finished micro-steps
+                halve_micro_batch(self.sampler, str(err))
+                micro = self.stream.refetch_step()
+            except SyncedBackwardOOM as err:
+                b, a = halve_micro_batch(self.sampler, str(err))
+                markers.record_micro_batch(self.cfg.checkpoint_dir, b, a, str(err))
+                log.error("%s: the other ranks are inside DDP's all-reduce, so this rank exits; the restarted "
+                          "group resumes from the last checkpoint with micro-batch %d x %d", err, b, a)
+                raise
+
+    def forward_backward(self, micro_batches: list, step: int) -> torch.Tensor:
+        """Accumulate gradients over ``micro_batches``; only the last backward all-reduces.
+        Returns this rank's mean loss over them as a (device) tensor."""
+        try:
+            return self._accumulate(micro_batches, step)
+        except RuntimeError as err:
+            diagnosed = ddp_policy.diagnose(err)
+            if diagnosed is None:
+                raise
+            raise diagnosed from err
+
+    def _accumulate(self, micro_batches: list, step: int) -> torch.Tensor:
+        n = len(micro_batches)
+        total = torch.zeros((), device=self.env.device)
+        agree_oom = self.oom_recovery and self.env.distributed
+        oom = False
+        for i, batch in enumerate(micro_batches):
+            last = i == n - 1
+            if last and agree_oom:
+                # Before the last forward: DDP's synced forward prepares its reducer, so every
+                # rank must either run it or skip it.
+                oom = agree(loss=total, world_size=1, distributed=True, oom=oom).oom
+            if oom:
+                if last or not agree_oom:
+                    raise MicroBatchOOM(f"out of memory at step {step}")
+                continue
+            sync = last or not isinstance(self.model, DDP)
+            try:
+                with contextlib.nullcontext() if sync else self.model.no_sync():
+                    total += self._micro_step(batch, step, i, n)
+            except torch.OutOfMemoryError:
+                if last and self.env.distributed:
+                    raise SyncedBackwardOOM(f"out of memory in the synced forward/backward of step {step}") from None
+                oom = self._oom_seen(i, step)
+                if not agree_oom:
+                    raise MicroBatchOOM(f"out of memory at step {step}") from None
+        return total
+
+    def _micro_step(self, batch, step: int, i: int, n: int) -> torch.Tensor:
+        inputs, targets = self.to_device(batch)
+        with self.faults.micro_step(step, i, n - 1, self.raw_model, self.stream.kill_a_worker) as on_loss:
+            with self.autocast():
+                loss = self.loss_fn(self.model(inputs), targets) / n
+            on_loss(loss)
+            self.scaler.scale(loss).backward()
+        return loss.detach()
+
+    def _oom_seen(self, micro: int, step: int) -> bool:
+        log.warning("out of memory in micro-step %d of step %d (micro-batch %d)", micro, step,
+                    self.sampler.batch_size)
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.env.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return True
+
+    def optimizer_step(self, loss: torch.Tensor, step: int, *, stop: bool = False,
+                       preempt: bool = False) -> tuple[Agreement, float, torch.Tensor]:
+        """Clip, agree with the other ranks, then step (or skip a non-finite step everywhere)."""
+        lr = self.schedule.apply(self.optimizer, step)
+        self.scaler.unscale_(self.optimizer)
+        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None])
+        if self.cfg.grad_clip > 0:
+            torch.nn.utils.clip_grads_with_norm_(self.params, self.cfg.grad_clip, grad_norm)
+        # With a GradScaler, overflow is the scaler's to handle; otherwise a non-finite step is skipped.
+        nonfinite = (~torch.isfinite(grad_norm) | ~torch.isfinite(loss)) if not self.scaler.is_enabled() else False
+        agreed = agree(loss=loss, world_size=self.env.world_size, distributed=self.env.distributed,
+                       nonfinite=nonfinite, stop=stop, preempt=preempt)
+        skip = agreed.nonfinite if self.cfg.agree_nonfinite else bool(nonfinite)
+        if skip:
+            self.optimizer.zero_grad(set_to_none=True)
+            self.scaler.update()
+            self.skips.record(step, self.sampler.epoch)
+        else:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+            self.optimizer.zero_grad(set_to_none=True)
+        return agreed, lr, grad_norm
