@@ -284,6 +284,10 @@ def _check_values(cfg: TrainConfig) -> list[str]:
             problems.append(f"data={cfg.data!r}: allowed: synthetic, a .txt file or a .bin file")
         elif not path.is_file():
             problems.append(f"data={cfg.data!r}: file not found")
+    for key in ("log_dir", "checkpoint_dir"):
+        problem = _unwritable_dir(getattr(cfg, key))
+        if problem:
+            problems.append(f"{key}={getattr(cfg, key)!r}: {problem}; allowed: a directory this user can write")
     if cfg.resume not in ("auto", "none") and not Path(cfg.resume).is_file():
         problems.append(f"resume={cfg.resume!r}: allowed: auto, none, or an existing checkpoint file")
     if cfg.fault_inject:
@@ -297,6 +301,20 @@ def _check_values(cfg: TrainConfig) -> list[str]:
     if cfg.backend == "nccl" and not _cuda_available():
         problems.append("backend='nccl': needs CUDA; allowed on this machine: auto, gloo")
     return problems
+
+
+def _unwritable_dir(directory: str) -> str | None:
+    """Why ``directory`` cannot be created or written, or None. Nothing is created here."""
+    path = Path(directory)
+    while not path.exists():
+        if path.parent == path:
+            return None
+        path = path.parent
+    if not path.is_dir():
+        return f"cannot be created: {path} is a file"
+    if not os.access(path, os.W_OK | os.X_OK):
+        return f"{path} is not writable"
+    return None
 
 
 def _cuda_available() -> bool:

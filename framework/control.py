@@ -20,6 +20,17 @@ class Agreement:
     preempt: bool
 
 
+def spread(values: dict[str, float]) -> dict[str, tuple[float, float]]:
+    """The values that differ between ranks, as ``name -> (min, max)``; one all-reduce (MAX of the
+    values and of their negations). Every rank gets the same answer."""
+    names = list(values)
+    mine = torch.tensor([float(values[n]) for n in names], dtype=torch.float64)
+    both = torch.cat([mine, -mine])
+    dist.all_reduce(both, op=dist.ReduceOp.MAX)
+    n = len(names)
+    return {name: (-both[n + i].item(), both[i].item()) for i, name in enumerate(names) if both[i] != -both[n + i]}
+
+
 def agree(*, loss: torch.Tensor, world_size: int, distributed: bool, **flags: bool | torch.Tensor) -> Agreement:
     """All-reduce this rank's loss and flags (unknown flag names are an error) in one call.
     ``loss`` may be a device tensor: nothing is synchronised before the collective."""

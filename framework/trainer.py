@@ -19,7 +19,7 @@ from . import atomic, ddp_policy, distributed, markers, rng
 from .activation import apply_checkpointing
 from .checkpoint import CheckpointError, CheckpointManager, to_cpu
 from .config import TrainConfig, resolve_config
-from .control import Agreement
+from .control import Agreement, spread
 from .data import (MarkovDataset, ResumableDistributedSampler, TokenWindows, builtin_datasets, fetch, make_loader,
                    workers_per_rank)
 from .evaluation import Evaluator
@@ -151,6 +151,8 @@ class DDPTrainer:
         cfg, env, dataset = self.cfg, self.env, self.train_dataset
         self.sampler = ResumableDistributedSampler(len(dataset), env.world_size, env.rank, cfg.batch_size,
                                                    cfg.gradient_accumulation_steps, cfg.seed)
+        if env.distributed:
+            self._check_datasets_agree()
         if self.sampler.steps_per_epoch == 0:
             raise ValueError(f"dataset_size: {len(dataset)} training samples are fewer than one global "
                              f"batch of {self.sampler.global_batch} (batch_size x world_size x accumulation)")
@@ -163,6 +165,17 @@ class DDPTrainer:
                                 pin_memory=cfg.pin_memory and env.device.type == "cuda",
                                 seed=cfg.seed + env.rank, timeout_s=cfg.timeout_s),
             self.sampler, max_restarts=cfg.max_loader_restarts)
+
+    def _check_datasets_agree(self) -> None:
+        """Ranks with datasets of different lengths would wait for each other forever in the last
+        steps; one all-reduce at start turns that into an error on every rank."""
+        val = self.val_dataset
+        differ = spread({"train_dataset length": len(self.train_dataset),
+                         "val_dataset length (-1: none)": -1 if val is None else len(val)})
+        if differ:
+            raise FatalError("the ranks hold different datasets: " + "; ".join(
+                f"{name} ranges from {lo:.0f} to {hi:.0f}" for name, (lo, hi) in differ.items())
+                + ". Every rank must pass the same dataset; the sampler gives each rank its shard")
 
     def _total_steps(self) -> int:
         """The run's last step, from where it stands now: a resume on another world size or

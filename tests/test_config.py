@@ -92,6 +92,11 @@ def test_all_problems_listed_at_once():
     (["--config", "nope.toml"], "--config nope.toml: file not found"),
     (["--backend", "nccl"], "backend='nccl': needs CUDA"),
     (["--use-amp", "true", "--amp-dtype", "fp16"], "amp_dtype='fp16': needs CUDA"),
+    (["--step-timeout-s", "1e12"], "step_timeout_s=1000000000000.0: must be <= 86400.0"),
+    (["--timeout-s", "1e9"], "timeout_s=1000000000.0: must be <= 86400.0"),
+    (["--step-timeout-factor", "1e300"], "step_timeout_factor=1e+300: must be <= 1000.0"),
+    (["--log-dir", "README.md/logs"], "log_dir='README.md/logs': cannot be created: README.md is a file"),
+    (["--checkpoint-dir", "README.md"], "checkpoint_dir='README.md': cannot be created: README.md is a file"),
 ])
 def test_cli_bad_input_exits_2_with_one_line(argv, needle, capsys, monkeypatch):
     monkeypatch.setattr("framework.config._cuda_available", lambda: False)

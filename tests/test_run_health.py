@@ -129,3 +129,11 @@ def test_hung_rank_holding_the_gil_is_killed_by_the_watchdog(tmp_path, restarts)
         assert "resumed from step 8" in log0
         assert summary(tmp_path)["steps"] == 24
     assert not run.leftovers
+
+
+def test_datasets_of_different_lengths_stop_every_rank_with_one_error(health):
+    for rank in (0, 1):
+        out = case(health, "uneven_datasets", rank)
+        assert out["error"].startswith("FatalError: the ranks hold different datasets: train_dataset length ranges "
+                                       "from 96 to 128"), out
+    assert "different datasets" in (health[0] / "uneven_datasets" / "ck" / "FATAL").read_text()

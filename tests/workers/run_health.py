@@ -33,6 +33,8 @@ CASES = {
     # A DataLoader worker SIGKILLed while the main thread is in backward.
     "kill_worker": dict(fault_inject="kill_worker@step=3,rank=0", num_workers=1, dataset="plain"),
     # The naive tiled MLP (backward per chunk) desynchronises the ranks silently; the check sees it.
+    # A user's per-rank datasets of different lengths: a clear error on every rank, not a hang.
+    "uneven_datasets": dict(dataset="uneven"),
     "naive_tiled": dict(model="naive_tiled", ddp_static_graph="false", find_unused_parameters="false"),
 }
 
@@ -65,13 +67,20 @@ def run_case(name, overrides, out_dir, rank):
     if dataset == "plain":
         bundle = build_datasets(resolve_config(cfg))
         kwargs = dict(train_dataset=PlainTokens(bundle.train), val_dataset=bundle.val)
+    if dataset == "uneven":
+        bundle = build_datasets(resolve_config(cfg))
+        train = torch.utils.data.Subset(bundle.train, range(128 - 32 * rank))
+        kwargs = dict(train_dataset=train, val_dataset=bundle.val)
     if model_kind == "naive_tiled":
         from tests.workers.failure_matrix import TiledMLPNet, sequences
         torch.manual_seed(BASE["seed"])
         data = sequences()
         kwargs = dict(model=TiledMLPNet("naive", 4, False), train_dataset=data, val_dataset=None,
                       loss_fn=torch.nn.functional.mse_loss)
-    trainer = DDPTrainer(cfg, **kwargs)
+    try:
+        trainer = DDPTrainer(cfg, **kwargs)
+    except Exception as err:  # the case's outcome, asserted by the test
+        return {"error": f"{type(err).__name__}: {err}", "steps_per_epoch": None}
     worker_pids = []
     if dataset == "plain":
         original = trainer.stream.kill_a_worker
