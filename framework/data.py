@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import logging
 import math
 import os
@@ -19,6 +20,9 @@ from typing import Iterator
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, default_collate
+
+from .control import spread
+from .markers import FatalError
 
 log = logging.getLogger(__name__)
 
@@ -236,6 +240,24 @@ class ResumableDistributedSampler(torch.utils.data.Sampler[list[int]]):
         b, a = int(state["batch_size"]), int(state["accumulation"])
         if b * a == self.batch_size * self.accumulation:
             self.batch_size, self.accumulation = b, a
+
+
+def check_same_datasets(train: Dataset, val: Dataset | None) -> None:
+    """Ranks with datasets of different lengths would wait for each other forever in the last
+    steps; one all-reduce at start turns that into the same error on every rank."""
+    differ = spread({"train_dataset length": len(train),
+                     "val_dataset length (-1: none)": -1 if val is None else len(val)})
+    if differ:
+        raise FatalError("the ranks hold different datasets: " + "; ".join(
+            f"{name} ranges from {lo:.0f} to {hi:.0f}" for name, (lo, hi) in differ.items())
+            + ". Every rank must pass the same dataset; the sampler gives each rank its shard")
+
+
+def peek_batches(sampler: ResumableDistributedSampler, dataset: Dataset, n: int, device: torch.device) -> list:
+    """This rank's next ``n`` micro-batches on ``device``, read without consuming them."""
+    indices = list(itertools.islice(iter(sampler), n))
+    sampler.delivered.clear()
+    return [tuple(t.to(device) for t in fetch(dataset, batch)) for batch in indices]
 
 
 def eval_indices(num_samples: int, limit: int, world_size: int, rank: int) -> list[int]:

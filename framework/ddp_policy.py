@@ -309,6 +309,18 @@ def wrap_for_training(model: nn.Module, batches: list, loss_fn, autocast, cfg, d
     return ddp_model, report, decision
 
 
+def prepare(model: nn.Module, batches, loss_fn, autocast, cfg, device: torch.device, *, distributed: bool,
+            doctor: bool) -> tuple[nn.Module, ProbeReport | None, Decision | None]:
+    """The model to train and the preflight's report and decision: only the preflight for
+    ``doctor``, the wrapped model when ``distributed``, the model itself otherwise.
+    ``batches()`` returns this rank's first micro-batches (read only when needed)."""
+    if doctor:
+        return (model, *preflight(model, batches(), loss_fn, autocast, cfg))
+    if distributed:
+        return wrap_for_training(model, batches(), loss_fn, autocast, cfg, device)
+    return model, None, None
+
+
 def preflight(model: nn.Module, batches: list, loss_fn, autocast, cfg) -> tuple[ProbeReport, Decision]:
     """The probe and the decision alone, for --doctor."""
     report = agree_on_report(probe(model, batches, loss_fn, autocast), model)

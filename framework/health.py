@@ -3,6 +3,7 @@ heartbeats."""
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import hashlib
 import logging
@@ -91,7 +92,12 @@ class Watchdog:
     with a third more slack: a hang is caught between 1 and 1.33 deadlines. A monitor thread
     names the stragglers: on a rank that waits in a collective (which releases the GIL) it writes
     this rank's heartbeat to torchrun's store once the step is slow, and shortly before the
-    deadline reports the ranks whose heartbeat is behind, i.e. the ones that never got there."""
+    deadline reports the ranks whose heartbeat is behind, i.e. the ones that never got there.
+
+    Work between steps (evaluation, the consistency check, waiting for a checkpoint write) runs
+    in a ``phase`` with its own deadline, from its own measured durations: max(step_timeout_s,
+    factor x median of that phase); before the first measurement, factor x median step x the
+    phase's ``scale`` (its size in steps' worth of work)."""
 
     def __init__(self, *, step_timeout_s: float, factor: float, log_file, rank: int, world_size: int,
                  store=None):
@@ -102,6 +108,7 @@ class Watchdog:
         self.world_size = world_size
         self.store = store
         self.durations: deque[float] = deque(maxlen=50)
+        self.phase_durations: dict[str, deque[float]] = {}
         self._step = -1
         self._started: float | None = None
         self._armed_at = -float("inf")
@@ -130,6 +137,26 @@ class Watchdog:
         if self._monitor is None and self.store is not None and self.world_size > 1:
             self._monitor = threading.Thread(target=self._watch, name="step-watchdog", daemon=True)
             self._monitor.start()
+
+    @contextlib.contextmanager
+    def phase(self, name: str, scale: float = 1.0):
+        """Run the block under a deadline of its own (see the class docstring)."""
+        if not self.enabled:
+            yield
+            return
+        history = self.phase_durations.setdefault(name, deque(maxlen=20))
+        step_median = statistics.median(self.durations) if self.durations else 0.0
+        expected = statistics.median(history) if history else step_median * scale
+        deadline = max(self.minimum, self.factor * expected)
+        self._started = None  # the straggler monitor watches steps only
+        faulthandler.dump_traceback_later(deadline, exit=True, file=self.log_file)
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            history.append(time.perf_counter() - start)
+            faulthandler.cancel_dump_traceback_later()
+            self._armed_at = -float("inf")  # the next step arms its own deadline at once
 
     def dump_on(self, signum: int) -> None:
         """Also dump every thread's stack when ``signum`` arrives, from C, before the Python

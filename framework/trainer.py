@@ -4,7 +4,6 @@ and metrics into a training run."""
 from __future__ import annotations
 
 import contextlib
-import itertools
 import json
 import logging
 import os
@@ -19,13 +18,12 @@ from . import atomic, ddp_policy, distributed, markers, rng
 from .activation import apply_checkpointing
 from .checkpoint import CheckpointError, CheckpointManager, to_cpu
 from .config import TrainConfig, resolve_config
-from .control import Agreement, spread
-from .data import (MarkovDataset, ResumableDistributedSampler, TokenWindows, builtin_datasets, fetch, make_loader,
-                   workers_per_rank)
+from .control import Agreement, agree
+from .data import builtin_datasets, check_same_datasets, peek_batches
 from .evaluation import Evaluator
 from .faults import FaultPlan
 from .health import ConsistencyCheck, Watchdog, model_sha256
-from .loader import BatchStream
+from .loader import build_stream
 from .logs import log_file_stream, setup_logging
 from .markers import FatalError
 from .memory import GcPolicy
@@ -58,7 +56,12 @@ class DDPTrainer:
                  train_dataset=None, val_dataset=None,
                  loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, debug: bool = False,
                  doctor: bool = False):
-        self.cfg = cfg = resolve_config(config)
+        self.preemption = PreemptionHandler().install()
+        try:
+            self.cfg = cfg = resolve_config(config)
+        except BaseException:
+            self.preemption.restore()
+            raise
         self._owns_process_group = not dist.is_initialized()
         self.log_path = setup_logging(distributed.read_env(rank, world_size)[0], cfg.log_dir, debug=debug)
         self.env = distributed.setup(cfg.backend, cfg.timeout_s, rank=rank, world_size=world_size)
@@ -148,34 +151,9 @@ class DDPTrainer:
                                                                     targets)
 
     def _build_data(self) -> None:
-        cfg, env, dataset = self.cfg, self.env, self.train_dataset
-        self.sampler = ResumableDistributedSampler(len(dataset), env.world_size, env.rank, cfg.batch_size,
-                                                   cfg.gradient_accumulation_steps, cfg.seed)
-        if env.distributed:
-            self._check_datasets_agree()
-        if self.sampler.steps_per_epoch == 0:
-            raise ValueError(f"dataset_size: {len(dataset)} training samples are fewer than one global "
-                             f"batch of {self.sampler.global_batch} (batch_size x world_size x accumulation)")
-        # The built-in datasets are in memory and batch in one vectorised read: a worker process
-        # would only add the cost of shipping each batch back (measured: ~1.5 ms a step on CPU).
-        in_memory = isinstance(dataset, (MarkovDataset, TokenWindows))
-        self.num_workers = 0 if in_memory else workers_per_rank(cfg.num_workers, env.local_world_size)
-        self.stream = BatchStream(
-            lambda: make_loader(dataset, self.sampler, num_workers=self.num_workers,
-                                pin_memory=cfg.pin_memory and env.device.type == "cuda",
-                                seed=cfg.seed + env.rank, timeout_s=cfg.timeout_s),
-            self.sampler, max_restarts=cfg.max_loader_restarts)
-
-    def _check_datasets_agree(self) -> None:
-        """Ranks with datasets of different lengths would wait for each other forever in the last
-        steps; one all-reduce at start turns that into an error on every rank."""
-        val = self.val_dataset
-        differ = spread({"train_dataset length": len(self.train_dataset),
-                         "val_dataset length (-1: none)": -1 if val is None else len(val)})
-        if differ:
-            raise FatalError("the ranks hold different datasets: " + "; ".join(
-                f"{name} ranges from {lo:.0f} to {hi:.0f}" for name, (lo, hi) in differ.items())
-                + ". Every rank must pass the same dataset; the sampler gives each rank its shard")
+        if self.env.distributed:
+            check_same_datasets(self.train_dataset, self.val_dataset)
+        self.sampler, self.stream, self.num_workers = build_stream(self.train_dataset, self.cfg, self.env)
 
     def _total_steps(self) -> int:
         """The run's last step, from where it stands now: a resume on another world size or
@@ -185,16 +163,9 @@ class DDPTrainer:
         return min(self.cfg.max_steps, by_epochs) if self.cfg.max_steps else by_epochs
 
     def _wrap(self, doctor: bool) -> None:
-        self.report = self.decision = None
-        if doctor:
-            self.model = self.raw_model
-            self.report, self.decision = ddp_policy.preflight(self.raw_model, self.probe_batches(), self.loss_fn,
-                                                              self._autocast, self.cfg)
-        elif self.env.distributed:
-            self.model, self.report, self.decision = ddp_policy.wrap_for_training(
-                self.raw_model, self.probe_batches(), self.loss_fn, self._autocast, self.cfg, self.env.device)
-        else:
-            self.model = self.raw_model
+        self.model, self.report, self.decision = ddp_policy.prepare(
+            self.raw_model, lambda: self.probe_batches(), self.loss_fn, self._autocast, self.cfg, self.env.device,
+            distributed=self.env.distributed, doctor=doctor)
 
     def _build_run_health(self) -> None:
         cfg, env = self.cfg, self.env
@@ -233,9 +204,7 @@ class DDPTrainer:
 
     def probe_batches(self, n: int = 2) -> list:
         """This rank's next ``n`` micro-batches, read without consuming them."""
-        indices = list(itertools.islice(iter(self.sampler), n))
-        self.sampler.delivered.clear()
-        return [tuple(t.to(self.env.device) for t in fetch(self.train_dataset, batch)) for batch in indices]
+        return peek_batches(self.sampler, self.train_dataset, n, self.env.device)
 
     def forward_backward(self, micro_batches: list) -> torch.Tensor:
         return self.steps.forward_backward(micro_batches, self.step)
@@ -263,52 +232,73 @@ class DDPTrainer:
         steps = StepLog.open(cfg, env, total_steps=self.total_steps, initial_step=self.step)
         samples_log = SampleLog(Path(cfg.log_dir) / f"samples_rank_{env.rank}.jsonl" if cfg.record_samples else None)
         self.model.train()
+        if self.preemption.installed:
+            self.watchdog.dump_on(signal.SIGTERM)
         try:
-            with PreemptionHandler() as preemption, GcPolicy(cfg.cleanup_interval, env.device) as gc_policy:
-                if preemption.installed:
-                    self.watchdog.dump_on(signal.SIGTERM)
-                preempted = self._loop(steps, preemption, gc_policy, samples_log)
-            self.watchdog.close()
+            with GcPolicy(cfg.cleanup_interval, env.device) as gc_policy:
+                preempted = self._loop(steps, gc_policy, samples_log)
             if not preempted:
-                if steps.loss is not None and 0 < cfg.target_loss and steps.loss <= cfg.target_loss:
-                    log.info("target_loss %g reached at step %d (loss %.4f)", cfg.target_loss, self.step, steps.loss)
-                steps.record_val(self.step, self.evaluator.run())
-                self.save_checkpoint(blocking=True)
+                preempted = self._final_evaluation_and_save(steps)
             self.checkpoints.close()
+            self.watchdog.close()
         finally:
             steps.close()
             samples_log.close()
         return self._finish(steps, preempted)
 
-    def _loop(self, steps: StepLog, preemption: PreemptionHandler, gc_policy: GcPolicy, samples_log: SampleLog) -> bool:
+    def _loop(self, steps: StepLog, gc_policy: GcPolicy, samples_log: SampleLog) -> bool:
         """Train until the run stops; True when it stopped because of a preemption request."""
         while self.step < self.total_steps and self.sampler.epoch < self.cfg.num_epochs:
             self.stream.start_epoch()
             while self.sampler.steps_remaining() > 0:
-                agreed = self._train_step(steps, preemption, samples_log)
+                agreed = self._train_step(steps, samples_log)
                 gc_policy.step(self.step)
-                self.consistency.maybe_check(self.step)
-                epoch_ended = self.sampler.steps_remaining() == 0
+                if self.consistency.should_run(self.step):
+                    with self.watchdog.phase("consistency check"):
+                        self.consistency.maybe_check(self.step)
                 if agreed.preempt:
                     self._save_preempted()
                     return True
                 if self._should_stop(agreed):
                     return False
-                self.checkpoints.maybe_save(self.step, self.sampler.epoch, epoch_ended)
-                if self.evaluator.should_run(self.step):
-                    with steps.paused():
-                        steps.record_val(self.step, self.evaluator.run())
+                self._save_and_evaluate(steps, epoch_ended=self.sampler.steps_remaining() == 0)
             self.sampler.set_epoch(self.sampler.epoch + 1)
             self.skips.new_epoch()
         return False
 
-    def _train_step(self, steps: StepLog, preemption: PreemptionHandler, samples_log: SampleLog) -> Agreement:
+    def _save_and_evaluate(self, steps: StepLog, *, epoch_ended: bool) -> None:
+        if self.checkpoints.should_save(self.step, self.sampler.epoch, epoch_ended):
+            with self.watchdog.phase("checkpoint save", scale=10):
+                self.checkpoints.maybe_save(self.step, self.sampler.epoch, epoch_ended)
+        if self.evaluator.should_run(self.step):
+            with steps.paused(), self.watchdog.phase("evaluation", scale=self.cfg.eval_steps):
+                steps.record_val(self.step, self.evaluator.run())
+
+    def _final_evaluation_and_save(self, steps: StepLog) -> bool:
+        """The final evaluation and save; True when a preemption request came in after the last
+        step, in which case (agreed by every rank) the evaluation is left to the resumed run."""
+        cfg = self.cfg
+        if steps.loss is not None and 0 < cfg.target_loss and steps.loss <= cfg.target_loss:
+            log.info("target_loss %g reached at step %d (loss %.4f)", cfg.target_loss, self.step, steps.loss)
+        preempted = agree(loss=torch.zeros((), device=self.env.device), world_size=self.env.world_size,
+                          distributed=self.env.distributed, preempt=self.preemption.requested is not None).preempt
+        if not preempted:
+            with self.watchdog.phase("evaluation", scale=cfg.eval_steps):
+                steps.record_val(self.step, self.evaluator.run())
+        with self.watchdog.phase("checkpoint save", scale=10):
+            if preempted:
+                self._save_preempted()
+            else:
+                self.save_checkpoint(blocking=True)
+        return preempted
+
+    def _train_step(self, steps: StepLog, samples_log: SampleLog) -> Agreement:
         self.watchdog.arm(self.step)
         self.faults.fire_process_faults(self.step)
         micro = self.stream.next_step()
         loss = self.steps.forward_backward_with_retry(micro, self.step)
         self.faults.on_gradients(self.step, self.raw_model)
-        agreed, lr, grad_norm = self.optimizer_step(loss, preempt=preemption.requested is not None)
+        agreed, lr, grad_norm = self.optimizer_step(loss, preempt=self.preemption.requested is not None)
         indices = self.sampler.advance()
         self.step += 1
         self.watchdog.disarm()
@@ -356,3 +346,4 @@ class DDPTrainer:
             self.watchdog.close()
         if self._owns_process_group:
             distributed.teardown()
+        self.preemption.restore()  # last: a signal until here is recorded, not fatal

@@ -1,0 +1,86 @@
+"""Signals at the moments nobody chose, on one process running ddp_training.py: during the
+final evaluation, twice within a few milliseconds, and twice seconds apart."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from framework.preemption import DUPLICATE_WINDOW_S
+from tests.dist_helper import ROOT, worker_env
+
+# A long final evaluation (about 2 s here): 2,000 validation sequences of 128 tokens.
+SLOW_EVAL = dict(vocab_size=64, hidden_size=128, num_layers=2, num_heads=2, seq_len=128, dataset_size=20000,
+                 batch_size=16, eval_steps=125, eval_interval=0, max_steps=8, dropout=0.0, num_workers=0,
+                 tensorboard=False, target_loss=0.0, log_interval=1)
+
+
+def start(run_dir: Path, **cfg) -> subprocess.Popen:
+    cfg = {**SLOW_EVAL, "log_dir": str(run_dir / "logs"), "checkpoint_dir": str(run_dir / "ck"), **cfg}
+    args = [f"--{k.replace('_', '-')}={v}" for k, v in cfg.items()]
+    return subprocess.Popen([sys.executable, str(ROOT / "ddp_training.py"), *args], cwd=ROOT, env=worker_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def wait_for_log(run_dir: Path, needle: str, timeout: float = 60) -> None:
+    log_file = run_dir / "logs" / "rank_0.log"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if log_file.exists() and needle in log_file.read_text():
+            return
+        time.sleep(0.005)
+    raise AssertionError(f"{needle!r} never appeared in {log_file}")
+
+
+def test_sigterm_during_the_final_evaluation_ends_cleanly(tmp_path):
+    proc = start(tmp_path)
+    wait_for_log(tmp_path, "step 8/8")  # the loop is over: the final evaluation runs now
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, output[-3000:]
+    assert "race condition" not in output and "Traceback" not in output
+    summary = json.loads((tmp_path / "logs" / "summary.json").read_text())
+    assert summary["steps"] == 8 and summary["final_val_loss"] is not None
+    assert (tmp_path / "ck" / "final_model.pt").is_file()
+    assert json.loads((tmp_path / "ck" / "manifest.json").read_text())[-1]["step"] == 8
+
+
+def test_two_signals_milliseconds_apart_are_one_request(tmp_path):
+    proc = start(tmp_path, max_steps=100000, eval_steps=2)
+    wait_for_log(tmp_path, "step 3/")
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, output[-3000:]
+    marker = (tmp_path / "ck" / "PREEMPTED").read_text()
+    step = int(marker.split()[-1])
+    assert json.loads((tmp_path / "ck" / "manifest.json").read_text())[-1]["step"] == step
+    assert "received SIGTERM again within" in (tmp_path / "logs" / "rank_0.log").read_text()
+
+
+def test_a_second_signal_after_the_window_exits_at_once(tmp_path):
+    # A final evaluation of about 6 s: the first request cannot end it, the second one does.
+    proc = start(tmp_path, dataset_size=80000, eval_steps=500)
+    wait_for_log(tmp_path, "step 8/8")
+    proc.send_signal(signal.SIGUSR1)
+    wait_for_log(tmp_path, "received SIGUSR1")
+    time.sleep(DUPLICATE_WINDOW_S + 0.2)
+    assert proc.poll() is None, "the evaluation ended before the second signal; make it longer"
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGTERM and time.monotonic() - sent < 1.0
+    assert not (tmp_path / "ck" / "final_model.pt").exists()
+
+
+def test_evaluation_and_saves_run_under_deadlines_of_their_own(tmp_path):
+    """A 1 s step deadline (steps take ~40 ms) and an evaluation of ~2 s in the middle of the run:
+    the watchdog gives the evaluation its own deadline instead of killing a healthy run."""
+    proc = start(tmp_path, step_timeout_s=1.0, eval_interval=4, save_every_steps=4)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, output[-3000:]
+    log0 = (tmp_path / "logs" / "rank_0.log").read_text()
+    assert "step 4 | val_loss" in log0 and "Timeout" not in log0
