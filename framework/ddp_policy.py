@@ -31,6 +31,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from .memory import is_oom
+
 log = logging.getLogger(__name__)
 
 
@@ -321,8 +323,25 @@ def prepare(model: nn.Module, batches, loss_fn, autocast, cfg, device: torch.dev
     return model, None, None
 
 
+class PreflightOOM(RuntimeError):
+    """Out of memory in the preflight probe on some rank (agreed by all), before any DDP collective."""
+
+
 def preflight(model: nn.Module, batches: list, loss_fn, autocast, cfg) -> tuple[ProbeReport, Decision]:
-    """The probe and the decision alone, for --doctor."""
-    report = agree_on_report(probe(model, batches, loss_fn, autocast), model)
+    """The probe and the decision alone, for --doctor. An out-of-memory error on any rank is
+    agreed on and raised as PreflightOOM on every rank."""
+    try:
+        report, oom = probe(model, batches, loss_fn, autocast), False
+    except RuntimeError as err:
+        if not is_oom(err):
+            raise
+        report, oom = ProbeReport(0, 0), True
+    if dist.is_available() and dist.is_initialized():
+        flag = torch.tensor([float(oom)], device="cuda" if dist.get_backend() == "nccl" else "cpu")
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        oom = bool(flag.item())
+    if oom:
+        raise PreflightOOM(f"out of memory in the DDP preflight probe at micro-batch {len(batches[0][0])}")
+    report = agree_on_report(report, model)
     return report, decide(report, static_graph=cfg.ddp_static_graph, find_unused=cfg.find_unused_parameters,
                           checkpointing=cfg.gradient_checkpointing, accumulation=cfg.gradient_accumulation_steps)

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.distributed as dist
 
 from .data import eval_indices, fetch
+
+log = logging.getLogger(__name__)
 
 
 @torch.no_grad()
@@ -32,23 +36,26 @@ def validation_loss(model, dataset, loss_fn, *, limit: int, batch_size: int, ran
 class Evaluator:
     """The validation loss every ``eval_interval`` steps (0: only at the end), on every rank."""
 
-    def __init__(self, model: torch.nn.Module, dataset, loss_fn, *, cfg, env, autocast):
+    def __init__(self, model: torch.nn.Module, dataset, loss_fn, *, cfg, env, autocast, sampler):
         self.model, self.dataset, self.loss_fn = model, dataset, loss_fn
         self.interval = cfg.eval_interval
-        self.limit, self.batch_size = cfg.eval_steps * cfg.batch_size, cfg.batch_size
+        self.limit = cfg.eval_steps * cfg.batch_size
+        self.sampler = sampler  # its micro-batch, which an out-of-memory error may have halved
         self.env, self.autocast = env, autocast
 
     def should_run(self, step: int) -> bool:
         return bool(self.interval) and step % self.interval == 0
 
-    def run(self) -> float | None:
+    def run(self, step: int) -> float | None:
         """Mean validation loss over the first ``eval_steps * batch_size`` validation samples,
         exact for any world size; the model is put back in the mode it was in."""
+        log.info("evaluating at step %d", step)
         was_training = self.model.training
         self.model.eval()
         try:
             return validation_loss(self.model, self.dataset, self.loss_fn, limit=self.limit,
-                                   batch_size=self.batch_size, rank=self.env.rank, world_size=self.env.world_size,
-                                   device=self.env.device, autocast=self.autocast, distributed=self.env.distributed)
+                                   batch_size=self.sampler.batch_size, rank=self.env.rank,
+                                   world_size=self.env.world_size, device=self.env.device, autocast=self.autocast,
+                                   distributed=self.env.distributed)
         finally:
             self.model.train(was_training)

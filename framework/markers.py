@@ -43,8 +43,12 @@ def clear(directory: str | Path, name: str) -> None:
 
 def write_fatal(directory: str | Path, rank: int, err: BaseException) -> None:
     message = f"rank {rank}: {type(err).__name__}: {err}"
+    try:
+        write(directory, FATAL, message)
+    except OSError as write_err:  # e.g. the disk that failed the checkpoint is full: still report the error
+        log.error("fatal, not retriable (no FATAL marker: %s): %s", write_err, message)
+        return
     log.error("fatal, not retriable (FATAL marker written): %s", message)
-    write(directory, FATAL, message)
 
 
 def record_micro_batch(directory: str | Path, batch_size: int, accumulation: int, reason: str) -> None:

@@ -21,6 +21,16 @@ def memory_stats(device: torch.device) -> dict[str, float]:
     return stats
 
 
+# Allocation failures that CUDA libraries report as plain RuntimeErrors.
+_OOM_MESSAGES = ("CUBLAS_STATUS_ALLOC_FAILED", "CUDNN_STATUS_ALLOC_FAILED", "CUDA error: out of memory")
+
+
+def is_oom(err: BaseException) -> bool:
+    """Whether ``err`` is an out-of-memory error: torch's own, or one a CUDA library raised."""
+    return isinstance(err, torch.OutOfMemoryError) or (
+        isinstance(err, RuntimeError) and any(m in str(err) for m in _OOM_MESSAGES))
+
+
 def in_use_gb(stats: dict[str, float]) -> float:
     return stats.get("cuda_reserved_gb", stats["rss_gb"])
 

@@ -8,6 +8,8 @@ floats, strings, lists, dicts) so it loads under ``torch.load(weights_only=True)
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import logging
 from pathlib import Path
 from typing import Protocol
@@ -19,6 +21,7 @@ from . import __version__, rng
 from .checkpoint import CheckpointError, CheckpointManager, load_file
 from .config import TrainConfig, as_dict
 from .ddp_policy import unwrap
+from .markers import FatalError
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +133,19 @@ class Checkpointer:
 
     def save(self, step: int, *, blocking: bool = False) -> None:
         """Every rank calls this at the same step (the RNG states are gathered); rank 0 writes."""
-        self.manager.save(self.state(), step, blocking=blocking)
+        with self._disk_errors_are_fatal():
+            self.manager.save(self.state(), step, blocking=blocking)
+
+    @contextlib.contextmanager
+    def _disk_errors_are_fatal(self):
+        """A full, over-quota or read-only checkpoint_dir stays so after a restart: stop, saying so."""
+        try:
+            yield
+        except OSError as err:
+            if err.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
+                raise
+            raise FatalError(f"checkpoint_dir={self.cfg.checkpoint_dir!r}: {err.strerror} while writing a "
+                             f"checkpoint; free space or use another checkpoint_dir, then resume") from err
 
     def state(self) -> dict:
         """The whole training state (a collective)."""
@@ -200,4 +215,5 @@ class Checkpointer:
 
     def close(self) -> None:
         """Wait for the write in flight (raising its error)."""
-        self.manager.close()
+        with self._disk_errors_are_fatal():
+            self.manager.close()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from typing import Callable
 
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -19,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from . import ddp_policy, markers
 from .control import Agreement, agree
 from .markers import FatalError
+from .memory import is_oom
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +43,27 @@ def halve_micro_batch(sampler, reason: str) -> tuple[int, int]:
     log.warning("%s: micro-batch %d -> %d, gradient accumulation %d -> %d (the effective batch stays %d)",
                 reason, b, b // 2, a, a * 2, sampler.global_batch)
     return b // 2, a * 2
+
+
+def prepare_model(prepare: Callable[[], tuple], sampler, checkpoint_dir, *, oom_recovery: bool) -> tuple:
+    """``prepare()`` (the DDP preflight and wrap), with the out-of-memory policy of a step: an
+    OOM in the probe, agreed by every rank, halves the micro-batch and probes again; one in the
+    static-graph warm-up, a synced backward, is recorded for the restart and re-raised."""
+    while True:
+        try:
+            return prepare()
+        except ddp_policy.PreflightOOM as err:
+            if not oom_recovery:
+                raise FatalError(f"{err}: lower batch_size or seq_len, or turn on gradient_checkpointing or "
+                                 f"oom_recovery") from None
+            halve_micro_batch(sampler, str(err))
+        except RuntimeError as err:
+            if not is_oom(err):
+                raise
+            b, a = halve_micro_batch(sampler, "out of memory in the static-graph warm-up")
+            markers.record_micro_batch(checkpoint_dir, b, a, "out of memory in the static-graph warm-up")
+            raise SyncedBackwardOOM("out of memory in the static-graph warm-up: the restarted group uses "
+                                    f"micro-batch {b} x {a}") from None
 
 
 def apply_recorded_micro_batch(sampler, checkpoint_dir) -> None:
@@ -140,17 +163,30 @@ class TrainStep:
                 if last or not agree_oom:
                     raise MicroBatchOOM(f"out of memory at step {step}")
                 continue
-            sync = last or not isinstance(self.model, DDP)
-            try:
-                with contextlib.nullcontext() if sync else self.model.no_sync():
-                    total += self._micro_step(batch, step, i, n)
-            except torch.OutOfMemoryError:
-                if last and self.env.distributed:
-                    raise SyncedBackwardOOM(f"out of memory in the synced forward/backward of step {step}") from None
-                oom = self._oom_seen(i, step)
-                if not agree_oom:
-                    raise MicroBatchOOM(f"out of memory at step {step}") from None
+            loss = self._guarded_micro_step(batch, step, i, n)
+            if loss is not None:
+                total += loss
+                continue
+            oom = True
+            self._release_after_oom(i, step)
+            if not agree_oom:
+                raise MicroBatchOOM(f"out of memory at step {step}")
         return total
+
+    def _guarded_micro_step(self, batch, step: int, i: int, n: int) -> torch.Tensor | None:
+        """The micro-step's loss, or None after an out-of-memory error in a micro-step that
+        other ranks can still agree on."""
+        last = i == n - 1
+        sync = last or not isinstance(self.model, DDP)
+        try:
+            with contextlib.nullcontext() if sync else self.model.no_sync():
+                return self._micro_step(batch, step, i, n)
+        except RuntimeError as err:
+            if not is_oom(err):
+                raise
+            if last and self.env.distributed:
+                raise SyncedBackwardOOM(f"out of memory in the synced forward/backward of step {step}") from None
+        return None
 
     def _micro_step(self, batch, step: int, i: int, n: int) -> torch.Tensor:
         inputs, targets = self.to_device(batch)
@@ -161,13 +197,14 @@ class TrainStep:
             self.scaler.scale(loss).backward()
         return loss.detach()
 
-    def _oom_seen(self, micro: int, step: int) -> bool:
+    def _release_after_oom(self, micro: int, step: int) -> None:
+        """Free what the failed micro-step held. Called outside the ``except`` block: until it
+        ends, the traceback keeps the failed forward's activations alive."""
         log.warning("out of memory in micro-step %d of step %d (micro-batch %d)", micro, step,
                     self.sampler.batch_size)
         self.optimizer.zero_grad(set_to_none=True)
         if self.env.device.type == "cuda":
             torch.cuda.empty_cache()
-        return True
 
     def optimizer_step(self, loss: torch.Tensor, step: int, *, stop: bool = False,
                        preempt: bool = False) -> tuple[Agreement, float, torch.Tensor]:
@@ -177,8 +214,11 @@ class TrainStep:
         grad_norm = torch.nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None])
         if self.cfg.grad_clip > 0:
             torch.nn.utils.clip_grads_with_norm_(self.params, self.cfg.grad_clip, grad_norm)
-        # With a GradScaler, overflow is the scaler's to handle; otherwise a non-finite step is skipped.
-        nonfinite = (~torch.isfinite(grad_norm) | ~torch.isfinite(loss)) if not self.scaler.is_enabled() else False
+        # With a GradScaler, overflowing gradients are the scaler's to handle (it skips the step and
+        # lowers the scale); a non-finite loss is a diverged run either way, and counts.
+        nonfinite = ~torch.isfinite(loss)
+        if not self.scaler.is_enabled():
+            nonfinite |= ~torch.isfinite(grad_norm)
         agreed = agree(loss=loss, world_size=self.env.world_size, distributed=self.env.distributed,
                        nonfinite=nonfinite, stop=stop, preempt=preempt)
         skip = agreed.nonfinite if self.cfg.agree_nonfinite else bool(nonfinite)

@@ -32,7 +32,7 @@ from .model import GPT, GPTConfig, lm_loss
 from .optim import LRSchedule, build_optimizer
 from .preemption import PreemptionHandler
 from .resume import Checkpointer
-from .step import SkipBudget, TrainStep, apply_recorded_micro_batch
+from .step import SkipBudget, TrainStep, apply_recorded_micro_batch, prepare_model
 
 log = logging.getLogger(__name__)
 
@@ -163,9 +163,12 @@ class DDPTrainer:
         return min(self.cfg.max_steps, by_epochs) if self.cfg.max_steps else by_epochs
 
     def _wrap(self, doctor: bool) -> None:
-        self.model, self.report, self.decision = ddp_policy.prepare(
-            self.raw_model, lambda: self.probe_batches(), self.loss_fn, self._autocast, self.cfg, self.env.device,
-            distributed=self.env.distributed, doctor=doctor)
+        cfg, env = self.cfg, self.env
+        self.oom_recovery = cfg.oom_recovery == "true" or (cfg.oom_recovery == "auto" and env.device.type == "cuda")
+        self.model, self.report, self.decision = prepare_model(
+            lambda: ddp_policy.prepare(self.raw_model, self.probe_batches, self.loss_fn, self._autocast, cfg,
+                                       env.device, distributed=env.distributed, doctor=doctor),
+            self.sampler, cfg.checkpoint_dir, oom_recovery=self.oom_recovery)
 
     def _build_run_health(self) -> None:
         cfg, env = self.cfg, self.env
@@ -176,11 +179,9 @@ class DDPTrainer:
         self.steps = TrainStep(model=self.model, raw_model=self.raw_model, optimizer=self.optimizer,
                                scaler=self.scaler, schedule=self.schedule, loss_fn=self.loss_fn,
                                autocast=self._autocast, env=env, sampler=self.sampler, stream=self.stream,
-                               faults=self.faults, skips=self.skips, cfg=cfg,
-                               oom_recovery=cfg.oom_recovery == "true"
-                               or (cfg.oom_recovery == "auto" and env.device.type == "cuda"))
+                               faults=self.faults, skips=self.skips, cfg=cfg, oom_recovery=self.oom_recovery)
         self.evaluator = Evaluator(self.raw_model, self.val_dataset, self.loss_fn, cfg=cfg, env=env,
-                                   autocast=self._autocast)
+                                   autocast=self._autocast, sampler=self.sampler)
         self.consistency = ConsistencyCheck(self.raw_model, interval=cfg.consistency_check_interval,
                                             device=env.device, distributed=env.distributed)
 
@@ -213,7 +214,7 @@ class DDPTrainer:
         return self.steps.optimizer_step(loss, self.step, stop=stop, preempt=preempt)
 
     def evaluate(self) -> float | None:
-        return self.evaluator.run()
+        return self.evaluator.run(self.step)
 
     def save_checkpoint(self, *, blocking: bool = False) -> None:
         self.checkpoints.save(self.step, blocking=blocking)
@@ -272,7 +273,7 @@ class DDPTrainer:
                 self.checkpoints.maybe_save(self.step, self.sampler.epoch, epoch_ended)
         if self.evaluator.should_run(self.step):
             with steps.paused(), self.watchdog.phase("evaluation", scale=self.cfg.eval_steps):
-                steps.record_val(self.step, self.evaluator.run())
+                steps.record_val(self.step, self.evaluator.run(self.step))
 
     def _final_evaluation_and_save(self, steps: StepLog) -> bool:
         """The final evaluation and save; True when a preemption request came in after the last
@@ -284,7 +285,7 @@ class DDPTrainer:
                           distributed=self.env.distributed, preempt=self.preemption.requested is not None).preempt
         if not preempted:
             with self.watchdog.phase("evaluation", scale=cfg.eval_steps):
-                steps.record_val(self.step, self.evaluator.run())
+                steps.record_val(self.step, self.evaluator.run(self.step))
         with self.watchdog.phase("checkpoint save", scale=10):
             if preempted:
                 self._save_preempted()
@@ -338,7 +339,7 @@ class DDPTrainer:
         if getattr(self, "checkpoints", None) is not None:
             try:
                 self.checkpoints.close()
-            except OSError as err:  # raised already where it mattered; here the run is ending anyway
+            except (OSError, FatalError) as err:  # raised already where it mattered; the run is ending anyway
                 log.error("the last checkpoint write failed: %s", err)
         if getattr(self, "stream", None) is not None:
             self.stream.shutdown()

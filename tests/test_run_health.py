@@ -137,3 +137,12 @@ def test_datasets_of_different_lengths_stop_every_rank_with_one_error(health):
         assert out["error"].startswith("FatalError: the ranks hold different datasets: train_dataset length ranges "
                                        "from 96 to 128"), out
     assert "different datasets" in (health[0] / "uneven_datasets" / "ck" / "FATAL").read_text()
+
+
+def test_oom_in_the_preflight_probe_halves_the_micro_batch_on_every_rank(health):
+    for rank in (0, 1):
+        out = case(health, "oom_in_preflight", rank)
+        assert "error" not in out, out.get("traceback")
+        assert out["micro_batch"] == [2, 2] and out["summary"]["steps"] == BASE["max_steps"]
+        assert "out of memory in the DDP preflight probe at micro-batch 4: micro-batch 4 -> 2" in logs(
+            health, "oom_in_preflight", rank)

@@ -1,8 +1,11 @@
 """The step's own logic: halving the micro-batch, the skip budget, the recorded micro-batch."""
 
-import pytest
+import sys
 
-from framework import markers
+import pytest
+import torch
+
+from framework import DDPTrainer, markers
 from framework.data import ResumableDistributedSampler
 from framework.markers import FatalError
 from framework.step import SkipBudget, apply_recorded_micro_batch, halve_micro_batch
@@ -43,3 +46,61 @@ def test_recorded_micro_batch_is_applied_only_when_the_batch_matches(tmp_path):
     other = ResumableDistributedSampler(64, 2, 0, batch_size=16, accumulation=1)  # the user changed batch_size
     apply_recorded_micro_batch(other, tmp_path)
     assert (other.batch_size, other.accumulation) == (16, 1)
+
+
+class FailsAbove(torch.nn.Module):
+    """A linear model whose forward fails like a CUDA library out of memory on batches over ``limit``."""
+
+    def __init__(self, limit: int, error):
+        super().__init__()
+        self.limit, self.error = limit, error
+        self.lin = torch.nn.Linear(4, 1)
+
+    def forward(self, x):
+        if x.shape[0] > self.limit:
+            raise self.error
+        return self.lin(x)
+
+
+def tiny_run(tmp_path, model, **cfg):
+    x = torch.randn(64, 4)
+    data = torch.utils.data.TensorDataset(x, x.sum(dim=1, keepdim=True))
+    config = dict(batch_size=8, max_steps=4, num_workers=0, tensorboard=False, eval_interval=0, eval_steps=1,
+                  target_loss=0.0, log_dir=str(tmp_path / "logs"), checkpoint_dir=str(tmp_path / "ck"), **cfg)
+    return DDPTrainer(config, model=model, train_dataset=data, val_dataset=data,
+                      loss_fn=torch.nn.functional.mse_loss)
+
+
+@pytest.mark.parametrize("error", [torch.OutOfMemoryError("CUDA out of memory"),
+                                   RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling cublasCreate")])
+def test_cuda_library_allocation_failures_are_recovered_as_oom(tmp_path, error):
+    trainer = tiny_run(tmp_path, FailsAbove(2, error), oom_recovery="true")
+    summary = trainer.train()
+    assert summary["steps"] == 4
+    assert (trainer.sampler.batch_size, trainer.sampler.accumulation) == (2, 4)
+
+
+def test_memory_is_released_after_the_exception_is_gone(tmp_path, monkeypatch):
+    from framework.step import TrainStep
+    seen = []
+    original = TrainStep._release_after_oom
+
+    def record(self, micro, step):
+        seen.append(sys.exc_info()[0])  # an exception still being handled holds the failed activations
+        original(self, micro, step)
+    monkeypatch.setattr(TrainStep, "_release_after_oom", record)
+    tiny_run(tmp_path, FailsAbove(4, torch.OutOfMemoryError("CUDA out of memory")), oom_recovery="true").train()
+    assert seen and all(exc is None for exc in seen)
+
+
+def test_a_non_finite_loss_counts_against_the_budget_with_a_grad_scaler(tmp_path):
+    trainer = tiny_run(tmp_path, torch.nn.Linear(4, 1), max_errors_per_epoch=1)
+    trainer.steps.scaler = trainer.scaler = torch.amp.GradScaler("cpu", enabled=True)  # fp16's scaler, on CPU
+    trainer.optimizer.zero_grad()
+    trainer.scaler.scale(trainer.raw_model(torch.ones(1, 4)).sum()).backward()
+    agreed, _, _ = trainer.steps.optimizer_step(torch.tensor(float("inf")), 0)
+    assert agreed.nonfinite and trainer.skipped_this_epoch == [0]
+    trainer.scaler.scale(trainer.raw_model(torch.ones(1, 4)).sum()).backward()
+    with pytest.raises(markers.FatalError, match="more than max_errors_per_epoch=1"):
+        trainer.steps.optimizer_step(torch.tensor(float("nan")), 1)
+    trainer.close()

@@ -35,6 +35,8 @@ CASES = {
     # The naive tiled MLP (backward per chunk) desynchronises the ranks silently; the check sees it.
     # A user's per-rank datasets of different lengths: a clear error on every rank, not a hang.
     "uneven_datasets": dict(dataset="uneven"),
+    # Out of memory in the DDP preflight probe on rank 1 only: agreed, the micro-batch halved, probed again.
+    "oom_in_preflight": dict(model="oom_above_2_on_rank_1", oom_recovery="true"),
     "naive_tiled": dict(model="naive_tiled", ddp_static_graph="false", find_unused_parameters="false"),
 }
 
@@ -51,6 +53,20 @@ class PlainTokens(Dataset):
 
     def __getitem__(self, i):
         return self.inner[i]
+
+
+class FailsAbove(torch.nn.Module):
+    """Runs out of memory (as CUDA would say it) on batches larger than ``limit``."""
+
+    def __init__(self, limit: int):
+        super().__init__()
+        self.limit = limit
+        self.lin = torch.nn.Linear(8, 1)
+
+    def forward(self, x):
+        if x.shape[0] > self.limit:
+            raise torch.OutOfMemoryError("CUDA out of memory (test double)")
+        return self.lin(x)
 
 
 def run_case(name, overrides, out_dir, rank):
@@ -71,6 +87,12 @@ def run_case(name, overrides, out_dir, rank):
         bundle = build_datasets(resolve_config(cfg))
         train = torch.utils.data.Subset(bundle.train, range(128 - 32 * rank))
         kwargs = dict(train_dataset=train, val_dataset=bundle.val)
+    if model_kind == "oom_above_2_on_rank_1":
+        torch.manual_seed(BASE["seed"])
+        x = torch.randn(64, 8)
+        data = torch.utils.data.TensorDataset(x, x.sum(dim=1, keepdim=True))
+        kwargs = dict(model=FailsAbove(2 if rank == 1 else 10**6), train_dataset=data, val_dataset=data,
+                      loss_fn=torch.nn.functional.mse_loss)
     if model_kind == "naive_tiled":
         from tests.workers.failure_matrix import TiledMLPNet, sequences
         torch.manual_seed(BASE["seed"])
