@@ -9,7 +9,7 @@ usage() {
 usage: ./launch_training.sh [options] [-- ddp_training.py flags]
 
   -g, --gpus IDS            GPUs to use, e.g. 0,1 (sets CUDA_VISIBLE_DEVICES; one process each)
-      --cpu                 train on CPU with gloo
+      --cpu                 train on CPU with gloo; hides every GPU (CUDA_VISIBLE_DEVICES="")
   -n, --nproc N             processes with --cpu (default 2)
   -b, --batch-size N        per-rank micro-batch size
   -e, --epochs N            number of epochs
@@ -29,6 +29,8 @@ usage: ./launch_training.sh [options] [-- ddp_training.py flags]
 
 With neither --gpus nor --cpu, all visible GPUs are used, or 2 CPU processes if there is none.
 Everything after -- is passed to ddp_training.py (see: python ddp_training.py --help).
+Relative paths (options, flags after --, DDP_* variables, values in the config file) are relative
+to the current directory, as with python ddp_training.py; --test writes to runs/test/ there.
 The exit code is torchrun's; 2 means the configuration is invalid.
 EOF
 }
@@ -36,6 +38,9 @@ EOF
 die() { echo "launch_training.sh: $*" >&2; exit 2; }
 
 need_value() { [[ $# -ge 2 && -n "$2" ]] || die "$1 needs a value"; }
+
+# Prints nothing when torch cannot be imported.
+gpu_count() { "$python" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || true; }
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 python="${PYTHON:-python3}"
@@ -77,13 +82,27 @@ if [[ $nnodes -gt 1 ]]; then
 fi
 
 if [[ -n "$gpus" ]]; then
-  [[ "$gpus" =~ ^[0-9]+(,[0-9]+)*$ ]] || die "--gpus '$gpus': must be a comma-separated list of GPU ids, e.g. 0,1"
+  [[ "$gpus" =~ ^(0|[1-9][0-9]*)(,(0|[1-9][0-9]*))*$ ]] ||
+    die "--gpus '$gpus': must be a comma-separated list of GPU ids, e.g. 0,1"
   [[ -z "$nproc" ]] || die "--nproc is for --cpu; with --gpus there is one process per GPU"
-  export CUDA_VISIBLE_DEVICES="$gpus"
   IFS=, read -r -a gpu_list <<< "$gpus"
+  seen=,
+  for id in "${gpu_list[@]}"; do
+    [[ $seen != *",$id,"* ]] || die "--gpus $gpus: GPU $id is listed twice; each GPU takes one process"
+    seen+="$id,"
+  done
+  # The ids index the host's GPUs: they replace the caller's CUDA_VISIBLE_DEVICES.
+  visible=$(unset CUDA_VISIBLE_DEVICES; gpu_count)
+  [[ -n "$visible" ]] || die "--gpus $gpus: cannot count GPUs: $python cannot import torch"
+  [[ $visible -gt 0 ]] ||
+    die "--gpus $gpus: no CUDA GPU is visible on this host (torch.cuda.device_count() = 0); use --cpu"
+  for id in "${gpu_list[@]}"; do
+    [[ $id -lt $visible ]] || die "--gpus $gpus: GPU $id does not exist; allowed: 0 to $(( visible - 1 ))"
+  done
+  export CUDA_VISIBLE_DEVICES="$gpus"
   nproc=${#gpu_list[@]}
 elif [[ $cpu -eq 0 ]]; then
-  visible=$("$python" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
+  visible=$(gpu_count)
   if [[ "$visible" =~ ^[1-9][0-9]*$ && -z "$nproc" ]]; then
     nproc=$visible
   else
@@ -91,6 +110,7 @@ elif [[ $cpu -eq 0 ]]; then
   fi
 fi
 if [[ $cpu -eq 1 ]]; then
+  export CUDA_VISIBLE_DEVICES=""
   nproc=${nproc:-2}
   train_args=(--backend gloo "${train_args[@]}")
   cores=$(nproc 2>/dev/null || echo 1)
@@ -105,8 +125,10 @@ if [[ $test_mode -eq 1 ]]; then
               --resume none --log-dir runs/test/logs --checkpoint-dir runs/test/checkpoints "${train_args[@]}")
 fi
 
-export GLOO_SOCKET_IFNAME="${GLOO_SOCKET_IFNAME:-lo}"
-export MASTER_ADDR=127.0.0.1
+if [[ $nnodes -eq 1 ]]; then
+  export GLOO_SOCKET_IFNAME="${GLOO_SOCKET_IFNAME:-lo}"
+  export MASTER_ADDR=127.0.0.1
+fi
 if [[ $debug -eq 1 ]]; then
   train_args+=(--debug)
   export NCCL_DEBUG=INFO CUDA_LAUNCH_BLOCKING=1 TORCH_SHOW_CPP_STACKTRACES=1 PYTHONFAULTHANDLER=1
@@ -118,8 +140,7 @@ if [[ $debug -eq 1 ]]; then
   fi
 fi
 
-cd "$here"
-checkpoint_dir=$("$python" ddp_training.py --check-config "${train_args[@]}") || exit $?
+checkpoint_dir=$("$python" "$here/ddp_training.py" --check-config "${train_args[@]}") || exit $?
 
 if [[ $nnodes -gt 1 ]]; then
   rdzv=(--nnodes "$nnodes" --rdzv-backend c10d --rdzv-endpoint "$rdzv_endpoint" --rdzv-id "$rdzv_id")
@@ -133,7 +154,7 @@ stamp=$(mktemp)
 # wait for it: neither torchrun nor its workers outlive the script. torchrun forwards the signal
 # to its workers, which save a checkpoint and write PREEMPTED, and then exits 1 itself.
 "$python" -m torch.distributed.run "${rdzv[@]}" --nproc-per-node "$nproc" --max-restarts "$max_restarts" \
-  ddp_training.py "${train_args[@]}" &
+  "$here/ddp_training.py" "${train_args[@]}" &
 child=$!
 trap 'kill -s TERM "$child" 2>/dev/null || true' TERM
 trap 'kill -s INT "$child" 2>/dev/null || true' INT

@@ -1,9 +1,16 @@
-"""launch_training.sh end to end: real torchrun, 2 gloo processes."""
+"""launch_training.sh end to end: real torchrun, 2 gloo processes.
+
+Tests using the ``shim`` fixture point $PYTHON at a stand-in that records the environment,
+arguments and working directory torchrun would get (and exits 0 instead of starting it), can fake
+the GPU count the launcher probes, and runs the real interpreter for everything else.
+"""
 
 import json
 import os
 import shutil
+import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -14,10 +21,49 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "launch_training.sh"
 
 
-def run_script(args, timeout=120, **kw):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DDP_")}
-    return subprocess.run([str(SCRIPT), *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout, **kw)
+LAUNCHER_ENV = ("DDP_", "CUDA_VISIBLE_DEVICES", "GLOO_SOCKET_IFNAME", "MASTER_ADDR", "PYTHON")
+
+SHIM = f"""#!{sys.executable}
+import json, os, sys
+args = sys.argv[1:]
+if args[:2] == ["-m", "torch.distributed.run"]:
+    with open(os.environ["SHIM_RECORD"], "w") as f:
+        json.dump({{"argv": args[2:], "cwd": os.getcwd(), "env": dict(os.environ)}}, f)
+    sys.exit(0)
+if "SHIM_GPUS" in os.environ and args[:1] == ["-c"] and "torch.cuda.device_count()" in args[1]:
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")  # as CUDA reads it: unset = every GPU
+    print(int(os.environ["SHIM_GPUS"]) if visible is None else len([v for v in visible.split(",") if v]))
+    sys.exit(0)
+os.execv(sys.executable, [sys.executable, *args])
+"""
+
+
+def run_script(args, timeout=120, cwd=ROOT, env=None, **kw):
+    base = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCHER_ENV)}
+    return subprocess.run([str(SCRIPT), *args], cwd=cwd, env={**base, **(env or {})}, capture_output=True,
+                          text=True, timeout=timeout, **kw)
+
+
+@pytest.fixture
+def shim(tmp_path):
+    """run(args, gpus=None, **env) -> (process, what torchrun would have got, or None)."""
+    path = tmp_path / "shim" / "python"
+    path.parent.mkdir()
+    path.write_text(SHIM)
+    path.chmod(0o755)
+    record = tmp_path / "shim" / "torchrun.json"
+
+    def run(args, gpus=None, cwd=ROOT, **env):
+        env = {"PYTHON": str(path), "SHIM_RECORD": str(record), **env}
+        if gpus is not None:
+            env["SHIM_GPUS"] = str(gpus)
+        proc = run_script(args, timeout=60, cwd=cwd, env=env)
+        return proc, json.loads(record.read_text()) if record.exists() else None
+    return run
+
+
+def option(argv, name):
+    return argv[argv.index(name) + 1]
 
 
 def leftovers(marker: str) -> list[int]:
@@ -87,3 +133,100 @@ def test_debug_runs_with_every_memory_mode(tmp_path, mode):
     assert "TORCH_DISTRIBUTED_DEBUG=INFO" in log  # DETAIL segfaults on gloo in torch 2.13
     assert json.loads((tmp_path / "logs" / "summary.json").read_text())["steps"] == 6
     assert not leftovers(str(tmp_path))
+
+
+@pytest.mark.parametrize("args, gpus", [(["--cpu"], 2), ([], 0)], ids=["explicit", "no-gpu"])
+def test_cpu_hides_gpus_from_workers(shim, args, gpus):
+    proc, torchrun = shim(args, gpus=gpus)
+    assert proc.returncode == 0, proc.stderr
+    assert torchrun["env"]["CUDA_VISIBLE_DEVICES"] == ""
+    assert option(torchrun["argv"], "--nproc-per-node") == "2" and "gloo" in torchrun["argv"]
+
+
+def test_gpus_without_a_gpu_exits_2_before_torchrun(tmp_path):
+    host = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    count = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.device_count())"],
+                           env=host, capture_output=True, text=True, check=True).stdout.strip()
+    if count != "0":
+        pytest.skip(f"this host has {count} GPU(s)")
+    proc = run_script(["--gpus", "0,1", "--test", "-l", str(tmp_path / "logs"), "-c", str(tmp_path / "ck")],
+                      timeout=60, env={"CUDA_VISIBLE_DEVICES": "0,1"})
+    assert proc.returncode == 2
+    assert proc.stderr == ("launch_training.sh: --gpus 0,1: no CUDA GPU is visible on this host "
+                           "(torch.cuda.device_count() = 0); use --cpu\n")
+    assert proc.stdout == ""
+
+
+@pytest.mark.parametrize("gpus, ids, message", [
+    (0, "0", "--gpus 0: no CUDA GPU is visible on this host (torch.cuda.device_count() = 0); use --cpu"),
+    (2, "1,2", "--gpus 1,2: GPU 2 does not exist; allowed: 0 to 1"),
+    (2, "0,0", "--gpus 0,0: GPU 0 is listed twice; each GPU takes one process"),
+    (2, "01", "--gpus '01': must be a comma-separated list of GPU ids, e.g. 0,1"),
+])
+def test_bad_gpu_ids_exit_2_before_torchrun(shim, gpus, ids, message):
+    proc, torchrun = shim(["--gpus", ids], gpus=gpus)
+    assert proc.returncode == 2
+    assert proc.stderr == f"launch_training.sh: {message}\n"
+    assert torchrun is None
+
+
+def test_gpus_index_the_hosts_gpus_whatever_the_callers_visible_devices(shim):
+    proc, torchrun = shim(["--gpus", "1"], gpus=2, CUDA_VISIBLE_DEVICES="")
+    assert proc.returncode == 0, proc.stderr
+    assert torchrun["env"]["CUDA_VISIBLE_DEVICES"] == "1"
+    assert option(torchrun["argv"], "--nproc-per-node") == "1" and "gloo" not in torchrun["argv"]
+
+
+@pytest.mark.parametrize("nnodes, ifname, expected", [
+    (1, None, "lo"), (1, "eth7", "eth7"), (2, None, None), (2, "eth7", "eth7"),
+])
+def test_loopback_only_for_one_node(shim, nnodes, ifname, expected):
+    env = {"GLOO_SOCKET_IFNAME": ifname} if ifname else {}
+    rdzv = ["--rdzv-endpoint", "node0:29500", "--rdzv-id", "job7"] if nnodes > 1 else []
+    proc, torchrun = shim(["--cpu", "--nnodes", str(nnodes), *rdzv], **env)
+    assert proc.returncode == 0, proc.stderr
+    assert torchrun["env"].get("GLOO_SOCKET_IFNAME") == expected
+    assert torchrun["env"].get("MASTER_ADDR") == ("127.0.0.1" if nnodes == 1 else None)
+    assert option(torchrun["argv"], "--nnodes") == str(nnodes)
+
+
+def test_relative_config_data_and_resume_are_the_callers(shim, tmp_path):
+    work = tmp_path / "work"
+    (work / "in").mkdir(parents=True)
+    (work / "in" / "run.toml").write_text('data = "in/corpus.txt"\nmax_steps = 3\n')
+    (work / "in" / "corpus.txt").write_text("to be or not to be\n" * 300)
+    (work / "in" / "step.pt").write_bytes(b"")  # --check-config only checks that it is a file
+    for args in (["--cpu", "--config", "in/run.toml", "--data", "in/corpus.txt", "--", "--resume", "in/step.pt"],
+                 ["--cpu", "--", "--config=in/run.toml", "--data", "in/corpus.txt", "--resume=in/step.pt"]):
+        proc, torchrun = shim(args, cwd=work)
+        assert proc.returncode == 0, proc.stderr
+        assert torchrun["cwd"] == str(work)
+
+
+def test_relative_dirs_and_test_outputs_land_in_the_callers_directory(tmp_path):
+    logs = f"logs-{tmp_path.name}"  # unique, so it also finds this run's processes
+    proc = run_script(["--cpu", "--test", "-l", logs, "--", "--max-steps", "5"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((tmp_path / logs / "summary.json").read_text())["steps"] == 5
+    assert (tmp_path / "runs" / "test" / "checkpoints" / "final_model.pt").is_file()
+    assert not (ROOT / logs).exists()
+    assert not leftovers(logs)
+
+
+def test_sigterm_from_another_directory_preempts_and_exits_0(tmp_path):
+    logs = f"logs-{tmp_path.name}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCHER_ENV)}
+    proc = subprocess.Popen([str(SCRIPT), "--cpu", "--test", "-l", logs, "-c", "ck", "--",
+                             "--max-steps", "100000", "--log-interval", "1"],
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    log = tmp_path / logs / "rank_0.log"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not (log.exists() and "step 3/" in log.read_text()):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "launch_training.sh: preempted; preempted at step" in stderr
+    assert (tmp_path / "ck" / "PREEMPTED").is_file()
+    time.sleep(0.5)
+    assert not leftovers(logs)
