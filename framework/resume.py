@@ -71,6 +71,8 @@ def choose_checkpoint(resume: str, manager: CheckpointManager, env) -> dict | No
             choice[0] = str(found[0]) if found else None
         else:
             choice[0] = resume
+        if choice[0] is not None:
+            manager.mark_resumed(choice[0])
     if env.distributed:
         dist.broadcast_object_list(choice, src=0)
     if choice[0] is None:
