@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Entry point: ``python ddp_training.py [--config FILE] [--key value ...]``, alone or under torchrun.
 
-Exit codes: 0 done, 2 bad configuration (before any process group starts), 1 anything else.
+Exit codes: 0 done, 2 bad configuration (before any process group starts) or a checkpoint_dir that
+another run is using, 1 anything else.
 """
 
 from __future__ import annotations
@@ -46,16 +47,21 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     from framework import distributed
+    from framework.checkpoint import CheckpointDirLocked
     from framework.ddp_policy import format_report
     from framework.trainer import DDPTrainer, FatalError
 
     try:
         if "doctor" in actions:
             trainer = DDPTrainer(config, debug="debug" in actions, doctor=True)
+            trainer.close()
             if trainer.env.is_main:
                 print(format_report(trainer.report, trainer.decision))
             return 0 if trainer.decision.safe else 1
         DDPTrainer(config, debug="debug" in actions).train()
+    except CheckpointDirLocked as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     except FatalError as err:
         # Already logged with its marker; one line, no traceback: a restart would not help.
         print(f"fatal: {err}", file=sys.stderr)

@@ -156,16 +156,23 @@ stamp=$(mktemp)
 "$python" -m torch.distributed.run "${rdzv[@]}" --nproc-per-node "$nproc" --max-restarts "$max_restarts" \
   "$here/ddp_training.py" "${train_args[@]}" &
 child=$!
-trap 'kill -s TERM "$child" 2>/dev/null || true' TERM
-trap 'kill -s INT "$child" 2>/dev/null || true' INT
+signalled=0
+trap 'signalled=1; kill -s TERM "$child" 2>/dev/null || true' TERM
+trap 'signalled=1; kill -s INT "$child" 2>/dev/null || true' INT
 status=0
 while true; do
   wait "$child" && status=0 || status=$?
   kill -0 "$child" 2>/dev/null || break
 done
 marker="$checkpoint_dir/PREEMPTED"
+final="$checkpoint_dir/final_model.pt"
 if [[ $status -ne 0 && -f "$marker" && "$marker" -nt "$stamp" ]]; then
   echo "launch_training.sh: preempted; $(cat "$marker"); resume with the same command" >&2
+  status=0
+elif [[ $status -ne 0 && $signalled -eq 1 && -f "$final" && "$final" -nt "$stamp" ]]; then
+  # The signal came during the final evaluation or save, which the workers finished; torchrun
+  # still exits 1 after forwarding a signal.
+  echo "launch_training.sh: signalled after the last step; the run finished" >&2
   status=0
 fi
 rm -f "$stamp"

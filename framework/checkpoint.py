@@ -1,22 +1,34 @@
 """Checkpoint files: the safe loader, the CPU snapshot, and the checkpoint manager.
 
 A checkpoint directory holds ``step_00000042.pt`` files, each the whole training state, and
-``manifest.json``, a list of ``{"file", "step", "sha256", "bytes"}`` entries, oldest first. Each
-file is written atomically before the manifest is rewritten (also atomically) to list it, so the
-manifest never names a partial file. Rank 0 writes; every rank may load.
+``manifest.json``, a list of ``{"file", "step", "sha256", "bytes", "lineage", "seq"}`` entries.
+Each file is written atomically before the manifest is rewritten (also atomically) to list it,
+so the manifest never names a partial file. Rank 0 writes, holding ``.lock``; every rank may load.
+
+Runs are kept apart as lineages: a fresh run, or a rollback to an older checkpoint, starts a new
+one, and a restart continues the lineage of the checkpoint it resumes. Pruning (keep_last)
+touches only this run's lineage and never the file just written or the one resumed from;
+resume=auto takes the newest-written checkpoint (``seq``), not the highest step.
 """
 
 from __future__ import annotations
 
 import collections
+import errno
+import fcntl
+import gc
 import hashlib
 import io
 import json
 import logging
+import os
 import pickle
 import re
+import socket
 import threading
 import time
+import uuid
+import weakref
 from pathlib import Path
 
 import torch
@@ -99,13 +111,32 @@ def step_file(step: int) -> str:
     return f"step_{step:08d}.pt"
 
 
-class CheckpointManager:
-    """Save training states asynchronously to ``directory``, keep the newest ``keep_last``, and find
-    the newest one that is intact.
+class CheckpointDirLocked(RuntimeError):
+    """Another run (or another CheckpointManager of this process) holds the checkpoint directory's lock."""
 
-    Only ``rank`` 0 writes: on other ranks ``save``, ``wait`` and ``close`` do nothing and return
-    None. Every rank may call ``latest_valid`` and ``load_file``.
+
+class CheckpointManager:
+    """Save training states asynchronously to ``directory``, prune this run's old ones, and find the
+    newest-written one that is intact.
+
+    The manifest lists ``{"file", "step", "sha256", "bytes", "lineage", "seq"}`` entries, oldest-written
+    first. ``seq`` counts the writes to the directory; ``lineage`` names the run that wrote the entry:
+    a new id for each manager, or the lineage of the checkpoint it resumed from when that checkpoint
+    is the newest of its lineage (see ``mark_resumed``). A save prunes only this manager's lineage,
+    keeping its newest ``keep_last`` entries and the file the run resumed from; other lineages'
+    files are kept until deleted by hand. Entries written before lineages existed, and step files
+    found without a manifest, belong to lineage ``"legacy"``.
+
+    Rank 0 holds an exclusive lock on ``directory/.lock`` from construction until ``close`` or
+    ``release`` (or until the manager is garbage-collected, or its process dies), so that a second
+    run writing the same directory fails at once with CheckpointDirLocked.
+
+    Only ``rank`` 0 writes: on other ranks ``save``, ``wait``, ``close`` and ``mark_resumed`` do
+    nothing and return None, and no lock is taken. Every rank may call ``latest_valid`` and
+    ``load_file``.
     """
+
+    LOCK = ".lock"
 
     def __init__(self, directory: str | Path, keep_last: int = 3, rank: int = 0):
         if keep_last < 1:
@@ -113,6 +144,10 @@ class CheckpointManager:
         self.directory = Path(directory)
         self.keep_last = keep_last
         self.rank = rank
+        self.lineage: str = uuid.uuid4().hex[:12]
+        """The lineage this manager's saves belong to."""
+        self.resumed_from: str | None = None
+        """The name of the file in ``directory`` this run resumed from, which pruning never deletes."""
         self.last_wait_s: float | None = None
         """Seconds the last ``save`` waited for the previous write to finish."""
         self.last_stall_s: float | None = None
@@ -121,14 +156,20 @@ class CheckpointManager:
         """Seconds the last background write took: serialise, hash, write, manifest, prune."""
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._lock: _DirLock | None = None
+        self._reported_other_lineages = False
         if rank == 0:
-            self._remove_stale_temp_files()
+            self._acquire()
 
     load_file = staticmethod(load_file)
 
     @property
     def manifest_path(self) -> Path:
         return self.directory / MANIFEST
+
+    @property
+    def lock_path(self) -> Path:
+        return self.directory / self.LOCK
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -137,12 +178,47 @@ class CheckpointManager:
         self.close()
 
     # --- writing (rank 0) --------------------------------------------------------------------
+    def mark_resumed(self, path: str | Path) -> None:
+        """Record that this run resumes from ``path`` (call before the first ``save``).
+
+        A file in ``directory`` is never pruned by this manager. When it is the newest-written
+        entry of its lineage (a restart after a crash or preemption), this manager continues that
+        lineage, so its saves prune the older checkpoints of that run; otherwise (a rollback to an
+        older checkpoint) this manager keeps its new lineage and the rolled-back-over files stay.
+        """
+        if self.rank != 0:
+            return
+        self.wait()
+        path = Path(path)
+        if path.resolve().parent != self.directory.resolve():
+            return
+        self.resumed_from = path.name
+        try:
+            entries = _read_manifest(self.manifest_path)
+        except (FileNotFoundError, ValueError):
+            entries = []
+        entry = next((e for e in entries if e["file"] == path.name), None)
+        if entry is None:
+            log.info("resuming from %s, which the manifest does not list: this run starts lineage %s",
+                     path, self.lineage)
+            return
+        newest = max((e for e in entries if e["lineage"] == entry["lineage"]), key=lambda e: e["seq"])
+        if newest is entry:
+            self.lineage = entry["lineage"]
+            log.info("resuming from %s, the newest checkpoint of lineage %s: continuing it", path, self.lineage)
+        else:
+            log.info("resuming from %s, older than %s of its lineage %s: this run starts lineage %s and "
+                     "keeps both", path, newest["file"], entry["lineage"], self.lineage)
+
     def save(self, state: dict, step: int, *, blocking: bool = False) -> Path | None:
         """Copy ``state`` to CPU memory, then write it as ``step``'s checkpoint in a background thread.
 
         The caller waits only for the previous write to finish and for the copy; with
         ``blocking=True`` it also waits for this write. An error of the previous write is raised
-        here. Returns the path being written (None on ranks other than 0).
+        here. Returns the path being written (None on ranks other than 0): ``step_file(step)``,
+        or ``step_<step>-<lineage>.pt`` when that name belongs to another lineage, to the file the
+        run resumed from, or to a file the manifest does not list. After ``close`` or ``release``,
+        a save takes the directory lock again.
         """
         if self.rank != 0:
             return None
@@ -151,10 +227,12 @@ class CheckpointManager:
         start = time.perf_counter()
         self.wait()
         self.last_wait_s = time.perf_counter() - start
+        if self._lock is None:
+            self._acquire()
         start = time.perf_counter()
         snapshot = to_cpu(state)
         self.last_stall_s = time.perf_counter() - start
-        path = self.directory / step_file(step)
+        path = self.directory / self._file_name(step)
         self._thread = threading.Thread(target=self._write_guarded, args=(snapshot, step, path),
                                         name=f"checkpoint-writer-{step}")
         self._thread.start()
@@ -171,9 +249,47 @@ class CheckpointManager:
             error, self._error = self._error, None
             raise error
 
+    def release(self) -> None:
+        """Let the pending write finish, then release the directory lock (its error stays for ``wait``)."""
+        if self._thread is not None:
+            self._thread.join()
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
     def close(self) -> None:
-        """Wait for the pending write (raising its error, if any)."""
-        self.wait()
+        """Wait for the pending write (raising its error, if any) and release the directory lock."""
+        try:
+            self.wait()
+        finally:
+            self.release()
+
+    def _acquire(self) -> None:
+        self._lock = _DirLock(self.lock_path)
+        # Only under the lock: another live run's temp files are its writes in progress.
+        self._remove_stale_temp_files()
+
+    def _file_name(self, step: int) -> str:
+        try:
+            entries = _read_manifest(self.manifest_path)
+        except (FileNotFoundError, ValueError):
+            entries = []
+        owners = {e["file"]: e["lineage"] for e in entries}
+
+        def ours(name: str) -> bool:
+            if name == self.resumed_from:
+                return False
+            if name in owners:
+                return owners[name] == self.lineage
+            return not (self.directory / name).exists()
+
+        plain = step_file(step)
+        if ours(plain):
+            return plain
+        n = 1
+        while not ours(name := f"{plain[:-3]}-{self.lineage}{'' if n == 1 else f'-{n}'}.pt"):
+            n += 1
+        return name
 
     def _write_guarded(self, snapshot: dict, step: int, path: Path) -> None:
         try:
@@ -187,47 +303,70 @@ class CheckpointManager:
         buf = io.BytesIO()
         torch.save(snapshot, buf)
         data = buf.getvalue()
-        entry = {"file": path.name, "step": step, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
         atomic.write_bytes(path, data)
-        entries = [e for e in self._read_manifest_for_update(step) if e["step"] != step] + [entry]
-        entries.sort(key=lambda e: e["step"])
-        kept = entries[-self.keep_last:]
+        entries = self._read_manifest_for_update(path.name)
+        entry = {"file": path.name, "step": step, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data),
+                 "lineage": self.lineage, "seq": max((e["seq"] for e in entries), default=0) + 1}
+        entries = [e for e in entries if e["file"] != path.name and self._still_there(e)] + [entry]
+        mine = [e for e in entries if e["lineage"] == self.lineage]
+        keep = {e["file"] for e in mine[-self.keep_last:]} | {path.name, self.resumed_from}
+        dropped = [e for e in mine if e["file"] not in keep]
+        kept = [e for e in entries if e["file"] in keep or e["lineage"] != self.lineage]
         atomic.write_bytes(self.manifest_path, json.dumps(kept, indent=2).encode())
-        self._prune(kept)
+        self._prune(dropped, kept)
+        self._report_other_lineages(kept)
         self.last_write_s = time.perf_counter() - start
         log.info("checkpoint step %d written: %s, %.1f MB, stall %.3f s, write %.3f s", step, path,
                  len(data) / 2**20, self.last_stall_s or 0.0, self.last_write_s)
 
-    def _read_manifest_for_update(self, new_step: int) -> list[dict]:
+    def _still_there(self, entry: dict) -> bool:
+        if (self.directory / entry["file"]).exists():
+            return True
+        log.info("%s is gone: dropping it from %s", self.directory / entry["file"], MANIFEST)
+        return False
+
+    def _read_manifest_for_update(self, new_file: str) -> list[dict]:
         try:
             return _read_manifest(self.manifest_path)
         except FileNotFoundError:
-            return self._entries_from_files(new_step)
+            return self._entries_from_files(new_file)
         except ValueError as e:
             log.warning("%s is unreadable (%s): rebuilding it", self.manifest_path, e)
-            return self._entries_from_files(new_step)
+            return self._entries_from_files(new_file)
 
-    def _entries_from_files(self, new_step: int) -> list[dict]:
-        """Manifest entries for the older step files on disk that load, so that pruning keeps them."""
+    def _entries_from_files(self, new_file: str) -> list[dict]:
+        """Manifest entries, in step order, for the other step files on disk that load, so that they
+        are kept: lineage from the file name, else ``"legacy"``."""
         entries = []
-        for path, step in _step_files(self.directory):
-            if step == new_step:
+        for path, step, lineage in sorted(_step_files(self.directory), key=_step_then_mtime):
+            if path.name == new_file:
                 continue
             data = path.read_bytes()
             if self._loaded(path, io.BytesIO(data)) is not None:
                 entries.append({"file": path.name, "step": step, "sha256": hashlib.sha256(data).hexdigest(),
-                                "bytes": len(data)})
+                                "bytes": len(data), "lineage": lineage, "seq": len(entries) + 1})
         if entries:
             log.warning("no usable manifest in %s: listing the %d step files that load", self.directory, len(entries))
         return entries
 
-    def _prune(self, kept: list[dict]) -> None:
-        """Delete the step files older than the oldest kept entry (the manifest no longer names them)."""
-        oldest = kept[0]["step"]
-        for path, step in _step_files(self.directory):
-            if step < oldest:
+    def _prune(self, dropped: list[dict], kept: list[dict]) -> None:
+        """Delete the files of this lineage's entries that the manifest no longer lists."""
+        listed = {e["file"] for e in kept}
+        for entry in dropped:
+            if entry["file"] not in listed:
+                path = self.directory / entry["file"]
                 log.info("removing old checkpoint %s (keep_last=%d)", path, self.keep_last)
                 path.unlink(missing_ok=True)
+
+    def _report_other_lineages(self, entries: list[dict]) -> None:
+        others = [e for e in entries if e["lineage"] != self.lineage]
+        if self._reported_other_lineages or not others:
+            return
+        self._reported_other_lineages = True
+        lineages = sorted({e["lineage"] for e in others})
+        log.warning("%s: %d checkpoints of %d other runs (lineages %s) are kept; this run (lineage %s) never "
+                    "deletes them: delete them by hand when they are no longer needed", self.directory,
+                    len(others), len(lineages), ", ".join(lineages), self.lineage)
 
     def _remove_stale_temp_files(self) -> None:
         if not self.directory.is_dir():
@@ -238,11 +377,12 @@ class CheckpointManager:
 
     # --- reading (any rank) ------------------------------------------------------------------
     def latest_valid(self) -> tuple[Path, dict] | None:
-        """The newest checkpoint that is intact, as ``(path, state)``, or None when there is none.
+        """The newest-written checkpoint that is intact, as ``(path, state)``, or None when there is none.
 
-        Goes newest-first through the manifest, checking each file's size and SHA-256 and that it
-        loads; without a readable manifest, goes newest-first through the ``step_*.pt`` files,
-        checking that each loads. Every rejected file is logged as a WARNING with the reason.
+        Goes newest-first (by ``seq``, whatever the step) through the manifest, checking each file's
+        size and SHA-256 and that it loads; without a readable manifest, goes through the
+        ``step_*.pt`` files from the highest step down, checking that each loads. Every rejected
+        file is logged as a WARNING with the reason.
         """
         if self.rank == 0:
             self.wait()
@@ -274,10 +414,10 @@ class CheckpointManager:
         return self._loaded(path, io.BytesIO(data))
 
     def _latest_by_scan(self, why: str) -> tuple[Path, dict] | None:
-        files = sorted(_step_files(self.directory), key=lambda item: item[1], reverse=True)
+        files = sorted(_step_files(self.directory), key=_step_then_mtime, reverse=True)
         if files:
             log.warning("%s: falling back to scanning %d step_*.pt files in %s", why, len(files), self.directory)
-        for path, _ in files:
+        for path, _, _ in files:
             state = self._loaded(path, path)
             if state is not None:
                 return path, state
@@ -296,25 +436,135 @@ class CheckpointManager:
         return None
 
     def _warn_unlisted(self, entries: list[dict]) -> None:
-        newest = entries[-1]["step"] if entries else -1
         listed = {e["file"] for e in entries}
-        for path, step in _step_files(self.directory):
-            if step > newest and path.name not in listed:
-                log.warning("%s is newer than every manifest entry but not listed (a crash between writing it "
-                            "and the manifest?): ignored", path)
+        for path, _, _ in _step_files(self.directory):
+            if path.name not in listed:
+                log.warning("%s is not listed in the manifest (a crash between writing it and the manifest?): "
+                            "ignored", path)
+
+
+_LEGACY = "legacy"
+_ANY_STEP_FILE = re.compile(r"step_(\d+)(?:-([0-9a-z]+))?(?:-\d+)?\.pt")
+
+
+def _complete_entry(entry) -> bool:
+    return (isinstance(entry, dict) and {"file", "step", "sha256", "bytes"} <= entry.keys()
+            and isinstance(entry["step"], int) and isinstance(entry.get("seq", 0), int)
+            and isinstance(entry.get("lineage", ""), str))
 
 
 def _read_manifest(path: Path) -> list[dict]:
-    """The manifest's entries, oldest first; ValueError when it is not a list of complete entries."""
+    """The manifest's entries, oldest-written first; ValueError when it is not a list of complete entries.
+
+    Entries without ``seq`` (written before lineages existed) are numbered in step order before all
+    the others; entries without ``lineage`` get lineage ``"legacy"``.
+    """
     entries = json.loads(path.read_text(encoding="utf-8"))
-    if not isinstance(entries, list) or not all(
-            isinstance(e, dict) and {"file", "step", "sha256", "bytes"} <= e.keys() and isinstance(e["step"], int)
-            for e in entries):
-        raise ValueError("not a list of {file, step, sha256, bytes} entries")
-    return sorted(entries, key=lambda e: e["step"])
+    if not isinstance(entries, list) or not all(_complete_entry(e) for e in entries):
+        raise ValueError("not a list of {file, step, sha256, bytes[, lineage, seq]} entries")
+    undated = sorted((e for e in entries if "seq" not in e), key=lambda e: e["step"])
+    first = min((e["seq"] for e in entries if "seq" in e), default=len(undated) + 1)
+    for i, entry in enumerate(undated):
+        entry["seq"] = first - len(undated) + i
+    for entry in entries:
+        entry.setdefault("lineage", _LEGACY)
+    return sorted(entries, key=lambda e: (e["seq"], e["step"]))
 
 
-def _step_files(directory: Path) -> list[tuple[Path, int]]:
+def _step_files(directory: Path) -> list[tuple[Path, int, str]]:
+    """``(path, step, lineage)`` of the step files in ``directory``; lineage ``"legacy"`` for plain names."""
     if not directory.is_dir():
         return []
-    return [(p, int(m.group(1))) for p in directory.iterdir() if (m := _STEP_FILE.fullmatch(p.name))]
+    return [(p, int(m.group(1)), m.group(2) or _LEGACY) for p in directory.iterdir()
+            if (m := _ANY_STEP_FILE.fullmatch(p.name))]
+
+
+def _step_then_mtime(item: tuple[Path, int, str]) -> tuple[int, float]:
+    path, step, _ = item
+    try:
+        return step, path.stat().st_mtime
+    except FileNotFoundError:
+        return step, 0.0
+
+
+class _DirLock:
+    """An exclusive ``flock`` on ``path``, written with the holder's pid and host. Released by
+    ``release()``, when the object is garbage-collected, or by the kernel when the process dies."""
+
+    def __init__(self, path: Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = _locked_fd(path)
+        self._finalizer = None if fd is None else weakref.finalize(self, _unlock, fd, path, os.getpid())
+
+    def release(self) -> None:
+        if self._finalizer is not None:
+            self._finalizer()
+
+
+def _locked_fd(path: Path) -> int | None:
+    collected = False
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _lock_holder(fd)
+            os.close(fd)
+            if not collected and "this process" in holder:
+                # An earlier trainer of this process that nobody closed: its manager may be garbage
+                # in a reference cycle, whose collection releases the lock.
+                gc.collect()
+                collected = True
+                continue
+            raise CheckpointDirLocked(f"checkpoint_dir {path.parent} is in use by another run ({holder}): "
+                                      f"wait for it to finish, or use another checkpoint_dir") from None
+        except OSError as e:
+            os.close(fd)
+            if e.errno not in (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP):
+                raise
+            log.warning("cannot lock %s (%s): nothing stops a second run from writing %s at the same time",
+                        path, e.strerror, path.parent)
+            return None
+        if _same_file(fd, path):
+            break
+        # The holder removed the file between our open and our lock: lock the file now at ``path``.
+        os.close(fd)
+    try:
+        os.ftruncate(fd, 0)
+        os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname()}).encode())
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _lock_holder(fd: int) -> str:
+    try:
+        info = json.loads(os.pread(fd, 4096, 0))
+    except ValueError:  # empty while the holder is writing it, or not ours
+        return "holder unknown"
+    if not (isinstance(info, dict) and isinstance(info.get("pid"), int) and isinstance(info.get("host"), str)):
+        return "holder unknown"
+    holder = f"pid {info['pid']} on {info['host']}"
+    if info["pid"] == os.getpid() and info["host"] == socket.gethostname():
+        holder += ", this process: close its other CheckpointManager first"
+    return holder
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    own = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino)
+
+
+def _unlock(fd: int, path: Path, owner_pid: int) -> None:
+    # Remove the file while still holding the lock, so that nobody can lock it after we let go;
+    # a forked child closes its copy of the descriptor only.
+    try:
+        if os.getpid() == owner_pid and _same_file(fd, path):
+            path.unlink(missing_ok=True)
+    finally:
+        os.close(fd)

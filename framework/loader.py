@@ -100,7 +100,9 @@ class BatchStream:
             except LoaderFailure as err:
                 self.restart(str(err))
             except RuntimeError as err:
-                if not any(text in str(err) for text in _LOADER_ERRORS):
+                # "Caught ValueError in DataLoader worker process 0": the dataset's own error, which
+                # a rebuilt loader would only raise again.
+                if str(err).startswith("Caught ") or not any(text in str(err) for text in _LOADER_ERRORS):
                     raise
                 self.restart(str(err).splitlines()[0])
 

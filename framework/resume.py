@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from . import __version__, rng
-from .checkpoint import CheckpointError, CheckpointManager, load_file
+from .checkpoint import CheckpointDirLocked, CheckpointError, CheckpointManager, load_file
 from .config import TrainConfig, as_dict
 from .ddp_policy import unwrap
 from .markers import FatalError
@@ -108,6 +108,23 @@ def gather_rng(distributed: bool, world_size: int) -> list[dict]:
     return states
 
 
+def open_manager(cfg: TrainConfig, env) -> CheckpointManager:
+    """The checkpoint manager; rank 0 takes checkpoint_dir's lock, and every rank learns if it
+    could not (the others would otherwise wait for it in the first collective)."""
+    error = None
+    try:
+        manager = CheckpointManager(cfg.checkpoint_dir, keep_last=cfg.keep_last, rank=env.rank)
+    except CheckpointDirLocked as err:
+        error = str(err)
+    if env.distributed:
+        box = [error]
+        dist.broadcast_object_list(box, src=0)
+        error = box[0]
+    if error is not None:
+        raise CheckpointDirLocked(error)
+    return manager
+
+
 class Checkpointer:
     """Saves the union of ``components``' states through ``manager`` when the configuration says
     so, and restores it. ``components`` maps a name in the checkpoint to a Stateful; "model"
@@ -180,9 +197,13 @@ class Checkpointer:
 
     def _choose(self) -> tuple[Path | None, dict | None]:
         if self.cfg.resume == "auto":
-            return self.manager.latest_valid() or (None, None)
-        path = Path(self.cfg.resume)
-        return path, load_file(path)
+            path, state = self.manager.latest_valid() or (None, None)
+        else:
+            path = Path(self.cfg.resume)
+            state = load_file(path)
+        if path is not None:
+            self.manager.mark_resumed(path)  # protected from pruning; a restart continues its lineage
+        return path, state
 
     def restore(self, state: dict) -> None:
         """Load ``state`` into the components (the RNG is ``restore_rng``'s, last of all)."""

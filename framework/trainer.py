@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from . import atomic, ddp_policy, distributed, markers, rng
 from .activation import apply_checkpointing
-from .checkpoint import CheckpointError, CheckpointManager, to_cpu
+from .checkpoint import CheckpointError, to_cpu
 from .config import TrainConfig, resolve_config
 from .control import Agreement, agree
 from .data import builtin_datasets, check_same_datasets, peek_batches
@@ -31,7 +31,7 @@ from .metrics import SampleLog, StepLog, log_run_start
 from .model import GPT, GPTConfig, lm_loss
 from .optim import LRSchedule, build_optimizer
 from .preemption import PreemptionHandler
-from .resume import Checkpointer
+from .resume import Checkpointer, open_manager
 from .step import SkipBudget, TrainStep, apply_recorded_micro_batch, prepare_model
 
 log = logging.getLogger(__name__)
@@ -80,7 +80,6 @@ class DDPTrainer:
             self.close()
             raise
 
-    # --- construction --------------------------------------------------------------------------
     def _build(self, model, train_dataset, val_dataset, loss_fn, doctor: bool) -> None:
         markers.check_at_start(self.cfg.checkpoint_dir, restart_count=distributed.restart_count(),
                                is_main=self.env.is_main)
@@ -124,7 +123,7 @@ class DDPTrainer:
         self.step = self.tokens_total = 0
         self.skips = SkipBudget(cfg.max_errors_per_epoch)
         self.checkpoints = Checkpointer(
-            cfg, env, CheckpointManager(cfg.checkpoint_dir, keep_last=cfg.keep_last, rank=env.rank),
+            cfg, env, open_manager(cfg, env),
             {"trainer": self, "model": self.raw_model, "optimizer": self.optimizer, "scaler": self.scaler,
              "schedule": self.schedule, "sampler": self.sampler, "stream": self.stream, "skips": self.skips},
             builtin_data=builtin_data)
@@ -133,6 +132,9 @@ class DDPTrainer:
             self.checkpoints.restore(state)
             log.info("resumed from step %d (epoch %d, sample %d of the epoch)", self.step, self.sampler.epoch,
                      self.sampler.consumed)
+        if self.sampler.steps_remaining() == 0:  # saved at the end of an epoch
+            self.sampler.set_epoch(self.sampler.epoch + 1)
+            self.skips.new_epoch()
         if distributed.restart_count() > 0:
             apply_recorded_micro_batch(self.sampler, cfg.checkpoint_dir)
         return state
@@ -188,7 +190,6 @@ class DDPTrainer:
     def _autocast(self):
         return torch.autocast(self.env.device.type, dtype=self.amp_dtype, enabled=self.amp)
 
-    # --- the trainer's own state, and the pieces tests and benchmarks drive directly -------------
     def state_dict(self) -> dict:
         return {"step": self.step, "tokens_total": self.tokens_total}
 
@@ -219,7 +220,6 @@ class DDPTrainer:
     def save_checkpoint(self, *, blocking: bool = False) -> None:
         self.checkpoints.save(self.step, blocking=blocking)
 
-    # --- the loop ----------------------------------------------------------------------------
     def train(self) -> dict:
         """Run to max_steps, num_epochs or target_loss, or until preempted; returns the summary
         (rank 0 also writes it)."""

@@ -8,21 +8,38 @@ import logging
 import os
 import random
 import shlex
+import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
 import zipfile
+from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
 from framework import atomic, checkpoint, rng
-from framework.checkpoint import CheckpointError, CheckpointManager, load_file
+from framework.checkpoint import CheckpointDirLocked, CheckpointError, CheckpointManager, load_file, step_file
 from framework.markers import FATAL, PREEMPTED
 from framework.markers import clear as clear_marker
 from framework.markers import read as read_marker
 from framework.markers import write as write_marker
 from framework.resume import check_model_shapes
+
+
+def choose_checkpoint(resume_value: str, manager: CheckpointManager, env) -> dict | None:
+    """What rank 0 resumes from (``resume`` = auto | none | PATH), as the trainer chooses it."""
+    from types import SimpleNamespace
+
+    from framework.resume import Checkpointer
+    if resume_value == "none":
+        return None
+    checkpointer = Checkpointer(SimpleNamespace(resume=resume_value), env, manager, {}, builtin_data=True)
+    return checkpointer._choose()[1]
 
 
 def state_at(step: int) -> dict:
@@ -61,12 +78,12 @@ def manifest(directory):
 # --- writing ---------------------------------------------------------------------------------
 def test_round_trip_and_manifest(tmp_path, caplog):
     with caplog.at_level(logging.WARNING):
-        save_steps(tmp_path, [5])
+        manager = save_steps(tmp_path, [5])
     assert not caplog.records
     [entry] = manifest(tmp_path)
     data = (tmp_path / "step_00000005.pt").read_bytes()
     assert entry == {"file": "step_00000005.pt", "step": 5, "bytes": len(data),
-                     "sha256": hashlib.sha256(data).hexdigest()}
+                     "sha256": hashlib.sha256(data).hexdigest(), "lineage": manager.lineage, "seq": 1}
     path, state = CheckpointManager(tmp_path).latest_valid()
     assert path == tmp_path / "step_00000005.pt"
     assert_same(state, state_at(5))
@@ -94,8 +111,8 @@ def test_other_ranks_do_not_write_but_can_load(tmp_path):
 
 
 def test_unsaveable_value_is_refused_before_the_write(tmp_path):
-    manager = CheckpointManager(tmp_path)
-    with pytest.raises(CheckpointError, match=r"state\['sampler'\]\['consumed'\]: numpy.int64"):
+    with CheckpointManager(tmp_path) as manager, \
+            pytest.raises(CheckpointError, match=r"state\['sampler'\]\['consumed'\]: numpy.int64"):
         manager.save({"sampler": {"consumed": np.int64(3)}}, 1)
     assert not list(tmp_path.iterdir())
 
@@ -339,3 +356,241 @@ def test_rng_state_is_plain_and_survives_weights_only(tmp_path):
 def test_rng_restore_rejects_a_foreign_state():
     with pytest.raises(ValueError, match="numpy_generator"):
         rng.restore({"python": [], "torch": torch.get_rng_state(), "numpy": {}})
+
+
+# --- runs sharing a checkpoint_dir: lineages ---------------------------------------------------
+MAIN = SimpleNamespace(is_main=True, distributed=False)
+
+
+def step_names(directory):
+    return sorted(p.name for p in directory.glob("step_*.pt"))
+
+
+def contents(directory, names):
+    return {name: (directory / name).read_bytes() for name in names}
+
+
+def test_fresh_run_in_a_used_directory_keeps_both_runs_checkpoints(tmp_path, caplog):
+    first = save_steps(tmp_path, [100, 200, 300])
+    old = contents(tmp_path, step_names(tmp_path))
+    with caplog.at_level(logging.WARNING, logger="framework.checkpoint"), \
+            CheckpointManager(tmp_path, keep_last=3) as second:
+        assert choose_checkpoint("none", second, MAIN) is None
+        second.save(state_at(50), 50, blocking=True)
+        assert (tmp_path / "step_00000050.pt").is_file()
+        path, state = second.latest_valid()
+        assert path.name == "step_00000050.pt" and state["step"] == 50
+        for step in (60, 70, 80):
+            second.save(state_at(step), step)
+    assert second.lineage != first.lineage
+    assert step_names(tmp_path) == [step_file(s) for s in (60, 70, 80, 100, 200, 300)]
+    assert contents(tmp_path, old) == old
+    a, b = first.lineage, second.lineage
+    assert [(e["step"], e["lineage"], e["seq"]) for e in manifest(tmp_path)] == [
+        (100, a, 1), (200, a, 2), (300, a, 3), (60, b, 5), (70, b, 6), (80, b, 7)]
+    other_runs = [r.getMessage() for r in caplog.records if "other runs" in r.getMessage()]
+    assert len(other_runs) == 1 and "3 checkpoints of 1 other runs" in other_runs[0]
+    with CheckpointManager(tmp_path) as third:
+        assert choose_checkpoint("auto", third, MAIN)["step"] == 80
+        assert third.lineage == second.lineage
+
+
+def test_rollback_keeps_the_resumed_from_file_and_resumes_the_newest_written(tmp_path):
+    first = save_steps(tmp_path, [100, 200, 300])
+    old = contents(tmp_path, step_names(tmp_path))
+    written = []
+    with CheckpointManager(tmp_path, keep_last=3) as second:
+        assert choose_checkpoint(str(tmp_path / "step_00000100.pt"), second, MAIN)["step"] == 100
+        assert second.resumed_from == "step_00000100.pt" and second.lineage != first.lineage
+        for step in (150, 200, 250, 300, 350):
+            written.append(second.save(state_at(step), step, blocking=True))
+            assert contents(tmp_path, old) == old
+            path, state = second.latest_valid()
+            assert path == written[-1] and state["step"] == step
+    assert written[1].name == f"step_00000200-{second.lineage}.pt"
+    assert written[3].name == f"step_00000300-{second.lineage}.pt"
+    assert step_names(tmp_path) == sorted([*old, *(p.name for p in written[2:])])
+    with CheckpointManager(tmp_path) as third:
+        assert choose_checkpoint("auto", third, MAIN)["step"] == 350
+        assert third.lineage == second.lineage
+
+
+def test_restart_continues_the_lineage_and_keeps_its_origin(tmp_path, caplog):
+    first = save_steps(tmp_path, [100, 200, 300])
+    with caplog.at_level(logging.WARNING, logger="framework.checkpoint"), \
+            CheckpointManager(tmp_path, keep_last=3) as restarted:
+        assert choose_checkpoint("auto", restarted, MAIN)["step"] == 300
+        assert restarted.lineage == first.lineage
+        for step in (400, 500, 600):
+            restarted.save(state_at(step), step)
+    assert step_names(tmp_path) == [step_file(s) for s in (300, 400, 500, 600)]
+    assert "other runs" not in caplog.text
+    # The next restart's origin is 600: 300 is no longer any run's origin.
+    with CheckpointManager(tmp_path, keep_last=3) as again:
+        choose_checkpoint("auto", again, MAIN)
+        again.save(state_at(700), 700)
+    assert step_names(tmp_path) == [step_file(s) for s in (500, 600, 700)]
+
+
+def test_saving_the_resumed_step_again_keeps_the_origin_file(tmp_path):
+    save_steps(tmp_path, [100, 200])
+    origin = (tmp_path / "step_00000200.pt").read_bytes()
+    with CheckpointManager(tmp_path, keep_last=1) as restarted:
+        restarted.mark_resumed(tmp_path / "step_00000200.pt")
+        path = restarted.save(state_at(200), 200, blocking=True)
+    assert path.name == f"step_00000200-{restarted.lineage}.pt"
+    assert (tmp_path / "step_00000200.pt").read_bytes() == origin
+    assert step_names(tmp_path) == sorted(["step_00000200.pt", path.name])
+
+
+def test_saving_a_step_twice_in_one_lineage_replaces_it(tmp_path):
+    manager = save_steps(tmp_path, [1, 2, 2])
+    assert [(e["file"], e["seq"]) for e in manifest(tmp_path)] == [("step_00000001.pt", 1), ("step_00000002.pt", 3)]
+    assert step_names(tmp_path) == ["step_00000001.pt", "step_00000002.pt"]
+    assert {e["lineage"] for e in manifest(tmp_path)} == {manager.lineage}
+
+
+def strip_lineages(directory):
+    entries = [{k: e[k] for k in ("file", "step", "sha256", "bytes")} for e in manifest(directory)]
+    (directory / "manifest.json").write_text(json.dumps(entries[::-1]))
+
+
+def test_legacy_manifest_loads_in_step_order_and_a_restart_continues_it(tmp_path):
+    save_steps(tmp_path, [100, 200, 300])
+    strip_lineages(tmp_path)
+    with CheckpointManager(tmp_path, keep_last=3) as restarted:
+        assert choose_checkpoint("auto", restarted, MAIN)["step"] == 300
+        assert restarted.lineage == "legacy"
+        restarted.save(state_at(400), 400)
+    assert [(e["step"], e["lineage"], e["seq"]) for e in manifest(tmp_path)] == [
+        (200, "legacy", 2), (300, "legacy", 3), (400, "legacy", 4)]
+    assert step_names(tmp_path) == [step_file(s) for s in (200, 300, 400)]
+
+
+def test_fresh_run_on_a_legacy_manifest_keeps_the_old_files(tmp_path):
+    save_steps(tmp_path, [100, 200, 300])
+    strip_lineages(tmp_path)
+    with CheckpointManager(tmp_path, keep_last=1) as fresh:
+        for step in (10, 20):
+            fresh.save(state_at(step), step)
+        assert fresh.latest_valid()[1]["step"] == 20
+    assert step_names(tmp_path) == [step_file(s) for s in (20, 100, 200, 300)]
+
+
+def test_rebuilding_a_lost_manifest_deletes_no_other_runs_file(tmp_path):
+    save_steps(tmp_path, [100, 200, 300])
+    with CheckpointManager(tmp_path) as rollback:
+        rollback.mark_resumed(tmp_path / "step_00000100.pt")
+        rollback.save(state_at(200), 200)
+    (tmp_path / "manifest.json").unlink()
+    before = step_names(tmp_path)
+    assert before == sorted([step_file(s) for s in (100, 200, 300)] + [f"step_00000200-{rollback.lineage}.pt"])
+    with CheckpointManager(tmp_path) as scanning:
+        assert scanning.latest_valid()[1]["step"] == 300
+    with CheckpointManager(tmp_path, keep_last=1) as fresh:
+        for step in (10, 20):
+            fresh.save(state_at(step), step)
+    assert step_names(tmp_path) == sorted(before + [step_file(20)])
+    lineages = {e["file"]: e["lineage"] for e in manifest(tmp_path)}
+    assert lineages[f"step_00000200-{rollback.lineage}.pt"] == rollback.lineage
+    assert lineages["step_00000100.pt"] == "legacy" and lineages[step_file(20)] == fresh.lineage
+
+
+def test_checkpoints_deleted_by_hand_leave_the_manifest(tmp_path):
+    save_steps(tmp_path, [100, 200, 300])
+    with CheckpointManager(tmp_path) as second:
+        second.save(state_at(1), 1, blocking=True)
+        (tmp_path / "step_00000100.pt").unlink()
+        (tmp_path / "step_00000200.pt").unlink()
+        second.save(state_at(2), 2, blocking=True)
+    assert [e["step"] for e in manifest(tmp_path)] == [300, 1, 2]
+
+
+# --- the checkpoint_dir lock -----------------------------------------------------------------
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_second_manager_on_a_locked_directory_fails_with_one_line(tmp_path):
+    first = CheckpointManager(tmp_path)
+    in_progress = tmp_path / ".step_00000007.pt.tmp.4242"
+    in_progress.write_bytes(b"the first run's write in progress")
+    with pytest.raises(CheckpointDirLocked) as info:
+        CheckpointManager(tmp_path)
+    message = str(info.value)
+    assert isinstance(info.value, RuntimeError) and "\n" not in message
+    assert message.startswith(f"checkpoint_dir {tmp_path} is in use by another run "
+                              f"(pid {os.getpid()} on {socket.gethostname()}")
+    assert message.endswith("wait for it to finish, or use another checkpoint_dir")
+    assert in_progress.exists()
+    assert CheckpointManager(tmp_path, rank=1).latest_valid() is None  # other ranks take no lock
+    first.close()
+    assert not (tmp_path / ".lock").exists()
+    with CheckpointManager(tmp_path) as second:
+        assert not in_progress.exists()
+        second.save(state_at(1), 1)
+
+
+def test_lock_goes_with_the_manager_and_a_save_after_close_takes_it_again(tmp_path):
+    manager = CheckpointManager(tmp_path)
+    del manager
+    with CheckpointManager(tmp_path) as manager:
+        manager.save(state_at(1), 1)
+    manager.save(state_at(2), 2, blocking=True)
+    with pytest.raises(CheckpointDirLocked):
+        CheckpointManager(tmp_path)
+    manager.close()
+    assert manager.latest_valid()[1]["step"] == 2
+
+
+HOLD_LOCK = ("import sys, time\n"
+             "from framework.checkpoint import CheckpointManager\n"
+             "manager = CheckpointManager(sys.argv[1])\n"
+             "print('locked', flush=True)\n"
+             "time.sleep(120)\n")
+
+
+def test_lock_of_a_process_killed_with_sigkill_is_free(tmp_path):
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(tmp_path)], cwd=ROOT,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "locked\n"
+        with pytest.raises(CheckpointDirLocked, match=f"pid {holder.pid} on "):
+            CheckpointManager(tmp_path)
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)
+        holder.stdout.close()
+    assert holder.returncode == -signal.SIGKILL
+    with CheckpointManager(tmp_path) as manager:
+        manager.save(state_at(1), 1, blocking=True)
+    assert manifest(tmp_path)[0]["step"] == 1
+
+
+def test_a_second_run_on_a_busy_checkpoint_dir_exits_2_with_one_line(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    args = ["--vocab-size=32", "--hidden-size=32", "--num-layers=1", "--num-heads=2", "--seq-len=16",
+            "--dataset-size=128", "--batch-size=8", "--num-workers=0", "--tensorboard=false", "--eval-interval=0",
+            "--log-interval=1",
+            f"--checkpoint-dir={tmp_path / 'ck'}"]
+    first = subprocess.Popen([sys.executable, str(root / "ddp_training.py"), *args, "--max-steps=100000",
+                              "--target-loss=0", f"--log-dir={tmp_path / 'a'}"], cwd=root,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        log_a = tmp_path / "a" / "rank_0.log"
+        while not log_a.exists() or "step 1/" not in log_a.read_text():
+            assert time.monotonic() < deadline and first.poll() is None
+            time.sleep(0.05)
+        second = subprocess.run([sys.executable, str(root / "ddp_training.py"), *args, "--max-steps=2",
+                                 f"--log-dir={tmp_path / 'b'}"], cwd=root, capture_output=True, text=True, timeout=60)
+    finally:
+        first.kill()
+        first.wait()
+    assert second.returncode == 2
+    assert second.stderr.strip().splitlines()[-1].startswith(f"error: checkpoint_dir {tmp_path / 'ck'} is in use by "
+                                                             f"another run (pid {first.pid}")
+    assert "Traceback" not in second.stderr

@@ -80,13 +80,15 @@ def assert_each_sample_once_per_epoch(run_dir: Path):
         assert consumed == expected, f"epoch {epoch}: samples skipped or repeated"
 
 
-@pytest.mark.parametrize("trial", range(5))
-def test_kill_9_then_elastic_restart_resumes_bit_exact(reference, tmp_path, trial):
-    run = train(tmp_path, torchrun_extra=["--max-restarts", "1"], fault_inject="sigkill@step=21,rank=1")
+# The last trial resumes from the checkpoint written at the end of epoch 0 (step 32).
+@pytest.mark.parametrize(("trial", "kill_at", "resume_at"), [(0, 21, 16), (1, 21, 16), (2, 21, 16), (3, 21, 16),
+                                                             (4, 34, 32)])
+def test_kill_9_then_elastic_restart_resumes_bit_exact(reference, tmp_path, trial, kill_at, resume_at):
+    run = train(tmp_path, torchrun_extra=["--max-restarts", "1"], fault_inject=f"sigkill@step={kill_at},rank=1")
     assert run.returncode == 0, run.output[-4000:]
     log0 = rank_log(tmp_path)
-    assert "fault injection: sigkill at step 21 on rank 1" in rank_log(tmp_path, 1)
-    assert "resumed from step 16" in log0
+    assert f"fault injection: sigkill at step {kill_at} on rank 1" in rank_log(tmp_path, 1)
+    assert f"resumed from step {resume_at}" in log0
     result = summary(tmp_path)
     assert result["steps"] == 48
     assert result["model_sha256"] == reference
@@ -189,6 +191,7 @@ def test_damaged_or_malicious_checkpoint_in_one_process(tmp_path):
     trainer = DDPTrainer({**cfg, "max_steps": 16})
     assert trainer.step == 8
     assert "checksum mismatch" in rank_log(tmp_path)
+    trainer.close()  # it holds checkpoint_dir's lock
 
     class Evil:
         def __reduce__(self):

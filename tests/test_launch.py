@@ -230,3 +230,24 @@ def test_sigterm_from_another_directory_preempts_and_exits_0(tmp_path):
     assert (tmp_path / "ck" / "PREEMPTED").is_file()
     time.sleep(0.5)
     assert not leftovers(logs)
+
+
+def test_sigterm_during_the_final_evaluation_finishes_the_run_and_exits_0(tmp_path):
+    """torchrun exits 1 after forwarding a signal even when its workers finished the run."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCHER_ENV)}
+    # A final evaluation of about 2 s (2,000 validation sequences of 128 tokens).
+    proc = subprocess.Popen([str(SCRIPT), "--cpu", "--nproc", "1", "-l", "logs", "-c", "ck", "--",
+                             "--vocab-size", "64", "--hidden-size", "128", "--num-layers", "2", "--num-heads", "2",
+                             "--seq-len", "128", "--dataset-size", "20000", "--batch-size", "16", "--eval-steps", "125",
+                             "--eval-interval", "0", "--max-steps", "6", "--log-interval", "1", "--num-workers", "0",
+                             "--tensorboard", "false", "--target-loss", "0"],
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    log = tmp_path / "logs" / "rank_0.log"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not (log.exists() and "evaluating at step 6" in log.read_text()):
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "signalled after the last step; the run finished" in stderr
+    assert (tmp_path / "ck" / "final_model.pt").is_file() and not (tmp_path / "ck" / "PREEMPTED").exists()

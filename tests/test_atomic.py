@@ -1,0 +1,40 @@
+"""Atomic writes: the new file or the old one, and no partial temp file left by a failed write."""
+
+import subprocess
+import sys
+import textwrap
+
+from framework import atomic
+
+
+def test_write_replaces_the_file_whole(tmp_path):
+    path = tmp_path / "sub" / "f.bin"
+    atomic.write_bytes(path, b"old")
+    atomic.write_bytes(path, b"new contents")
+    assert path.read_bytes() == b"new contents"
+    assert sorted(p.name for p in path.parent.iterdir()) == ["f.bin"]
+
+
+def test_a_failed_write_keeps_the_old_file_and_leaves_no_temp_file(tmp_path):
+    # A real write failure: the file-size limit (EFBIG) in a child process, as a full disk would fail it.
+    script = textwrap.dedent(f"""
+        import errno, resource, signal, sys
+        from pathlib import Path
+        from framework import atomic
+        path = Path({str(tmp_path / "f.bin")!r})
+        atomic.write_bytes(path, b"old")
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1000, 1000))
+        try:
+            atomic.write_bytes(path, b"x" * 5000)
+        except OSError as err:
+            sys.exit(0 if err.errno == errno.EFBIG else 3)
+        sys.exit(4)
+    """)
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=60,
+                         env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"})
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "f.bin").read_bytes() == b"old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f.bin"]

@@ -1,0 +1,74 @@
+"""The markers a run leaves for its restart (FATAL, PREEMPTED, MICRO_BATCH.json) and the check at start."""
+
+import os
+
+import pytest
+
+from framework import markers
+from framework.markers import FATAL, MICRO_BATCH, PREEMPTED, FatalError
+
+
+def test_write_read_clear(tmp_path):
+    assert markers.read(tmp_path, FATAL) is None
+    markers.write(tmp_path, FATAL, "rank 1: boom ✗")
+    assert markers.read(tmp_path, FATAL) == "rank 1: boom ✗"
+    assert markers.read(str(tmp_path), FATAL) == "rank 1: boom ✗"  # str or Path
+    markers.write(tmp_path, FATAL, "second")  # replaces
+    assert markers.read(tmp_path, FATAL) == "second"
+    assert markers.read(tmp_path, PREEMPTED) is None
+    markers.write(tmp_path, PREEMPTED, "")
+    assert markers.read(tmp_path, PREEMPTED) == ""  # an empty marker still exists
+    markers.clear(tmp_path, FATAL)
+    assert markers.read(tmp_path, FATAL) is None
+    markers.clear(tmp_path, FATAL)  # clearing a missing marker is fine
+    assert sorted(os.listdir(tmp_path)) == [PREEMPTED]  # nothing else left behind (no temp files)
+    markers.write(tmp_path / "not" / "yet", FATAL, "x")  # checkpoint_dir may not exist yet
+    assert markers.read(tmp_path / "not" / "yet", FATAL) == "x"
+
+
+def test_write_fatal_message(tmp_path, caplog):
+    markers.write_fatal(tmp_path, 3, ValueError("bad shape (4, 3)"))
+    assert markers.read(tmp_path, FATAL) == "rank 3: ValueError: bad shape (4, 3)"
+    assert "fatal, not retriable" in caplog.text
+    markers.write_fatal(tmp_path, 0, FatalError("ranks diverged"))
+    assert markers.read(tmp_path, FATAL) == "rank 0: FatalError: ranks diverged"
+
+
+def test_micro_batch_round_trip(tmp_path):
+    assert markers.recorded_micro_batch(tmp_path) is None
+    markers.record_micro_batch(tmp_path, 4, 8, "out of memory at step 12")
+    assert markers.recorded_micro_batch(tmp_path) == {"micro_batch_size": 4, "accumulation_steps": 8,
+                                                      "reason": "out of memory at step 12"}
+    markers.record_micro_batch(tmp_path, 2, 16, "again")
+    assert markers.recorded_micro_batch(tmp_path)["micro_batch_size"] == 2
+    assert (tmp_path / MICRO_BATCH).exists()
+
+
+def test_fresh_launch_clears_earlier_markers_on_main(tmp_path, caplog):
+    markers.write(tmp_path, FATAL, "rank 1: RuntimeError: old")
+    markers.record_micro_batch(tmp_path, 4, 2, "oom")
+    markers.check_at_start(tmp_path, restart_count=0, is_main=False)  # not main: leaves them for rank 0
+    assert markers.read(tmp_path, FATAL) is not None and markers.recorded_micro_batch(tmp_path) is not None
+    markers.check_at_start(tmp_path, restart_count=0, is_main=True)
+    assert markers.read(tmp_path, FATAL) is None
+    assert markers.recorded_micro_batch(tmp_path) is None
+    assert "clearing the FATAL marker of an earlier run: rank 1: RuntimeError: old" in caplog.text
+    markers.check_at_start(tmp_path, restart_count=0, is_main=True)  # nothing to clear: fine
+
+
+def test_restart_stops_on_an_earlier_fatal_marker(tmp_path):
+    markers.check_at_start(tmp_path, restart_count=2, is_main=True)  # no marker: a restart goes on
+    markers.write_fatal(tmp_path, 1, ValueError("dataset lengths differ"))
+    markers.record_micro_batch(tmp_path, 4, 2, "oom")
+    for is_main in (False, True):
+        with pytest.raises(FatalError, match="restart cannot help: rank 1: ValueError: dataset lengths differ"):
+            markers.check_at_start(tmp_path, restart_count=1, is_main=is_main)
+    # a restart keeps both: the marker stops every incarnation, the micro-batch applies to it
+    assert markers.read(tmp_path, FATAL) == "rank 1: ValueError: dataset lengths differ"
+    assert markers.recorded_micro_batch(tmp_path)["micro_batch_size"] == 4
+
+
+def test_restart_keeps_the_recorded_micro_batch(tmp_path):
+    markers.record_micro_batch(tmp_path, 4, 2, "oom")
+    markers.check_at_start(tmp_path, restart_count=1, is_main=True)
+    assert markers.recorded_micro_batch(tmp_path) == {"micro_batch_size": 4, "accumulation_steps": 2, "reason": "oom"}
