@@ -12,7 +12,11 @@ import logging
 import os
 import sys
 
-from framework.config import ConfigError, help_text, parse_command_line
+# The parent (the agent under torchrun), read before the next import loads torch (seconds): see
+# framework.distributed.die_with_parent.
+LAUNCHER_PID = os.getppid()
+
+from framework.config import ConfigError, help_text, parse_command_line  # noqa: E402
 
 USAGE = """usage: ddp_training.py [--config FILE.toml|FILE.json] [--KEY VALUE ...] [--check-config] [--debug]
 
@@ -73,6 +77,9 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     faulthandler.enable()  # a fatal signal (SIGSEGV, SIGABRT from C++) prints every thread's stack
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun worker (--check-config and --help import no torch)
+        from framework.distributed import die_with_parent
+        die_with_parent(LAUNCHER_PID)
     code = main()
     # Everything is written and the process group is gone. Skip the interpreter's finalisation:
     # with gloo, torch 2.13 occasionally aborts there ("terminate called without an active

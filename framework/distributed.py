@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import logging
 import os
+import signal
+import sys
+import time
+import uuid
 from dataclasses import dataclass
 
 import torch
@@ -14,6 +19,12 @@ log = logging.getLogger(__name__)
 
 # The store the process group was built on, when this module built it (heartbeats use it too).
 STORE: dist.Store | None = None
+# The store generation this incarnation of the group agreed on, when this module built the group.
+GENERATION: int | None = None
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+_PARENT_AT_IMPORT = os.getppid()
+_death_signal_armed = False
 
 
 @dataclass(frozen=True)
@@ -34,11 +45,6 @@ class DistEnv:
         return self.backend is not None
 
 
-def restart_count() -> int:
-    """How many times torchrun has restarted this worker group (0 in the first incarnation)."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-
-
 def read_env(rank: int | None = None, world_size: int | None = None) -> tuple[int, int, int, int]:
     """Rank, local rank, world size and local world size, from the arguments or torchrun's env."""
     env_rank = int(os.environ.get("RANK", 0))
@@ -51,6 +57,33 @@ def read_env(rank: int | None = None, world_size: int | None = None) -> tuple[in
     return rank, local_rank, world_size, local_world_size
 
 
+def die_with_parent(parent: int | None = None) -> None:
+    """Under torchrun on Linux: have the kernel SIGKILL this worker when its agent dies, so that a
+    kill -9 of the agent leaves no orphan training on. ``parent`` is the agent's pid, read as
+    early as the entry point can (default: when this module was imported).
+
+    The death signal fires when the parent *thread* exits; torchrun's agent runs in its main
+    thread and starts workers from it (subprocess.Popen), so that thread lives as long as the
+    agent. SIGKILL rather than SIGTERM: SIGTERM would start the preemption path, a checkpoint
+    through collectives that may wait timeout_s with no agent left to end it. The newest
+    checkpoint on disk stays valid, as after a kill -9 of the worker itself."""
+    global _death_signal_armed
+    if sys.platform != "linux" or "TORCHELASTIC_RUN_ID" not in os.environ or _death_signal_armed:
+        return
+    parent = _PARENT_AT_IMPORT if parent is None else parent
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, ctypes.c_ulong(signal.SIGKILL), ctypes.c_ulong(0), ctypes.c_ulong(0),
+                  ctypes.c_ulong(0)) != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"prctl(PR_SET_PDEATHSIG): {os.strerror(errno)}")
+    _death_signal_armed = True
+    if os.getppid() != parent:  # the agent died before the signal was armed: it will never come
+        log.error("the torchrun agent (pid %d) is gone: this worker ends too", parent)
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def choose_backend(requested: str, cuda: bool) -> str:
     if requested == "auto":
         return "nccl" if cuda else "gloo"
@@ -60,6 +93,7 @@ def choose_backend(requested: str, cuda: bool) -> str:
 def setup(backend: str = "auto", timeout_s: float = 600.0, *, rank: int | None = None,
           world_size: int | None = None) -> DistEnv:
     """Pick the device and, for world_size > 1, join the process group (reusing one that exists)."""
+    die_with_parent()
     rank, local_rank, world_size, local_world_size = read_env(rank, world_size)
     cuda = torch.cuda.is_available()
     if cuda:
@@ -81,7 +115,7 @@ def setup(backend: str = "auto", timeout_s: float = 600.0, *, rank: int | None =
         timeout = datetime.timedelta(seconds=timeout_s)
         dist.init_process_group(backend=chosen, rank=rank, world_size=world_size, timeout=timeout,
                                 device_id=device if chosen == "nccl" else None,
-                                store=restart_safe_store(world_size, timeout))
+                                store=restart_safe_store(rank, world_size, timeout))
     else:
         chosen = dist.get_backend()
     log.info("process group up: backend=%s rank=%d/%d local_rank=%d device=%s TORCH_DISTRIBUTED_DEBUG=%s",
@@ -89,24 +123,77 @@ def setup(backend: str = "auto", timeout_s: float = 600.0, *, rank: int | None =
     return DistEnv(rank, local_rank, world_size, local_world_size, device, chosen)
 
 
-def restart_safe_store(world_size: int, timeout: datetime.timedelta) -> dist.Store | None:
-    """Under torchrun, the agent's store with a key prefix per restart; None (env://) otherwise.
+def restart_count() -> int:
+    """How often this node's torchrun agent restarted its workers for a failure (0 outside
+    torchrun). Per agent, not per group: an agent that restarts for a membership change (another
+    node's restart) does not count it, so the ranks of one group can see different values."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def incarnation() -> int:
+    """How many times this launch's worker group has been restarted, the same on every rank: the
+    agreed store generation under torchrun (see ``agree_generation``), else the restart count."""
+    return GENERATION - 1 if GENERATION is not None else restart_count()
+
+
+def restart_safe_store(rank: int, world_size: int, timeout: datetime.timedelta) -> dist.Store | None:
+    """Under torchrun, the agent's store with a key prefix per incarnation of the group; None
+    (env://) otherwise.
 
     torchrun keeps its agent store across restarts of the worker group. Without a prefix, a
     restarted group can read the previous incarnation's gloo addresses from it and connect to a
-    dead worker ("Gloo connectFullMesh failed ... Connection refused"; 3 of 4 trials here with
-    torch 2.13 after a kill -9). With the restart count in the prefix, 3 of 3 passed."""
+    dead worker ("Gloo connectFullMesh failed ... Connection refused"). The prefix is not the
+    restart count, which the nodes of a multi-node group need not share (see ``restart_count``):
+    with it, a restarted 2-node group waited for keys under another node's prefix until timeout_s."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
     global STORE
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
                           is_master=False, timeout=timeout)
-    STORE = dist.PrefixStore(f"restart_{restart_count()}/", store)
+    generation = agree_generation(store, rank, world_size, timeout)
+    log.info("store generation %d (this agent's restart count: %d)", generation, restart_count())
+    STORE = dist.PrefixStore(f"generation_{generation}/", store)
+    global GENERATION
+    GENERATION = generation
     return STORE
 
 
+def agree_generation(store: dist.Store, rank: int, world_size: int, timeout: datetime.timedelta) -> int:
+    """A number that every rank of this incarnation of the group agrees on and no earlier one used.
+
+    torchrun gives its workers nothing per rendezvous round: the round stays in the agent,
+    MASTER_PORT outlives rounds, and only workers write to this store. So rank 0 draws a new number
+    from a counter, and every other rank joins the current number with a fresh nonce until rank 0
+    lists that nonce among the members. What earlier incarnations left behind, whichever point
+    their workers died at, cannot pass for this one: no number is drawn twice, and their member
+    lists hold other nonces. None of their workers still runs: each agent stops its workers before
+    it rejoins the rendezvous, and a round completes only once every agent has joined."""
+    if rank == 0:
+        generation = store.add("generation/last", 1)
+        store.set("generation/current", str(generation))
+        joins = [f"generation/{generation}/rank{r}" for r in range(1, world_size)]
+        store.wait(joins, timeout)
+        store.set(f"generation/{generation}/members", b" ".join(store.multi_get(joins)))
+        return generation
+    nonce = uuid.uuid4().hex
+    deadline = time.monotonic() + timeout.total_seconds()
+    joined = None
+    while True:
+        generation = int(store.get("generation/current"))  # waits for the first rank 0 ever
+        if generation != joined:
+            store.set(f"generation/{generation}/rank{rank}", nonce)
+            joined = generation
+        members = f"generation/{generation}/members"
+        if store.check([members]) and nonce in store.get(members).decode().split():
+            return generation
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank {rank}: no rank 0 took this rank into a store generation within "
+                               f"{timeout.total_seconds():.0f} s (last seen: generation {generation})")
+        time.sleep(0.01)
+
+
 def teardown() -> None:
-    global STORE
+    global STORE, GENERATION
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
-    STORE = None  # release the store client here, not during interpreter shutdown
+    STORE = GENERATION = None  # release the store client here, not during interpreter shutdown

@@ -81,7 +81,7 @@ class DDPTrainer:
             raise
 
     def _build(self, model, train_dataset, val_dataset, loss_fn, doctor: bool) -> None:
-        markers.check_at_start(self.cfg.checkpoint_dir, restart_count=distributed.restart_count(),
+        markers.check_at_start(self.cfg.checkpoint_dir, restart_count=distributed.incarnation(),
                                is_main=self.env.is_main)
         if self.cfg.deterministic:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -135,7 +135,7 @@ class DDPTrainer:
         if self.sampler.steps_remaining() == 0:  # saved at the end of an epoch
             self.sampler.set_epoch(self.sampler.epoch + 1)
             self.skips.new_epoch()
-        if distributed.restart_count() > 0:
+        if distributed.incarnation() > 0:
             apply_recorded_micro_batch(self.sampler, cfg.checkpoint_dir)
         return state
 
@@ -174,7 +174,7 @@ class DDPTrainer:
 
     def _build_run_health(self) -> None:
         cfg, env = self.cfg, self.env
-        self.faults = FaultPlan(cfg.fault_inject, env.rank, distributed.restart_count())
+        self.faults = FaultPlan(cfg.fault_inject, env.rank, distributed.incarnation())
         self.watchdog = Watchdog(step_timeout_s=cfg.step_timeout_s, factor=cfg.step_timeout_factor,
                                  log_file=log_file_stream(self.log_path), rank=env.rank, world_size=env.world_size,
                                  store=distributed.STORE)

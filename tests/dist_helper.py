@@ -163,3 +163,89 @@ def exit_worker(code: int = 0) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+@dataclass
+class Nodes:
+    procs: list[subprocess.Popen]
+    outputs: list[Path]
+    out_dir: Path
+    start: float
+
+
+def start_nodes(script: str | Path, args: list[str], out_dir: Path, *, nnodes: int = 2, nproc_per_node: int = 1,
+                rdzv_id: str = "multi-node-test", env: dict[str, str] | None = None,
+                torchrun_extra: list[str] | None = None) -> Nodes:
+    """Start ``nnodes`` torchrun agents on loopback, each one node of a c10d rendezvous on one
+    endpoint. Each agent writes to a file, not a pipe: a full pipe would stall its workers."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    extra = ["--rdzv-id", rdzv_id, *(torchrun_extra or [])]
+    nodes = Nodes([], [], out_dir, time.monotonic())
+    for node in range(nnodes):
+        cmd = torchrun_cmd(script, args, nproc_per_node, port=port, extra=extra)
+        cmd[cmd.index("--nnodes") + 1] = str(nnodes)
+        nodes.outputs.append(out_dir / f"node_{node}.out")
+        with nodes.outputs[-1].open("w") as out:
+            nodes.procs.append(subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                                                env=worker_env({"TEST_OUT_DIR": str(out_dir), **(env or {})}),
+                                                start_new_session=True))
+    return nodes
+
+
+def finish_nodes(nodes: Nodes, timeout: float) -> list[Launch]:
+    """Wait for every agent, up to ``timeout`` s after the start, then kill what is left; one
+    Launch per node (its exit code and output)."""
+    timed_out = False
+    try:
+        for proc in nodes.procs:
+            proc.wait(timeout=max(0.0, nodes.start + timeout - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        timed_out = True
+    finally:
+        for proc in nodes.procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        leftovers = [p.pid for p in processes_matching(str(nodes.out_dir))]
+        kill_registered(nodes.out_dir)
+        kill_matching(str(nodes.out_dir))
+    duration = time.monotonic() - nodes.start
+    launches = []
+    for proc, path in zip(nodes.procs, nodes.outputs, strict=True):
+        output = path.read_text()
+        if timed_out:
+            output += f"\n[dist_helper] the nodes timed out after {timeout}s and were killed"
+        launches.append(Launch(proc.returncode, output, {}, duration, leftovers))
+    return launches
+
+
+def workers_by_rank(agent_pids: list[int]) -> dict:
+    """The live workers (psutil.Process) of these torchrun agents, by global rank (RANK in their env)."""
+    import psutil
+    workers = {}
+    for agent in agent_pids:
+        for child in psutil.Process(agent).children():
+            rank = child.environ().get("RANK")
+            if rank is not None:
+                workers[int(rank)] = child
+    return workers
+
+
+def wait_gone(pids: list[int], timeout: float) -> list[int]:
+    """Wait up to ``timeout`` s for the processes ``pids`` to end; returns those still alive. A
+    zombie counts as ended: an orphan's new parent may be slow to reap it, or never do so."""
+    import psutil
+
+    def alive(pid: int) -> bool:
+        try:
+            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    deadline = time.monotonic() + timeout
+    remaining = [pid for pid in pids if alive(pid)]
+    while remaining and time.monotonic() < deadline:
+        time.sleep(0.05)
+        remaining = [pid for pid in remaining if alive(pid)]
+    return remaining

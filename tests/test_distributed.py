@@ -1,0 +1,168 @@
+"""framework.distributed under torchrun, end to end on loopback with gloo: a multi-node elastic
+restart forms its new process group, and a worker does not outlive its agent."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.dist_helper import (
+    ROOT,
+    finish_nodes,
+    kill_matching,
+    start_nodes,
+    torchrun_cmd,
+    wait_gone,
+    worker_env,
+    workers_by_rank,
+)
+
+# A tiny model: 20 steps per epoch (160 samples, 2 ranks x batch 4), a checkpoint every 16 steps.
+# timeout_s bounds process-group setup: a group that cannot form fails instead of hanging.
+CONFIG = {"vocab_size": 32, "hidden_size": 32, "num_heads": 2, "num_layers": 1, "seq_len": 16, "dataset_size": 160,
+          "batch_size": 4, "dropout": 0.1, "max_steps": 160, "save_every_steps": 16, "keep_last": 2,
+          "log_interval": 1, "eval_interval": 0, "num_workers": 0, "deterministic": True, "tensorboard": False,
+          "target_loss": 0.0, "learning_rate": 2e-3, "warmup_steps": 4, "seed": 7, "timeout_s": 40}
+TIMEOUT = 150  # for a whole 2-node launch, restart included
+
+
+def args_for(run_dir: Path, **extra) -> list[str]:
+    cfg = {**CONFIG, "log_dir": str(run_dir / "logs"), "checkpoint_dir": str(run_dir / "ck"), **extra}
+    out = []
+    for key, value in cfg.items():
+        out += [f"--{key.replace('_', '-')}", str(value).lower() if isinstance(value, bool) else str(value)]
+    return out
+
+
+def summary(run_dir: Path) -> dict:
+    return json.loads((run_dir / "logs" / "summary.json").read_text())
+
+
+def rank_log(run_dir: Path, rank: int) -> str:
+    path = run_dir / "logs" / f"rank_{rank}.log"
+    return path.read_text() if path.exists() else ""
+
+
+def wait_for(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"waited {timeout} s for {what}"
+        time.sleep(0.01)
+
+
+def start_two_nodes(run_dir: Path, **extra):
+    return start_nodes(ROOT / "ddp_training.py", args_for(run_dir, **extra), run_dir, nnodes=2, rdzv_id=run_dir.name,
+                       env={"LOGLEVEL": "INFO"}, torchrun_extra=["--max-restarts", "1"])
+
+
+def assert_finished(nodes) -> None:
+    outputs = "\n".join(f"--- node {i} ---\n{node.output[-4000:]}" for i, node in enumerate(nodes))
+    assert [node.returncode for node in nodes] == [0, 0], outputs
+    assert not nodes[0].leftovers, outputs
+
+
+def restart_counts(agent_output: str) -> list[int]:
+    """TORCHELASTIC_RESTART_COUNT of each worker group the agent started (torchrun's INFO log)."""
+    return [int(n) for n in re.findall(r"restart_count=(\d+)", agent_output)]
+
+
+def generations(run_dir: Path, rank: int) -> list[int]:
+    return [int(n) for n in re.findall(r"store generation (\d+)", rank_log(run_dir, rank))]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """An uninterrupted 2-node run: its summary."""
+    run_dir = tmp_path_factory.mktemp("uninterrupted")
+    assert_finished(finish_nodes(start_two_nodes(run_dir), TIMEOUT))
+    result = summary(run_dir)
+    assert result["steps"] == CONFIG["max_steps"] and result["world_size"] == 2
+    return result
+
+
+def test_two_node_restart_forms_its_group_when_only_one_agent_counts_it(reference, tmp_path):
+    """After the first checkpoint, the worker of rank 1 is killed (kill -9) while rank 0's worker
+    is stopped (SIGSTOP), i.e. has not noticed yet. Rank 1's agent restarts for the failure
+    (TORCHELASTIC_RESTART_COUNT=1); rank 0's restarts because a node waits in the rendezvous, a
+    membership change torchrun does not count (still 0). With the restart count as the store's
+    key prefix, the ranks of that group waited for each other under different prefixes; the group
+    must form at once, and the run end bit-exact with an uninterrupted one."""
+    nodes = start_two_nodes(tmp_path)
+    try:
+        wait_for(lambda: "checkpoint step 16 written" in rank_log(tmp_path, 0), 90, "the first checkpoint")
+        workers = workers_by_rank([proc.pid for proc in nodes.procs])
+        assert sorted(workers) == [0, 1], "the run ended before the test could stop it"
+        rank0_agent = [proc.pid for proc in nodes.procs].index(workers[0].ppid())
+        workers[0].suspend()
+        workers[1].kill()
+        wait_for(lambda: "new nodes from group_rank" in nodes.outputs[rank0_agent].read_text(), 30,
+                 "rank 0's agent to restart for the membership change")
+        workers[0].resume()  # and take the SIGTERM its agent sent
+    except BaseException:
+        finish_nodes(nodes, timeout=0)
+        raise
+    runs = finish_nodes(nodes, TIMEOUT)
+    assert_finished(runs)
+    # One restart each, as set up: the restarted group formed at its first attempt.
+    assert restart_counts(runs[rank0_agent].output) == [0, 0], runs[rank0_agent].output[-4000:]
+    assert restart_counts(runs[1 - rank0_agent].output) == [0, 1], runs[1 - rank0_agent].output[-4000:]
+    assert rank_log(tmp_path, 0).count("process group up") == rank_log(tmp_path, 1).count("process group up") == 2
+    assert generations(tmp_path, 0) == generations(tmp_path, 1) == [1, 2]
+    assert "resumed from step 16" in rank_log(tmp_path, 0)
+    result = summary(tmp_path)
+    assert result["steps"] == CONFIG["max_steps"] and result["world_size"] == 2
+    assert result["model_sha256"] == reference["model_sha256"]
+
+
+def test_two_node_kill_9_of_rank_1_then_elastic_restart_resumes_bit_exact(reference, tmp_path):
+    """The reported case: rank 1 (the second node's only worker) is killed after the first
+    checkpoint. Whether rank 0's agent counts the restart depends on timing; the run must end
+    bit-exact with an uninterrupted one either way."""
+    runs = finish_nodes(start_two_nodes(tmp_path, fault_inject="sigkill@step=21,rank=1"), TIMEOUT)
+    assert_finished(runs)
+    assert "fault injection: sigkill at step 21 on rank 1" in rank_log(tmp_path, 1)
+    assert rank_log(tmp_path, 0).count("process group up") == rank_log(tmp_path, 1).count("process group up") == 2
+    assert "resumed from step 16" in rank_log(tmp_path, 0)
+    result = summary(tmp_path)
+    assert result["steps"] == CONFIG["max_steps"] and result["world_size"] == 2
+    assert result["model_sha256"] == reference["model_sha256"]
+
+
+def test_workers_die_with_their_agent(tmp_path):
+    """kill -9 of the torchrun agent: its workers follow within seconds instead of training on
+    as orphans."""
+    endless = args_for(tmp_path, max_steps=10**6, num_epochs=10**6, save_every_steps=0)
+    cmd = torchrun_cmd(ROOT / "ddp_training.py", endless, nproc=2)
+    agent = subprocess.Popen(cmd, cwd=ROOT, env=worker_env(), stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        wait_for(lambda: "step 3/" in rank_log(tmp_path, 0), 90, "training to start")
+        workers = [p.pid for p in psutil.Process(agent.pid).children()]
+        assert len(workers) == 2
+        os.kill(agent.pid, signal.SIGKILL)
+        agent.wait()
+        assert wait_gone(workers, timeout=5) == []
+    finally:
+        if agent.poll() is None:
+            os.killpg(agent.pid, signal.SIGKILL)
+            agent.wait()
+        kill_matching(str(tmp_path))
+
+
+
+def test_a_worker_whose_agent_died_before_it_armed_the_death_signal_ends():
+    """The agent may die before the worker arms the signal (then it never comes): the worker
+    sees that its parent is no longer the agent and ends itself."""
+    code = "from framework.distributed import die_with_parent; die_with_parent(parent=0); print('survived')"
+    env = worker_env({"TORCHELASTIC_RUN_ID": "test"})
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == -signal.SIGKILL, proc.stdout + proc.stderr
+    assert "the torchrun agent (pid 0) is gone" in proc.stderr
+    assert "survived" not in proc.stdout
