@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, default_collate
 
+from .batches import to_device
 from .control import spread
 from .markers import FatalError
 
@@ -215,6 +216,12 @@ class ResumableDistributedSampler(torch.utils.data.Sampler[list[int]]):
         """Optimizer steps from here to the end of epoch ``num_epochs - 1``."""
         return self.steps_remaining() + max(0, num_epochs - self.epoch - 1) * self.steps_per_epoch
 
+    def last_step(self, step: int, cfg) -> int:
+        """The run's last step, from ``step`` where it stands now (a resume on another world size
+        or batch size has another number of steps left in its epochs), capped by max_steps."""
+        by_epochs = step + self.remaining_steps(cfg.num_epochs)
+        return min(cfg.max_steps, by_epochs) if cfg.max_steps else by_epochs
+
     def set_micro_batch(self, batch_size: int, accumulation: int) -> None:
         """Change how a step's samples are split (the global batch must stay the same)."""
         assert batch_size * accumulation == self.batch_size * self.accumulation, (batch_size, accumulation)
@@ -257,7 +264,7 @@ def peek_batches(sampler: ResumableDistributedSampler, dataset: Dataset, n: int,
     """This rank's next ``n`` micro-batches on ``device``, read without consuming them."""
     indices = list(itertools.islice(iter(sampler), n))
     sampler.delivered.clear()
-    return [tuple(t.to(device) for t in fetch(dataset, batch)) for batch in indices]
+    return [to_device(fetch(dataset, batch), device) for batch in indices]
 
 
 def eval_indices(num_samples: int, limit: int, world_size: int, rank: int) -> list[int]:

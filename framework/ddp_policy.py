@@ -31,6 +31,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from .batches import batch_loss, num_samples
 from .memory import is_oom
 
 log = logging.getLogger(__name__)
@@ -101,7 +102,7 @@ def _graph_leaves(root) -> set[int]:
 
 
 def probe(model: nn.Module, batches: list, loss_fn, autocast) -> ProbeReport:
-    """Run forward and backward on each batch (inputs, targets already on the device) and record
+    """Run forward and backward on each batch (already on the device) and record
     which parameters get gradients, how often, and whether the forward graph reaches them.
     Leaves weights, buffers, ``.grad`` and RNG exactly as it found them."""
     names: dict[int, list[str]] = {}
@@ -117,12 +118,12 @@ def probe(model: nn.Module, batches: list, loss_fn, autocast) -> ProbeReport:
         lambda p: fires.__setitem__(id(p), fires.get(id(p), 0) + 1)) for p in params.values()]
     try:
         with preserved_state(model):
-            for inputs, targets in batches:
+            for batch in batches:
                 for p in params.values():
                     p.grad = None
                 fires.clear()
                 with autocast():
-                    loss = loss_fn(model(inputs), targets)
+                    loss = batch_loss(model, batch, loss_fn)
                 reachable = _graph_leaves(loss.grad_fn)
                 loss.backward()
                 used = {i for i, p in params.items() if p.grad is not None}
@@ -237,9 +238,8 @@ def warm_up(ddp_model: DDP, batch, loss_fn, autocast) -> None:
     makes a fresh and a resumed process compute every real step the same way."""
     module = ddp_model.module
     with preserved_state(module):
-        inputs, targets = batch
         with autocast():
-            loss = loss_fn(ddp_model(inputs), targets)
+            loss = batch_loss(ddp_model, batch, loss_fn)
         loss.backward()
         for p in module.parameters():
             p.grad = None
@@ -341,7 +341,7 @@ def preflight(model: nn.Module, batches: list, loss_fn, autocast, cfg) -> tuple[
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         oom = bool(flag.item())
     if oom:
-        raise PreflightOOM(f"out of memory in the DDP preflight probe at micro-batch {len(batches[0][0])}")
+        raise PreflightOOM(f"out of memory in the DDP preflight probe at micro-batch {num_samples(batches[0])}")
     report = agree_on_report(report, model)
     return report, decide(report, static_graph=cfg.ddp_static_graph, find_unused=cfg.find_unused_parameters,
                           checkpointing=cfg.gradient_checkpointing, accumulation=cfg.gradient_accumulation_steps)

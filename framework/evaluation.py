@@ -7,6 +7,7 @@ import logging
 import torch
 import torch.distributed as dist
 
+from .batches import batch_loss, num_samples, to_device
 from .data import eval_indices, fetch
 
 log = logging.getLogger(__name__)
@@ -22,11 +23,12 @@ def validation_loss(model, dataset, loss_fn, *, limit: int, batch_size: int, ran
     indices = eval_indices(len(dataset), limit, world_size, rank)
     sums = torch.zeros(2, dtype=torch.float64, device=device)
     for lo in range(0, len(indices), batch_size):
-        inputs, targets = (t.to(device, non_blocking=True) for t in fetch(dataset, indices[lo:lo + batch_size]))
+        batch = to_device(fetch(dataset, indices[lo:lo + batch_size]), device)
         with autocast():
-            loss = loss_fn(model(inputs), targets)
-        sums[0] += loss.double() * inputs.shape[0]
-        sums[1] += inputs.shape[0]
+            loss = batch_loss(model, batch, loss_fn)
+        n = num_samples(batch)
+        sums[0] += loss.double() * n
+        sums[1] += n
     if distributed:
         dist.all_reduce(sums)
     total, count = sums.tolist()

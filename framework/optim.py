@@ -34,12 +34,62 @@ class LRSchedule:
             group["lr"] = rate
         return rate
 
+    def after_step(self) -> None:
+        """The rate is a function of the step: nothing to advance."""
+
     def state_dict(self) -> dict:
         return {"total_steps": self.total_steps, "warmup_steps": self.warmup_steps}
 
     def load_state_dict(self, state: dict) -> None:
         # The schedule follows the resumed run's configuration: only recorded for inspection.
         self.saved = dict(state)
+
+
+class UserSchedule:
+    """A user's optimizer keeps its own learning rate, driven by the user's scheduler (if any),
+    which steps once per optimizer step, skipped steps included."""
+
+    def __init__(self, scheduler=None):
+        self.scheduler = scheduler
+        self.total_steps = 0
+
+    def apply(self, optimizer: torch.optim.Optimizer, step: int) -> float:
+        return optimizer.param_groups[0]["lr"]
+
+    def after_step(self) -> None:
+        if self.scheduler is not None:
+            self.scheduler.step()
+
+    def state_dict(self) -> dict:
+        return self.scheduler.state_dict() if self.scheduler is not None else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(state)
+
+
+def precision(cfg, device: torch.device) -> tuple[bool, torch.dtype, torch.amp.GradScaler]:
+    """Whether autocast is on, its dtype, and the GradScaler (enabled for fp16 only)."""
+    amp = cfg.use_amp == "true" or (cfg.use_amp == "auto" and device.type == "cuda")
+    dtype = torch.bfloat16 if cfg.amp_dtype == "bf16" else torch.float16
+    return amp, dtype, torch.amp.GradScaler(device.type, enabled=amp and dtype == torch.float16)
+
+
+def optimizer_and_schedule(cfg, model: torch.nn.Module, optimizer=None, lr_scheduler=None):
+    """The run's optimizer and LR schedule: the built-in AdamW with warmup and cosine decay, or a
+    user's ``optimizer`` (an Optimizer, or a factory ``params -> Optimizer``) with the user's
+    ``lr_scheduler`` (a factory ``optimizer -> LRScheduler``), if any."""
+    if optimizer is None and lr_scheduler is None:
+        built = build_optimizer(model, lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
+                                betas=(cfg.beta1, cfg.beta2))
+        return built, LRSchedule(lr=cfg.learning_rate, warmup_steps=cfg.warmup_steps, total_steps=0,
+                                 min_lr=cfg.min_lr)
+    if optimizer is None:
+        optimizer = build_optimizer(model, lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
+                                    betas=(cfg.beta1, cfg.beta2))
+    elif not isinstance(optimizer, torch.optim.Optimizer):
+        optimizer = optimizer([p for p in model.parameters() if p.requires_grad])
+    return optimizer, UserSchedule(lr_scheduler(optimizer) if lr_scheduler is not None else None)
 
 
 def build_optimizer(model: torch.nn.Module, *, lr: float, weight_decay: float,

@@ -12,7 +12,7 @@ import contextlib
 import errno
 import logging
 from pathlib import Path
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 import torch.distributed as dist
@@ -131,10 +131,11 @@ class Checkpointer:
     must be the unwrapped model."""
 
     def __init__(self, cfg: TrainConfig, env, manager: CheckpointManager, components: dict[str, Stateful], *,
-                 builtin_data: bool):
+                 builtin_data: bool, on_save: Callable[[int], None] | None = None):
         self.cfg, self.env, self.manager = cfg, env, manager
         self.components = components
         self.builtin_data = builtin_data
+        self.on_save = on_save
 
     def should_save(self, step: int, epoch: int, epoch_ended: bool) -> bool:
         cfg = self.cfg
@@ -152,6 +153,8 @@ class Checkpointer:
         """Every rank calls this at the same step (the RNG states are gathered); rank 0 writes."""
         with self._disk_errors_are_fatal():
             self.manager.save(self.state(), step, blocking=blocking)
+        if self.on_save is not None:
+            self.on_save(step)
 
     @contextlib.contextmanager
     def _disk_errors_are_fatal(self):

@@ -18,6 +18,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from . import ddp_policy, markers
+from .batches import batch_loss, to_device
 from .control import Agreement, agree
 from .markers import FatalError
 from .memory import is_oom
@@ -117,9 +118,6 @@ class TrainStep:
         self.oom_recovery = oom_recovery
         self.params = [p for p in raw_model.parameters() if p.requires_grad]
 
-    def to_device(self, batch):
-        return tuple(t.to(self.env.device, non_blocking=True) for t in batch)
-
     def forward_backward_with_retry(self, micro: list, step: int) -> torch.Tensor:
         """``forward_backward``, retrying the same samples with half the micro-batch after an
         agreed OOM; after an OOM in the synced backward, record the halved micro-batch and re-raise."""
@@ -189,10 +187,10 @@ class TrainStep:
         return None
 
     def _micro_step(self, batch, step: int, i: int, n: int) -> torch.Tensor:
-        inputs, targets = self.to_device(batch)
+        batch = to_device(batch, self.env.device)
         with self.faults.micro_step(step, i, n - 1, self.raw_model, self.stream.kill_a_worker) as on_loss:
             with self.autocast():
-                loss = self.loss_fn(self.model(inputs), targets) / n
+                loss = batch_loss(self.model, batch, self.loss_fn) / n
             on_loss(loss)
             self.scaler.scale(loss).backward()
         return loss.detach()
@@ -225,9 +223,11 @@ class TrainStep:
         if skip:
             self.optimizer.zero_grad(set_to_none=True)
             self.scaler.update()
+            self.schedule.after_step()
             self.skips.record(step, self.sampler.epoch)
         else:
             self.scaler.step(self.optimizer)
             self.scaler.update()
+            self.schedule.after_step()
             self.optimizer.zero_grad(set_to_none=True)
         return agreed, lr, grad_norm

@@ -28,8 +28,10 @@ from .logs import log_file_stream, setup_logging
 from .markers import FatalError
 from .memory import GcPolicy
 from .metrics import SampleLog, StepLog, log_run_start
+from .batches import num_tokens
+from .callbacks import Callbacks, user_stateful
 from .model import GPT, GPTConfig, lm_loss
-from .optim import LRSchedule, build_optimizer
+from .optim import optimizer_and_schedule, precision
 from .preemption import PreemptionHandler
 from .resume import Checkpointer, open_manager
 from .step import SkipBudget, TrainStep, apply_recorded_micro_batch, prepare_model
@@ -41,22 +43,24 @@ NON_RETRIABLE = (FatalError, ddp_policy.DDPConfigurationError, CheckpointError)
 
 
 class DDPTrainer:
-    """Train the built-in GPT, or a user's ``model`` on ``train_dataset`` with ``loss_fn``, on
-    1..N processes. ``config`` is a dict, a TrainConfig or None (defaults). ``rank`` and
-    ``world_size`` default to torchrun's environment, or to a single process without it.
-
-    A user's dataset yields ``(inputs, targets)``; ``loss_fn(model(inputs), targets)`` returns
-    the mean loss of the batch. ``doctor=True`` only runs the DDP preflight (``report`` and
-    ``decision``) and does not wrap the model. A non-retriable error, here or in ``train``,
-    leaves a FATAL marker in checkpoint_dir.
-    """
+    """Train the built-in GPT, or a user's ``model`` on ``train_dataset``, on 1..N processes.
+    ``config`` is a dict, a TrainConfig or None (defaults); ``rank`` and ``world_size`` default to
+    torchrun's environment, or to one process without it. Batches and ``loss_fn``: see
+    framework/batches.py. ``optimizer`` (an Optimizer or a factory ``params -> Optimizer``),
+    ``lr_scheduler`` (a factory ``optimizer -> LRScheduler``), ``callbacks`` (framework/callbacks.py)
+    and ``stateful`` ({name: object with state_dict/load_state_dict}) are saved and restored with
+    the run. ``doctor=True`` only runs the DDP preflight (``report``, ``decision``). A non-retriable
+    error, here or in ``train``, leaves a FATAL marker in checkpoint_dir."""
 
     def __init__(self, config: TrainConfig | dict | None = None, *, rank: int | None = None,
                  world_size: int | None = None, model: torch.nn.Module | None = None,
                  train_dataset=None, val_dataset=None,
                  loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, debug: bool = False,
-                 doctor: bool = False):
+                 doctor: bool = False, optimizer=None, lr_scheduler: Callable | None = None, callbacks=(),
+                 stateful: dict[str, Any] | None = None):
         self.preemption = PreemptionHandler().install()
+        self._user_optim, self.callbacks = (optimizer, lr_scheduler), Callbacks(callbacks)
+        self.user_state = user_stateful(stateful)
         try:
             self.cfg = cfg = resolve_config(config)
         except BaseException:
@@ -92,29 +96,20 @@ class DDPTrainer:
             self.cfg, train_dataset, val_dataset = builtin_datasets(self.cfg)
         self.train_dataset, self.val_dataset = train_dataset, val_dataset
         self._build_model(model)
-        self.loss_fn = loss_fn or lm_loss
+        self.loss_fn = lm_loss if model is None and loss_fn is None else loss_fn
         # Model init used the shared seed; dropout and everything after draw per-rank streams.
         rng.seed_all(self.cfg.seed + 1 + self.env.rank)
-        self._build_optimizer()
+        self.amp, self.amp_dtype, self.scaler = precision(self.cfg, self.env.device)
+        self.optimizer, self.schedule = optimizer_and_schedule(self.cfg, self.raw_model, *self._user_optim)
         self._build_data()
         state = self._restore(builtin_data, load=not doctor)
-        self.total_steps = self.schedule.total_steps = self._total_steps()
+        self.total_steps = self.schedule.total_steps = self.sampler.last_step(self.step, self.cfg)
         log_run_start(self.cfg, self.env, self.sampler, model=self.raw_model, amp=self.amp,
                       total_steps=self.total_steps, num_workers=self.num_workers)
         self._wrap(doctor)
         if state is not None:
             self.checkpoints.restore_rng(state, self.step)
         self._build_run_health()
-
-    def _build_optimizer(self) -> None:
-        cfg, device = self.cfg, self.env.device
-        self.amp = cfg.use_amp == "true" or (cfg.use_amp == "auto" and device.type == "cuda")
-        self.amp_dtype = torch.bfloat16 if cfg.amp_dtype == "bf16" else torch.float16
-        self.scaler = torch.amp.GradScaler(device.type, enabled=self.amp and self.amp_dtype == torch.float16)
-        self.optimizer = build_optimizer(self.raw_model, lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
-                                         betas=(cfg.beta1, cfg.beta2))
-        self.schedule = LRSchedule(lr=cfg.learning_rate, warmup_steps=cfg.warmup_steps, total_steps=0,
-                                   min_lr=cfg.min_lr)
 
     def _restore(self, builtin_data: bool, *, load: bool) -> dict | None:
         """The checkpoint to resume from, loaded into every stateful piece (the RNG comes last,
@@ -125,8 +120,9 @@ class DDPTrainer:
         self.checkpoints = Checkpointer(
             cfg, env, open_manager(cfg, env),
             {"trainer": self, "model": self.raw_model, "optimizer": self.optimizer, "scaler": self.scaler,
-             "schedule": self.schedule, "sampler": self.sampler, "stream": self.stream, "skips": self.skips},
-            builtin_data=builtin_data)
+             "schedule": self.schedule, "sampler": self.sampler, "stream": self.stream, "skips": self.skips,
+             **self.user_state, **self.callbacks.stateful()},
+            builtin_data=builtin_data, on_save=lambda step: self.callbacks("on_save", self, step))
         state = self.checkpoints.load() if load else None
         if state is not None:
             self.checkpoints.restore(state)
@@ -157,18 +153,11 @@ class DDPTrainer:
             check_same_datasets(self.train_dataset, self.val_dataset)
         self.sampler, self.stream, self.num_workers = build_stream(self.train_dataset, self.cfg, self.env)
 
-    def _total_steps(self) -> int:
-        """The run's last step, from where it stands now: a resume on another world size or
-        batch size has another number of steps left in its epochs."""
-        remaining = self.sampler.remaining_steps(self.cfg.num_epochs)
-        by_epochs = self.step + remaining
-        return min(self.cfg.max_steps, by_epochs) if self.cfg.max_steps else by_epochs
-
     def _wrap(self, doctor: bool) -> None:
         cfg, env = self.cfg, self.env
         self.oom_recovery = cfg.oom_recovery == "true" or (cfg.oom_recovery == "auto" and env.device.type == "cuda")
         self.model, self.report, self.decision = prepare_model(
-            lambda: ddp_policy.prepare(self.raw_model, self.probe_batches, self.loss_fn, self._autocast, cfg,
+            lambda: ddp_policy.prepare(self.raw_model, self._peek, self.loss_fn, self._autocast, cfg,
                                        env.device, distributed=env.distributed, doctor=doctor),
             self.sampler, cfg.checkpoint_dir, oom_recovery=self.oom_recovery)
 
@@ -187,6 +176,9 @@ class DDPTrainer:
         self.consistency = ConsistencyCheck(self.raw_model, interval=cfg.consistency_check_interval,
                                             device=env.device, distributed=env.distributed)
 
+    def _peek(self) -> list:
+        return peek_batches(self.sampler, self.train_dataset, 2, self.env.device)
+
     def _autocast(self):
         return torch.autocast(self.env.device.type, dtype=self.amp_dtype, enabled=self.amp)
 
@@ -203,10 +195,6 @@ class DDPTrainer:
     @property
     def skipped_this_epoch(self) -> list[int]:
         return self.skips.steps
-
-    def probe_batches(self, n: int = 2) -> list:
-        """This rank's next ``n`` micro-batches, read without consuming them."""
-        return peek_batches(self.sampler, self.train_dataset, n, self.env.device)
 
     def forward_backward(self, micro_batches: list) -> torch.Tensor:
         return self.steps.forward_backward(micro_batches, self.step)
@@ -235,6 +223,7 @@ class DDPTrainer:
         self.model.train()
         if self.preemption.installed:
             self.watchdog.dump_on(signal.SIGTERM)
+        self.callbacks("on_train_start", self)
         try:
             with GcPolicy(cfg.cleanup_interval, env.device) as gc_policy:
                 preempted = self._loop(steps, gc_policy, samples_log)
@@ -273,7 +262,12 @@ class DDPTrainer:
                 self.checkpoints.maybe_save(self.step, self.sampler.epoch, epoch_ended)
         if self.evaluator.should_run(self.step):
             with steps.paused(), self.watchdog.phase("evaluation", scale=self.cfg.eval_steps):
-                steps.record_val(self.step, self.evaluator.run(self.step))
+                self._evaluate(steps)
+
+    def _evaluate(self, steps: StepLog) -> None:
+        val_loss = self.evaluator.run(self.step)
+        steps.record_val(self.step, val_loss)
+        self.callbacks("on_evaluate", self, self.step, val_loss)
 
     def _final_evaluation_and_save(self, steps: StepLog) -> bool:
         """The final evaluation and save; True when a preemption request came in after the last
@@ -285,7 +279,7 @@ class DDPTrainer:
                           distributed=self.env.distributed, preempt=self.preemption.requested is not None).preempt
         if not preempted:
             with self.watchdog.phase("evaluation", scale=cfg.eval_steps):
-                steps.record_val(self.step, self.evaluator.run(self.step))
+                self._evaluate(steps)
         with self.watchdog.phase("checkpoint save", scale=10):
             if preempted:
                 self._save_preempted()
@@ -304,10 +298,13 @@ class DDPTrainer:
         self.step += 1
         self.watchdog.disarm()
         self.faults.on_step_end(self.step, self.raw_model)
-        step_tokens = sum(b[0].numel() for b in micro) * self.env.world_size
+        step_tokens = sum(num_tokens(b) for b in micro) * self.env.world_size
         self.tokens_total += step_tokens
         samples_log.write(self.sampler.epoch, self.step, indices)
         steps.record(self.step, self.sampler.epoch, agreed.loss, lr, grad_norm, step_tokens)
+        if self.callbacks:
+            metrics = {"loss": agreed.loss, "lr": lr, "grad_norm": float(grad_norm), "tokens": step_tokens}
+            self.callbacks("on_step_end", self, self.step, metrics)
         return agreed
 
     def _should_stop(self, agreed: Agreement) -> bool:
@@ -331,6 +328,7 @@ class DDPTrainer:
                 atomic.torch_save(to_cpu(self.raw_model.state_dict()), Path(cfg.checkpoint_dir) / "final_model.pt")
             atomic.write_bytes(Path(cfg.log_dir) / "summary.json", json.dumps(summary, indent=2).encode())
         log.info("%s: %s", "preempted" if preempted else "done", json.dumps(summary))
+        self.callbacks("on_train_end", self, summary)
         return summary
 
     def close(self) -> None:

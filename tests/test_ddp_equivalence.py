@@ -62,6 +62,6 @@ def test_validation_loss_same_on_one_and_two_ranks(two_ranks, tmp_path):
     r0, r1 = case(two_ranks, 0, "eval"), case(two_ranks, 1, "eval")
     assert r0["val_loss"] == r1["val_loss"]
     assert (r0["shard_size"], r1["shard_size"]) == (18, 17)
-    cfg = {**BASE, **EVAL_CASE, "log_dir": str(tmp_path / "logs")}
+    cfg = {**BASE, **EVAL_CASE, "log_dir": str(tmp_path / "logs"), "checkpoint_dir": str(tmp_path / "ck")}
     single = DDPTrainer(cfg, rank=0, world_size=1).evaluate()
     assert abs(single - r0["val_loss"]) <= 1e-6, (single, r0["val_loss"])

@@ -154,7 +154,8 @@ def test_doctor_exits_1_when_forced_settings_would_fail(tmp_path, capsys):
             return self.out(self.emb(x))
 
     trainer = DDPTrainer({"vocab_size": 32, "seq_len": 8, "dataset_size": 64, "batch_size": 4,
-                          "find_unused_parameters": "false", "log_dir": str(tmp_path), "num_workers": 0},
+                          "find_unused_parameters": "false", "log_dir": str(tmp_path), "num_workers": 0,
+                          "checkpoint_dir": str(tmp_path / "ck")},
                          model=WithUnused(), doctor=True)
     assert trainer.report.unused == ["spare.bias", "spare.weight"]
     assert not trainer.decision.safe

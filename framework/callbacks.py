@@ -1,0 +1,46 @@
+"""User callbacks: objects with any of the hooks below, called on every rank in order. A callback
+with ``state_dict()``/``load_state_dict()`` is saved in checkpoints and restored on resume."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+HOOKS = ("on_train_start", "on_step_end", "on_evaluate", "on_save", "on_train_end")
+"""on_train_start(trainer); on_step_end(trainer, step, metrics); on_evaluate(trainer, step,
+val_loss); on_save(trainer, step); on_train_end(trainer, summary)."""
+
+
+class Callbacks:
+    def __init__(self, callbacks: list[Any] | tuple[Any, ...] = ()):
+        self.callbacks = list(callbacks)
+        for cb in self.callbacks:
+            if not any(hasattr(cb, hook) for hook in HOOKS):
+                raise TypeError(f"callback {type(cb).__name__} has none of the hooks {', '.join(HOOKS)}")
+
+    def __bool__(self) -> bool:
+        return bool(self.callbacks)
+
+    def __call__(self, hook: str, *args) -> None:
+        assert hook in HOOKS, hook
+        for cb in self.callbacks:
+            method = getattr(cb, hook, None)
+            if method is not None:
+                method(*args)
+
+    def stateful(self) -> dict[str, Any]:
+        """The callbacks that have a state, by checkpoint name."""
+        return {f"callback/{i}/{type(cb).__name__}": cb for i, cb in enumerate(self.callbacks)
+                if hasattr(cb, "state_dict") and hasattr(cb, "load_state_dict")}
+
+
+def user_stateful(stateful: dict[str, Any] | None) -> dict[str, Any]:
+    """A user's ``stateful={name: obj}``, by checkpoint name; every object must have a state."""
+    out = {}
+    for name, obj in (stateful or {}).items():
+        if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+            raise TypeError(f"stateful[{name!r}]: {type(obj).__name__} has no state_dict()/load_state_dict()")
+        out[f"user/{name}"] = obj
+    return out
