@@ -216,6 +216,9 @@ class ResumableDistributedSampler(torch.utils.data.Sampler[list[int]]):
         """Optimizer steps from here to the end of epoch ``num_epochs - 1``."""
         return self.steps_remaining() + max(0, num_epochs - self.epoch - 1) * self.steps_per_epoch
 
+    def epochs_done(self) -> float:
+        return self.epoch + self.consumed / (self.steps_per_epoch * self.global_batch)
+
     def last_step(self, step: int, cfg) -> int:
         """The run's last step, from ``step`` where it stands now (a resume on another world size
         or batch size has another number of steps left in its epochs), capped by max_steps."""
@@ -252,7 +255,7 @@ class ResumableDistributedSampler(torch.utils.data.Sampler[list[int]]):
 def check_same_datasets(train: Dataset, val: Dataset | None) -> None:
     """Ranks with datasets of different lengths would wait for each other forever in the last
     steps; one all-reduce at start turns that into the same error on every rank."""
-    differ = spread({"train_dataset length": len(train),
+    differ = spread({"train_dataset length (-1: a stream)": len(train) if hasattr(train, "__len__") else -1,
                      "val_dataset length (-1: none)": -1 if val is None else len(val)})
     if differ:
         raise FatalError("the ranks hold different datasets: " + "; ".join(

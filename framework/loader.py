@@ -14,9 +14,11 @@ import os
 import signal
 from typing import Callable
 
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset
 
-from .data import MarkovDataset, ResumableDistributedSampler, TokenWindows, make_loader, workers_per_rank
+from .data import (MarkovDataset, ResumableDistributedSampler, TokenWindows, make_loader, peek_batches,
+                   workers_per_rank)
+from .streaming import IterableStream, StreamPosition
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +124,10 @@ class BatchStream:
         os.kill(pids[0], signal.SIGKILL)
         return pids[0]
 
+    def peek(self, n: int, device) -> list:
+        """This rank's next ``n`` micro-batches on ``device``, read without consuming them."""
+        return peek_batches(self.sampler, self.loader.dataset, n, device)
+
     def state_dict(self) -> dict:
         return {"restarts_this_epoch": self.restarts_this_epoch}
 
@@ -134,9 +140,16 @@ class BatchStream:
         self._it = None
 
 
-def build_stream(dataset, cfg, env) -> tuple[ResumableDistributedSampler, BatchStream, int]:
+def build_stream(dataset, cfg, env, val_dataset=None) -> tuple[ResumableDistributedSampler, BatchStream, int]:
     """This rank's sampler over ``dataset``, the stream of its micro-batches, and the loader's
-    number of worker processes."""
+    number of worker processes. An IterableDataset gets a stream of its own (framework/streaming.py)."""
+    if isinstance(val_dataset, IterableDataset):
+        raise ValueError("val_dataset: an IterableDataset cannot be sharded exactly for evaluation; "
+                         "pass a map-style dataset (or None)")
+    if isinstance(dataset, IterableDataset):
+        position = StreamPosition(env.world_size, cfg.batch_size, cfg.gradient_accumulation_steps)
+        return position, IterableStream(dataset, position, device=env.device, distributed=env.distributed,
+                                        rank=env.rank), 0
     sampler = ResumableDistributedSampler(len(dataset), env.world_size, env.rank, cfg.batch_size,
                                           cfg.gradient_accumulation_steps, cfg.seed)
     if sampler.steps_per_epoch == 0:

@@ -7,6 +7,7 @@ loads under ``torch.load(weights_only=True)`` as part of a checkpoint.
 from __future__ import annotations
 
 import logging
+import os
 import random
 
 import numpy as np
@@ -29,6 +30,13 @@ def seed_all(seed: int) -> None:
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
     _GENERATOR.bit_generator.state = np.random.PCG64(seed).state
+
+
+def use_deterministic_kernels() -> None:
+    """Deterministic kernels only (bit-reproducible runs; slower on CUDA)."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = False
 
 
 def _plain(obj):

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 import signal
 from pathlib import Path
 from typing import Any, Callable
@@ -19,7 +18,7 @@ from .activation import apply_checkpointing
 from .checkpoint import CheckpointError, to_cpu
 from .config import TrainConfig, resolve_config
 from .control import Agreement, agree
-from .data import builtin_datasets, check_same_datasets, peek_batches
+from .data import builtin_datasets, check_same_datasets
 from .evaluation import Evaluator
 from .faults import FaultPlan
 from .health import ConsistencyCheck, Watchdog, model_sha256
@@ -88,9 +87,7 @@ class DDPTrainer:
         markers.check_at_start(self.cfg.checkpoint_dir, restart_count=distributed.incarnation(),
                                is_main=self.env.is_main)
         if self.cfg.deterministic:
-            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-            torch.use_deterministic_algorithms(True)
-            torch.backends.cudnn.benchmark = False
+            rng.use_deterministic_kernels()
         builtin_data = train_dataset is None
         if builtin_data:
             self.cfg, train_dataset, val_dataset = builtin_datasets(self.cfg)
@@ -151,7 +148,8 @@ class DDPTrainer:
     def _build_data(self) -> None:
         if self.env.distributed:
             check_same_datasets(self.train_dataset, self.val_dataset)
-        self.sampler, self.stream, self.num_workers = build_stream(self.train_dataset, self.cfg, self.env)
+        self.sampler, self.stream, self.num_workers = build_stream(self.train_dataset, self.cfg, self.env,
+                                                                   self.val_dataset)
 
     def _wrap(self, doctor: bool) -> None:
         cfg, env = self.cfg, self.env
@@ -177,7 +175,7 @@ class DDPTrainer:
                                             device=env.device, distributed=env.distributed)
 
     def _peek(self) -> list:
-        return peek_batches(self.sampler, self.train_dataset, 2, self.env.device)
+        return self.stream.peek(2, self.env.device)
 
     def _autocast(self):
         return torch.autocast(self.env.device.type, dtype=self.amp_dtype, enabled=self.amp)
@@ -242,6 +240,8 @@ class DDPTrainer:
             self.stream.start_epoch()
             while self.sampler.steps_remaining() > 0:
                 agreed = self._train_step(steps, samples_log)
+                if agreed is None:  # a stream ran out on some rank
+                    break
                 gc_policy.step(self.step)
                 if self.consistency.should_run(self.step):
                     with self.watchdog.phase("consistency check"):
@@ -287,10 +287,13 @@ class DDPTrainer:
                 self.save_checkpoint(blocking=True)
         return preempted
 
-    def _train_step(self, steps: StepLog, samples_log: SampleLog) -> Agreement:
+    def _train_step(self, steps: StepLog, samples_log: SampleLog) -> Agreement | None:
         self.watchdog.arm(self.step)
         self.faults.fire_process_faults(self.step)
         micro = self.stream.next_step()
+        if micro is None:
+            self.watchdog.disarm()
+            return None
         loss = self.steps.forward_backward_with_retry(micro, self.step)
         self.faults.on_gradients(self.step, self.raw_model)
         agreed, lr, grad_norm = self.optimizer_step(loss, preempt=self.preemption.requested is not None)
@@ -319,8 +322,7 @@ class DDPTrainer:
 
     def _finish(self, steps: StepLog, preempted: bool) -> dict:
         cfg, env = self.cfg, self.env
-        per_epoch = self.sampler.steps_per_epoch * self.sampler.global_batch
-        summary = steps.summary(step=self.step, epochs=self.sampler.epoch + self.sampler.consumed / per_epoch,
+        summary = steps.summary(step=self.step, epochs=self.sampler.epochs_done(),
                                 world_size=env.world_size, model_sha256=model_sha256(self.raw_model),
                                 preempted=preempted)
         if env.is_main:
