@@ -75,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """The ``ddp-train`` console script, and ``python ddp_training.py``; never returns."""
     faulthandler.enable()  # a fatal signal (SIGSEGV, SIGABRT from C++) prints every thread's stack
     if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun worker (--check-config and --help import no torch)
         from framework.distributed import die_with_parent
@@ -88,3 +89,7 @@ if __name__ == "__main__":
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+if __name__ == "__main__":
+    cli()

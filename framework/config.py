@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import difflib
+import importlib.util
 import inspect
 import json
 import math
@@ -136,6 +137,8 @@ class TrainConfig:
     # --- checkpoints and recovery ------------------------------------------------------------
     checkpoint_dir: str = "checkpoints"
     """Directory for checkpoints and the final model."""
+    export_dir: str = ""
+    """Where a finished run exports its final weights as safetensors: '' = checkpoint_dir/export; none = no export."""
     save_interval: int = bounded(5, lo=0)
     """Save a checkpoint every this many epochs; 0 disables epoch checkpoints."""
     max_errors_per_epoch: int = bounded(5, lo=0)
@@ -288,6 +291,12 @@ def _check_values(cfg: TrainConfig) -> list[str]:
         problem = _unwritable_dir(getattr(cfg, key))
         if problem:
             problems.append(f"{key}={getattr(cfg, key)!r}: {problem}; allowed: a directory this user can write")
+    if cfg.export_dir not in ("", "none"):
+        if importlib.util.find_spec("safetensors") is None:
+            problems.append(f"export_dir={cfg.export_dir!r}: the export needs safetensors, which is not installed: "
+                            "pip install -e .[hf] (or safetensors==0.8.0), or leave export_dir unset")
+        elif problem := _unwritable_dir(cfg.export_dir):
+            problems.append(f"export_dir={cfg.export_dir!r}: {problem}; allowed: a directory this user can write")
     if cfg.resume not in ("auto", "none") and not Path(cfg.resume).is_file():
         problems.append(f"resume={cfg.resume!r}: allowed: auto, none, or an existing checkpoint file")
     if cfg.fault_inject:

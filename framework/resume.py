@@ -37,7 +37,7 @@ _NEUTRAL = frozenset({
     "record_samples", "fault_inject", "step_timeout_s", "step_timeout_factor", "timeout_s", "num_workers",
     "max_loader_restarts", "consistency_check_interval", "cleanup_interval", "max_errors_per_epoch", "backend",
     "pin_memory", "oom_recovery", "target_loss", "num_epochs", "max_steps", "ddp_static_graph",
-    "find_unused_parameters", "gradient_as_bucket_view", "bucket_cap_mb", "checkpoint_modules"})
+    "find_unused_parameters", "gradient_as_bucket_view", "bucket_cap_mb", "checkpoint_modules", "export_dir"})
 
 
 class Stateful(Protocol):

@@ -13,9 +13,9 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from . import atomic, ddp_policy, distributed, markers, rng
+from . import atomic, ddp_policy, distributed, export, markers, rng
 from .activation import apply_checkpointing
-from .checkpoint import CheckpointError, to_cpu
+from .checkpoint import CheckpointError
 from .config import TrainConfig, resolve_config
 from .control import Agreement, agree
 from .data import builtin_datasets, check_same_datasets
@@ -327,7 +327,7 @@ class DDPTrainer:
                                 preempted=preempted)
         if env.is_main:
             if not preempted:
-                atomic.torch_save(to_cpu(self.raw_model.state_dict()), Path(cfg.checkpoint_dir) / "final_model.pt")
+                export.save_final_weights(self.raw_model, cfg)  # final_model.pt and the safetensors export
             atomic.write_bytes(Path(cfg.log_dir) / "summary.json", json.dumps(summary, indent=2).encode())
         log.info("%s: %s", "preempted" if preempted else "done", json.dumps(summary))
         self.callbacks("on_train_end", self, summary)

@@ -1,0 +1,195 @@
+"""The final weights of a finished run: ``final_model.pt`` and the safetensors export for other tools.
+
+The export (rank 0, into ``export_dir``, by default ``checkpoint_dir/export``) takes the model out of
+its DDP/compile wrappers and writes CPU tensors:
+
+- a transformers ``PreTrainedModel`` or a PEFT model: ``save_pretrained(export_dir, safe_serialization=True)``;
+  a PEFT model writes only its adapters (``PeftModel.from_pretrained(base, export_dir)`` loads them);
+- the built-in GPT: ``model.safetensors`` and ``config.json`` (the GPTConfig fields); ``load_exported``
+  rebuilds it;
+- any other module: ``model.safetensors`` of its state_dict; ``load_weights`` reads it back as a state_dict.
+
+safetensors refuses tensors that share memory: a second name for the same tensor (tied weights) is
+written once and recorded as an alias in the file's metadata, which ``load_weights`` restores
+(``safetensors.torch.load_model`` also reads such a file); any other view of shared memory is
+written as a copy.
+
+safetensors is optional (``pip install -e .[hf]``): without it a run writes ``final_model.pt`` only,
+with one WARNING; an ``export_dir`` set explicitly makes the configuration invalid instead
+(framework/config.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib.util
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from . import __version__, atomic
+from .checkpoint import to_cpu
+from .ddp_policy import unwrap
+from .model import GPT, GPTConfig
+
+log = logging.getLogger(__name__)
+
+FINAL_MODEL = "final_model.pt"
+WEIGHTS = "model.safetensors"
+CONFIG = "config.json"
+GPT_MARKER = "framework.model.GPT"
+ALIASES = "framework.aliases"  # metadata key: JSON {dropped name: the name written}
+INSTALL_HINT = "pip install -e .[hf]"
+
+
+def export_path(cfg) -> Path | None:
+    """Where the export goes: ``export_dir``, '' = ``checkpoint_dir/export``, 'none' = nowhere."""
+    if cfg.export_dir == "none":
+        return None
+    return Path(cfg.export_dir) if cfg.export_dir else Path(cfg.checkpoint_dir) / "export"
+
+
+def safetensors_available() -> bool:
+    return importlib.util.find_spec("safetensors") is not None
+
+
+def save_final_weights(model: torch.nn.Module, cfg) -> None:
+    """Rank 0, at the end of a finished run: ``checkpoint_dir/final_model.pt``, then the export."""
+    state = to_cpu(model.state_dict())
+    atomic.torch_save(state, Path(cfg.checkpoint_dir) / FINAL_MODEL)
+    export_dir = export_path(cfg)
+    if export_dir is None:
+        return
+    if not safetensors_available():
+        log.warning("safetensors is not installed: the final weights are not exported (only %s is written); "
+                    "install it with `%s`, or set export_dir=none to turn the export off", FINAL_MODEL, INSTALL_HINT)
+        return
+    inner = unwrap(model)
+    kind = export_model(inner, export_dir, state=state if inner is model else None)
+    log.info("exported the final weights (%s) to %s", kind, export_dir)
+
+
+def export_model(model: torch.nn.Module, export_dir: str | Path, *, state: dict | None = None) -> str:
+    """Write ``model``'s weights as safetensors into ``export_dir``, replacing what was there as a
+    whole. ``state`` is the unwrapped model's state_dict on the CPU, when already at hand.
+    Returns what was written, for the log."""
+    model = unwrap(model)
+    state = to_cpu(model.state_dict()) if state is None else state
+    with _replacing_dir(Path(export_dir)) as tmp:
+        if _inherits(model, "peft", "PeftModel"):
+            model.save_pretrained(tmp, safe_serialization=True, state_dict=state)
+            return "PEFT adapters, save_pretrained"
+        if _inherits(model, "transformers", "PreTrainedModel"):
+            model.save_pretrained(tmp, safe_serialization=True, state_dict=state)
+            return "transformers save_pretrained"
+        save_weights(state, tmp / WEIGHTS)
+        if not isinstance(model, GPT):
+            return WEIGHTS
+        config = {"model": GPT_MARKER, "framework_version": __version__, **dataclasses.asdict(model.cfg)}
+        (tmp / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+        return f"{WEIGHTS} and {CONFIG} of the built-in GPT"
+
+
+def _inherits(model: torch.nn.Module, package: str, class_name: str) -> bool:
+    """Whether ``model`` is a ``package``'s ``class_name``, without importing ``package``."""
+    return any(c.__name__ == class_name and c.__module__.split(".")[0] == package for c in type(model).__mro__)
+
+
+def save_weights(state: dict[str, torch.Tensor], path: str | Path) -> None:
+    """``state`` (CPU tensors) as a safetensors file; tied tensors are written once (see the module doc)."""
+    from safetensors.torch import save_file
+
+    tensors, aliases = _unshared(state)
+    metadata = {"format": "pt"}
+    if aliases:
+        metadata[ALIASES] = json.dumps(aliases, sort_keys=True)
+    save_file(tensors, str(path), metadata=metadata)
+
+
+def _unshared(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """``state`` with no two tensors sharing memory: a second name for the same view becomes an
+    alias of the first; another view of memory already written, or a non-contiguous one, a copy."""
+    tensors: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    views: dict[tuple, str] = {}
+    storages: set[int] = set()
+    for name, t in state.items():
+        if t.numel() == 0:  # empty tensors have no memory to share
+            tensors[name] = t.contiguous()
+            continue
+        ptr = t.untyped_storage().data_ptr()
+        view = (ptr, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+        if view in views:
+            aliases[name] = views[view]
+            continue
+        views[view] = name
+        if ptr in storages or not t.is_contiguous():
+            t = t.clone(memory_format=torch.contiguous_format)
+        storages.add(ptr)
+        tensors[name] = t
+    return tensors, aliases
+
+
+def load_weights(path: str | Path, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """A file written by ``save_weights`` as a state_dict, aliases (tied weights) restored."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt", device=str(device)) as f:
+        metadata = f.metadata() or {}
+        state = {name: f.get_tensor(name) for name in f.keys()}
+    for name, kept in json.loads(metadata.get(ALIASES, "{}")).items():
+        state[name] = state[kept]
+    return state
+
+
+def load_exported(export_dir: str | Path, device: str | torch.device = "cpu") -> GPT:
+    """The built-in GPT exported into ``export_dir``, rebuilt from its config.json and weights, in eval mode."""
+    directory = Path(export_dir)
+    config = json.loads((directory / CONFIG).read_text())
+    if config.pop("model", None) != GPT_MARKER:
+        raise ValueError(f"{directory / CONFIG}: not an export of {GPT_MARKER}; load {WEIGHTS} with "
+                         "framework.export.load_weights into your own model")
+    config.pop("framework_version", None)
+    model = GPT(GPTConfig(**config))
+    model.load_state_dict(load_weights(directory / WEIGHTS), strict=True)
+    return model.to(device).eval()
+
+
+@contextlib.contextmanager
+def _replacing_dir(final: Path):
+    """A new directory that replaces ``final`` when the block ends without an error; after an
+    error nothing of it is left. ``final`` itself is never partial: between the two renames the
+    previous export waits under ``.NAME.old.PID``, which the next export removes if a crash left it."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    for stale in [*final.parent.glob(f".{final.name}.partial.*"), *final.parent.glob(f".{final.name}.old.*")]:
+        log.warning("removing %s, left by an interrupted export", stale)
+        shutil.rmtree(stale)
+    tmp = final.with_name(f".{final.name}.partial.{os.getpid()}")
+    tmp.mkdir()
+    try:
+        yield tmp
+        for path in [*tmp.rglob("*"), tmp]:
+            _fsync(path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # the original error matters, not a failed cleanup
+        raise
+    old = final.with_name(f".{final.name}.old.{os.getpid()}")
+    if final.exists():
+        os.replace(final, old)
+    os.replace(tmp, final)
+    _fsync(final.parent)
+    if old.exists():
+        shutil.rmtree(old)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,204 @@
+"""The safetensors export of the final weights: PEFT adapters, a full transformers model, the built-in
+GPT, any module with tied weights; written at the end of a finished run and not after a preemption;
+atomic; safetensors optional; and the LoRA fine-tuning example at world size 1."""
+
+import importlib.util
+import json
+import sys
+
+import pytest
+import torch
+
+from framework import ConfigError, DDPTrainer
+from framework.config import build_config
+from framework.export import ALIASES, CONFIG, WEIGHTS, export_model, load_exported, load_weights
+from framework.model import GPT, GPTConfig
+from tests.dist_helper import ROOT
+
+TINY = dict(vocab_size=32, hidden_size=32, num_layers=1, num_heads=2, seq_len=16, dataset_size=128, batch_size=8,
+            dropout=0.0, num_workers=0, learning_rate=3e-3, target_loss=0.0, eval_steps=2, log_interval=2,
+            tensorboard=False)
+
+
+def tiny(tmp_path, **kw):
+    return {**TINY, "log_dir": str(tmp_path / "logs"), "checkpoint_dir": str(tmp_path / "ck"), **kw}
+
+
+def logits_of(model, ids: torch.Tensor) -> torch.Tensor:
+    model.eval()
+    with torch.no_grad():
+        out = model(ids)
+    return getattr(out, "logits", out)
+
+
+# --- the built-in GPT and any other module -------------------------------------------------------
+
+def test_trainer_exports_the_gpt_at_the_end_and_load_exported_rebuilds_it(tmp_path):
+    trainer = DDPTrainer(tiny(tmp_path, max_steps=3, tie_embeddings=True))
+    summary = trainer.train()
+    export_dir = tmp_path / "ck" / "export"  # the default: checkpoint_dir/export
+    assert sorted(p.name for p in export_dir.iterdir()) == [CONFIG, WEIGHTS]
+    assert (tmp_path / "ck" / "final_model.pt").is_file()
+    config = json.loads((export_dir / CONFIG).read_text())
+    assert config["model"] == "framework.model.GPT" and config["tie_embeddings"] is True
+    loaded = load_exported(export_dir)
+    assert loaded.cfg == GPTConfig.from_train_config(trainer.cfg)
+    assert loaded.lm_head.weight is loaded.tok_emb.weight  # still tied
+    ids = torch.randint(0, 32, (2, 16), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(logits_of(loaded, ids), logits_of(trainer.raw_model, ids))
+    from safetensors.torch import load_model
+    plain = GPT(loaded.cfg)
+    load_model(plain, str(export_dir / WEIGHTS))  # safetensors' own loader reads it too
+    assert torch.equal(logits_of(plain, ids), logits_of(loaded, ids))
+    assert summary["steps"] == 3
+    assert "exported the final weights" in (tmp_path / "logs" / "rank_0.log").read_text()
+
+
+class Shared(torch.nn.Module):
+    """A tied weight, and a buffer that is a partial view of a parameter: both refused by safetensors."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(4, 4)
+        self.b = torch.nn.Linear(4, 4)
+        self.b.weight = self.a.weight
+        self.register_buffer("row", self.a.bias.data[:2])
+        self.register_buffer("empty", torch.zeros(0))
+
+    def forward(self, x):
+        return self.b(self.a(x)) + self.row.sum()
+
+
+def test_any_module_with_shared_tensors_round_trips(tmp_path):
+    torch.manual_seed(0)
+    model = Shared()
+    assert export_model(model, tmp_path / "out") == WEIGHTS
+    from safetensors import safe_open
+    with safe_open(str(tmp_path / "out" / WEIGHTS), framework="pt") as f:
+        assert json.loads(f.metadata()[ALIASES]) == {"b.weight": "a.weight"}
+    torch.manual_seed(1)
+    fresh = Shared()
+    fresh.load_state_dict(load_weights(tmp_path / "out" / WEIGHTS), strict=True)
+    x = torch.randn(3, 4)
+    assert torch.equal(fresh(x), model(x))
+    with pytest.raises(ValueError, match="not an export of framework.model.GPT"):
+        (tmp_path / "out" / CONFIG).write_text("{}")
+        load_exported(tmp_path / "out")
+
+
+def test_export_replaces_the_directory_whole_and_a_failed_one_changes_nothing(tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    export_model(torch.nn.Linear(2, 2), out)
+    (out / "stray.txt").write_text("from an earlier export")
+    (tmp_path / ".out.partial.999").mkdir()  # left by a crash
+    export_model(torch.nn.Linear(2, 3), out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    assert sorted(p.name for p in out.iterdir()) == [WEIGHTS]
+    before = (out / WEIGHTS).read_bytes()
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("framework.export.save_weights", disk_full)
+    with pytest.raises(OSError, match="No space"):
+        export_model(torch.nn.Linear(2, 4), out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    assert (out / WEIGHTS).read_bytes() == before
+
+
+# --- when the trainer exports ----------------------------------------------------------------------
+
+def test_no_export_after_a_preemption(tmp_path):
+    summary = DDPTrainer(tiny(tmp_path, max_steps=10, fault_inject="sigterm@step=2")).train()
+    assert summary["preempted"] and summary["steps"] < 10
+    assert (tmp_path / "ck" / "PREEMPTED").is_file()
+    assert not (tmp_path / "ck" / "export").exists() and not (tmp_path / "ck" / "final_model.pt").exists()
+
+
+def test_export_dir_none_turns_it_off_and_a_set_one_is_used(tmp_path):
+    DDPTrainer(tiny(tmp_path, max_steps=1, export_dir="none")).train()
+    assert (tmp_path / "ck" / "final_model.pt").is_file() and not (tmp_path / "ck" / "export").exists()
+    DDPTrainer(tiny(tmp_path, max_steps=1, resume="none", export_dir=str(tmp_path / "mine"))).train()
+    assert (tmp_path / "mine" / WEIGHTS).is_file() and not (tmp_path / "ck" / "export").exists()
+
+
+def test_without_safetensors_one_warning_and_no_export(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "safetensors", None)  # import fails, find_spec says absent
+    assert importlib.util.find_spec("safetensors") is None
+    DDPTrainer(tiny(tmp_path, max_steps=1)).train()
+    log = (tmp_path / "logs" / "rank_0.log").read_text()
+    assert log.count("safetensors is not installed") == 1 and "pip install -e .[hf]" in log
+    assert (tmp_path / "ck" / "final_model.pt").is_file() and not (tmp_path / "ck" / "export").exists()
+
+
+def test_without_safetensors_an_explicit_export_dir_is_a_config_error(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "safetensors", None)
+    with pytest.raises(ConfigError) as err:
+        build_config({"export_dir": str(tmp_path / "out")}, env={})
+    assert len(err.value.problems) == 1 and "pip install -e .[hf]" in err.value.problems[0]
+    import ddp_training
+    with pytest.raises(SystemExit) as exit_:
+        ddp_training.main(["--check-config", "--export-dir", str(tmp_path / "out"), "--log-dir", str(tmp_path)])
+    assert exit_.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: export_dir=")
+
+
+# --- transformers and PEFT ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def example():
+    """examples/finetune_hf_lora.py as a module (it needs transformers and peft)."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("peft")
+    spec = importlib.util.spec_from_file_location("finetune_hf_lora", ROOT / "examples" / "finetune_hf_lora.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def lora_run(example, tmp_path_factory):
+    """The example at world size 1 for 3 steps: (trained model, summary, output directory)."""
+    out = tmp_path_factory.mktemp("lora")
+    model, summary = example.run(["--max-steps", "3", "--seq-len", "32", "--batch-size", "4", "--out", str(out)])
+    return model, summary, out
+
+
+def test_the_example_fine_tunes_and_exports_only_the_adapters(lora_run):
+    _, summary, out = lora_run
+    assert summary["steps"] == 3 and not summary["preempted"]
+    assert summary["final_train_loss"] < summary["first_train_loss"]
+    adapters = out / "adapters"
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in adapters.iterdir()}
+    assert not (adapters / WEIGHTS).exists()
+    from safetensors import safe_open
+    with safe_open(str(adapters / "adapter_model.safetensors"), framework="pt") as f:
+        keys = list(f.keys())
+    assert keys and all("lora_" in k for k in keys)
+
+
+def test_exported_adapters_load_onto_a_fresh_base_with_the_same_logits(example, lora_run):
+    from peft import PeftModel
+    model, _, out = lora_run
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    trained = logits_of(model, ids)
+    loaded = PeftModel.from_pretrained(example.build_base(32), out / "adapters")
+    assert (logits_of(loaded, ids) - trained).abs().max().item() <= 1e-6
+    untrained = logits_of(example.build_model(32), ids)
+    assert (untrained - trained).abs().max().item() > 1e-4  # the adapters did train
+
+
+def test_a_full_transformers_model_exports_through_save_pretrained(example, tmp_path):
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16,
+                                         use_cache=False, tie_word_embeddings=True))
+    train, val = example.byte_datasets(ROOT / "data" / "tinyshakespeare.txt", 16)
+    DDPTrainer(tiny(tmp_path, max_steps=2, batch_size=4), model=model, train_dataset=train, val_dataset=val,
+               loss_fn=example.causal_lm_loss).train()
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "ck" / "export")
+    assert loaded.lm_head.weight.data_ptr() == loaded.model.embed_tokens.weight.data_ptr()
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    assert (logits_of(loaded, ids) - logits_of(model, ids)).abs().max().item() <= 1e-6
