@@ -58,21 +58,22 @@ def read_env(rank: int | None = None, world_size: int | None = None) -> tuple[in
 
 
 def die_with_parent(parent: int | None = None) -> None:
-    """Under torchrun on Linux: have the kernel SIGKILL this worker when its agent dies, so that a
-    kill -9 of the agent leaves no orphan training on. ``parent`` is the agent's pid, read as
-    early as the entry point can (default: when this module was imported).
+    """Under torchrun on Linux: have the kernel send this worker SIGTERM when its agent dies, so
+    that a kill -9 of the agent leaves no orphan training on. ``parent`` is the agent's pid, read
+    as early as the entry point can (default: when this module was imported).
 
     The death signal fires when the parent *thread* exits; torchrun's agent runs in its main
     thread and starts workers from it (subprocess.Popen), so that thread lives as long as the
-    agent. SIGKILL rather than SIGTERM: SIGTERM would start the preemption path, a checkpoint
-    through collectives that may wait timeout_s with no agent left to end it. The newest
-    checkpoint on disk stays valid, as after a kill -9 of the worker itself."""
+    agent. SIGTERM, not SIGKILL: it is a preemption, so the ranks agree at the next step, save
+    and exit (on 2 nodes, the other node's ranks too, through the control all-reduce), and a
+    relaunch continues from that step. If a collective cannot complete (a rank is gone), the hang
+    watchdog and the collective timeout end the worker; the newest checkpoint stays valid."""
     global _death_signal_armed
     if sys.platform != "linux" or "TORCHELASTIC_RUN_ID" not in os.environ or _death_signal_armed:
         return
     parent = _PARENT_AT_IMPORT if parent is None else parent
     libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_PDEATHSIG, ctypes.c_ulong(signal.SIGKILL), ctypes.c_ulong(0), ctypes.c_ulong(0),
+    if libc.prctl(PR_SET_PDEATHSIG, ctypes.c_ulong(signal.SIGTERM), ctypes.c_ulong(0), ctypes.c_ulong(0),
                   ctypes.c_ulong(0)) != 0:
         errno = ctypes.get_errno()
         raise OSError(errno, f"prctl(PR_SET_PDEATHSIG): {os.strerror(errno)}")
@@ -81,7 +82,7 @@ def die_with_parent(parent: int | None = None) -> None:
         log.error("the torchrun agent (pid %d) is gone: this worker ends too", parent)
         for handler in logging.getLogger().handlers:
             handler.flush()
-        os.kill(os.getpid(), signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def choose_backend(requested: str, cuda: bool) -> str:
