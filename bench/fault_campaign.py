@@ -90,9 +90,8 @@ class Fault:
 
 FAULTS = {
     "kill9_worker": Fault("kill -9 of worker rank 1", True),
-    "kill9_agent": Fault("kill -9 of the torchrun agent of rank 1's node; the scheduler relaunches the same "
-                         f"command once after {SCHEDULER_DELAY_S:.0f} s (on 2 nodes, also any other agent that "
-                         "then exits non-zero)", True),
+    "kill9_agent": Fault("kill -9 of the torchrun agent of rank 1's node; once every process of the job has "
+                         "ended, the scheduler relaunches the whole job (every node's command) once", True),
     "sigterm_worker": Fault("SIGTERM to worker rank 1; relaunch once after PREEMPTED", True, True),
     "sigterm_launcher": Fault("SIGTERM to ./launch_training.sh; relaunch once after PREEMPTED", True, True, ("1x2",)),
     "double_sigterm": Fault("two SIGTERMs 10 ms apart to worker rank 1; relaunch once after PREEMPTED", True, True),
@@ -603,12 +602,16 @@ def run_cell(cell: Cell, ref: dict, workdir: Path, timeout: float) -> dict:
                     if alive:
                         notes.append(f"{len(alive)} orphaned worker(s) alive {SCHEDULER_DELAY_S:.0f} s after the "
                                      "agent kill")
-                for node, proc in enumerate(run.procs):
-                    if node not in relaunched and proc.poll() not in (None, 0):
-                        relaunched.add(node)
-                        run.start(node)
+                # The scheduler relaunches the whole job once every process of it has ended (as a
+                # cgroup-based scheduler would), unless the run had finished.
+                if run.done() and not processes_matching(marker) and not relaunched:
+                    relaunched.add(-1)
+                    if not completed(read_summary(run_dir)):
+                        res["first_run"] = f"job ended, exit {run.last_codes()}: {explain(run)[1]}"
+                        run.start_all()
+                        continue
             if fault == "kill9_agent" and t_fault is not None and not relaunched:
-                pass  # the scheduler has not noticed yet
+                pass  # the job has not ended yet
             elif run.done():
                 if (spec.relaunch_if_preempted and not preempt_relaunched and not completed(read_summary(run_dir))
                         and (run_dir / "ck" / "PREEMPTED").exists()):
