@@ -255,7 +255,7 @@ class ResumableDistributedSampler(torch.utils.data.Sampler[list[int]]):
 def check_same_datasets(train: Dataset, val: Dataset | None) -> None:
     """Ranks with datasets of different lengths would wait for each other forever in the last
     steps; one all-reduce at start turns that into the same error on every rank."""
-    differ = spread({"train_dataset length (-1: a stream)": len(train) if hasattr(train, "__len__") else -1,
+    differ = spread({"train_dataset length": len(train) if hasattr(train, "__len__") else -1,
                      "val_dataset length (-1: none)": -1 if val is None else len(val)})
     if differ:
         raise FatalError("the ranks hold different datasets: " + "; ".join(
