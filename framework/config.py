@@ -67,6 +67,8 @@ class TrainConfig:
     """Comma-separated class names or module-name patterns to checkpoint (for a user's model)."""
     tiled_mlp_chunks: int = bounded(0, lo=0)
     """Run the MLP over this many sequence chunks, recomputing each in backward; 0 = off."""
+    tiled_mlp_modules: str = ""
+    """Comma-separated class names or module-name patterns of a user model's SwiGLU MLPs to tile (e.g. LlamaMLP)."""
 
     # --- data --------------------------------------------------------------------------------
     data: str = "synthetic"

@@ -31,6 +31,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from .activation import Checkpointing, checkpointing_of
 from .batches import batch_loss, num_samples
 from .memory import is_oom
 
@@ -87,6 +88,19 @@ def preserved_state(model: nn.Module):
             p.grad = grads[n]
 
 
+@contextlib.contextmanager
+def training_mode(model: nn.Module):
+    """Run in training mode, as training will (a Hugging Face model from from_pretrained is in eval
+    mode, where it neither checkpoints nor drops out), and put every module's mode back on exit."""
+    modes = [(m, m.training) for m in model.modules()]
+    model.train()
+    try:
+        yield
+    finally:
+        for m, mode in modes:
+            m.training = mode
+
+
 def _graph_leaves(root) -> set[int]:
     """ids of the parameters whose AccumulateGrad nodes are reachable from ``root``'s graph."""
     seen, stack, leaves = set(), [root], set()
@@ -117,7 +131,7 @@ def probe(model: nn.Module, batches: list, loss_fn, autocast) -> ProbeReport:
     handles = [p.register_post_accumulate_grad_hook(
         lambda p: fires.__setitem__(id(p), fires.get(id(p), 0) + 1)) for p in params.values()]
     try:
-        with preserved_state(model):
+        with preserved_state(model), training_mode(model):
             for batch in batches:
                 for p in params.values():
                     p.grad = None
@@ -167,6 +181,12 @@ def _few(names: list[str]) -> str:
     return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
 
+def no_setting_fits(report: ProbeReport) -> bool:
+    """A parameter that needs static_graph (hooks firing twice, or unused and hidden ones) while
+    the used set changes, which static_graph cannot follow."""
+    return bool(report.changing and (report.multi_fire or (report.unused and report.hidden)))
+
+
 def decide(report: ProbeReport, *, static_graph: str, find_unused: str, checkpointing: str,
            accumulation: int) -> Decision:
     """Pick static_graph and find_unused_parameters ("auto" | "true" | "false" each), with one
@@ -192,7 +212,7 @@ def decide(report: ProbeReport, *, static_graph: str, find_unused: str, checkpoi
         want_static, want_unused = False, False
         reasons.append("every parameter gets exactly one gradient per backward -> static_graph off, "
                        "find_unused_parameters off (the fastest setting)")
-    if want_static and report.changing:
+    if no_setting_fits(report):
         safe = False
         reasons.append(f"the used parameters change between batches ({_few(report.changing)}): static_graph "
                        f"would fail with 'graph has changed'; no DDP setting fits. Use "
@@ -237,7 +257,7 @@ def warm_up(ddp_model: DDP, batch, loss_fn, autocast) -> None:
     no_sync(), DDP asserts (expect_autograd_hooks_). Doing this at every process start also
     makes a fresh and a resumed process compute every real step the same way."""
     module = ddp_model.module
-    with preserved_state(module):
+    with preserved_state(module), training_mode(ddp_model):
         with autocast():
             loss = batch_loss(ddp_model, batch, loss_fn)
         loss.backward()
@@ -303,6 +323,14 @@ def wrap_for_training(model: nn.Module, batches: list, loss_fn, autocast, cfg, d
         message = "DDP preflight: these settings will fail for this model:\n" + format_report(report, decision)
         if cfg.ddp_static_graph == "auto" and cfg.find_unused_parameters == "auto":
             raise DDPConfigurationError(message)
+        plan = checkpointing_of(model)
+        if no_setting_fits(report) and plan is not None and plan.mode == "reentrant":
+            fix = ("enable the model's checkpointing with use_reentrant=False" if plan.path == "user"
+                   else "set gradient_checkpointing=non_reentrant")
+            raise DDPConfigurationError(
+                f"{message}\nNo DDP setting trains this model under reentrant checkpointing, and the framework "
+                "switches to non_reentrant only when ddp_static_graph and find_unused_parameters are both auto. "
+                f"Fix: {fix} (or leave both DDP settings on auto)")
         log.warning("%s\n(kept because ddp_static_graph/find_unused_parameters were set explicitly)", message)
     ddp_model = wrap(model, device, decision, bucket_cap_mb=cfg.bucket_cap_mb,
                      gradient_as_bucket_view=cfg.gradient_as_bucket_view, broadcast_buffers=cfg.broadcast_buffers)
@@ -327,9 +355,9 @@ class PreflightOOM(RuntimeError):
     """Out of memory in the preflight probe on some rank (agreed by all), before any DDP collective."""
 
 
-def preflight(model: nn.Module, batches: list, loss_fn, autocast, cfg) -> tuple[ProbeReport, Decision]:
-    """The probe and the decision alone, for --doctor. An out-of-memory error on any rank is
-    agreed on and raised as PreflightOOM on every rank."""
+def _agreed_probe(model: nn.Module, batches: list, loss_fn, autocast) -> ProbeReport:
+    """The probe, OR-reduced over ranks; an out-of-memory error on any rank is agreed on and raised
+    as PreflightOOM on every rank."""
     try:
         report, oom = probe(model, batches, loss_fn, autocast), False
     except RuntimeError as err:
@@ -342,6 +370,35 @@ def preflight(model: nn.Module, batches: list, loss_fn, autocast, cfg) -> tuple[
         oom = bool(flag.item())
     if oom:
         raise PreflightOOM(f"out of memory in the DDP preflight probe at micro-batch {num_samples(batches[0])}")
-    report = agree_on_report(report, model)
-    return report, decide(report, static_graph=cfg.ddp_static_graph, find_unused=cfg.find_unused_parameters,
-                          checkpointing=cfg.gradient_checkpointing, accumulation=cfg.gradient_accumulation_steps)
+    return agree_on_report(report, model)
+
+
+def _decide(report: ProbeReport, cfg, plan: Checkpointing | None) -> Decision:
+    return decide(report, static_graph=cfg.ddp_static_graph, find_unused=cfg.find_unused_parameters,
+                  checkpointing=plan.mode if plan is not None else cfg.gradient_checkpointing,
+                  accumulation=cfg.gradient_accumulation_steps)
+
+
+def _switch_reason(report: ProbeReport) -> str:
+    what = "fires gradient hooks twice" if report.multi_fire else "hides parameters from the forward graph"
+    return (f"the parameters used change between batches ({_few(report.changing)}) and reentrant checkpointing "
+            f"{what} ({_few(report.multi_fire or report.hidden)}): no DDP setting fits (static_graph cannot follow "
+            "a changing graph; without it DDP marks the hidden or twice-firing parameters wrongly); non_reentrant "
+            "checkpointing computes the same gradients and shows DDP every parameter")
+
+
+def preflight(model: nn.Module, batches: list, loss_fn, autocast, cfg) -> tuple[ProbeReport, Decision]:
+    """The probe and the decision (alone for --doctor). When no DDP setting fits because of
+    reentrant checkpointing and both DDP settings are auto, the checkpointing is re-applied as
+    non_reentrant (every rank alike: the findings are agreed) and the model probed again."""
+    report = _agreed_probe(model, batches, loss_fn, autocast)
+    plan = checkpointing_of(model)
+    decision = _decide(report, cfg, plan)
+    auto = cfg.ddp_static_graph == "auto" and cfg.find_unused_parameters == "auto"
+    if no_setting_fits(report) and auto and plan is not None and plan.can_switch():
+        reason = _switch_reason(report)
+        plan.switch_to_non_reentrant(reason)
+        report = _agreed_probe(model, batches, loss_fn, autocast)
+        decision = _decide(report, cfg, plan)
+        decision.reasons.insert(0, f"gradient checkpointing switched from reentrant to non_reentrant: {reason}")
+    return report, decision

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from . import atomic, ddp_policy, distributed, export, markers, rng
-from .activation import apply_checkpointing
+from .activation import enable_checkpointing, tile_user_mlps
 from .checkpoint import CheckpointError
 from .config import TrainConfig, resolve_config
 from .control import Agreement, agree
@@ -135,15 +135,11 @@ class DDPTrainer:
     def _build_model(self, model: torch.nn.Module | None) -> None:
         cfg = self.cfg
         torch.manual_seed(cfg.seed)
-        if model is None:
-            model = GPT(GPTConfig.from_train_config(cfg))
-        elif cfg.tiled_mlp_chunks:
-            log.warning("tiled_mlp_chunks applies to the built-in model only; use framework.activation.tiled_mlp "
-                        "in your model's MLP")
-        self.raw_model = model.to(self.env.device)
-        targets = [t.strip() for t in cfg.checkpoint_modules.split(",") if t.strip()]
-        self.checkpointed, self.offload_stats = apply_checkpointing(self.raw_model, cfg.gradient_checkpointing,
-                                                                    targets)
+        self.raw_model = (GPT(GPTConfig.from_train_config(cfg)) if model is None else model).to(self.env.device)
+        if model is not None:  # the built-in GPT tiles its own MLP
+            tile_user_mlps(self.raw_model, cfg.tiled_mlp_chunks, cfg.tiled_mlp_modules)
+        self.checkpointing = enable_checkpointing(self.raw_model, cfg.gradient_checkpointing, cfg.checkpoint_modules)
+        self.checkpointed, self.offload_stats = self.checkpointing.wrapped, self.checkpointing.stats
 
     def _build_data(self) -> None:
         if self.env.distributed:
