@@ -156,13 +156,31 @@ class Checkpointer:
         if self.on_save is not None:
             self.on_save(step)
 
+    def save_final(self, step: int) -> None:
+        """The last save of a run, agreed: when rank 0 cannot write it, every rank stops with the
+        error. A rank that exited 0 instead would leave the others' agents waiting for it in the
+        restart's rendezvous (on 2 nodes: until torchrun's join timeout)."""
+        failed = None
+        try:
+            self.save(step, blocking=True)
+        except FatalError as err:
+            failed = err
+        flag = torch.tensor([float(failed is not None)], device=self.env.device)
+        if self.env.distributed:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if failed is not None:
+            raise failed
+        if flag.item():
+            raise FatalError(f"rank 0 could not write the final checkpoint of step {step}; see its log")
+
     @contextlib.contextmanager
     def _disk_errors_are_fatal(self):
-        """A full, over-quota or read-only checkpoint_dir stays so after a restart: stop, saying so."""
+        """A full, over-quota or read-only checkpoint_dir (or a file-size limit) stays so after a
+        restart: stop, saying so."""
         try:
             yield
         except OSError as err:
-            if err.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
+            if err.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG):
                 raise
             raise FatalError(f"checkpoint_dir={self.cfg.checkpoint_dir!r}: {err.strerror} while writing a "
                              f"checkpoint; free space or use another checkpoint_dir, then resume") from err

@@ -280,7 +280,7 @@ class DDPTrainer:
             if preempted:
                 self._save_preempted()
             else:
-                self.save_checkpoint(blocking=True)
+                self.checkpoints.save_final(self.step)
         return preempted
 
     def _train_step(self, steps: StepLog, samples_log: SampleLog) -> Agreement | None:

@@ -146,3 +146,11 @@ def test_oom_in_the_preflight_probe_halves_the_micro_batch_on_every_rank(health)
         assert out["micro_batch"] == [2, 2] and out["summary"]["steps"] == BASE["max_steps"]
         assert "out of memory in the DDP preflight probe at micro-batch 4: micro-batch 4 -> 2" in logs(
             health, "oom_in_preflight", rank)
+
+
+def test_a_final_save_that_fails_on_rank_0_stops_every_rank(health):
+    """Otherwise rank 1 exits 0 and, on 2 nodes, the other agent's restart waits for it forever."""
+    assert case(health, "final_save_fails_on_rank_0", 0)["error"].startswith("FatalError: checkpoint_dir=")
+    assert "File too large" in case(health, "final_save_fails_on_rank_0", 0)["error"]
+    assert case(health, "final_save_fails_on_rank_0", 1)["error"] == (
+        "FatalError: rank 0 could not write the final checkpoint of step 10; see its log")

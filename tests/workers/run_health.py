@@ -5,6 +5,8 @@ tests/test_run_health.py."""
 from __future__ import annotations
 
 import os
+import resource
+import signal
 import traceback
 
 import psutil
@@ -37,6 +39,8 @@ CASES = {
     "uneven_datasets": dict(dataset="uneven"),
     # Out of memory in the DDP preflight probe on rank 1 only: agreed, the micro-batch halved, probed again.
     "oom_in_preflight": dict(model="oom_above_2_on_rank_1", oom_recovery="true"),
+    # Rank 0 cannot write the final checkpoint (a 64 KiB file-size limit): every rank stops with the error.
+    "final_save_fails_on_rank_0": dict(save_every_steps=0, record_samples=False, file_size_limit=64 * 1024),
     "naive_tiled": dict(model="naive_tiled", ddp_static_graph="false", find_unused_parameters="false"),
 }
 
@@ -75,6 +79,7 @@ def run_case(name, overrides, out_dir, rank):
     from framework.trainer import DDPTrainer
 
     overrides = dict(overrides)
+    file_size_limit = overrides.pop("file_size_limit", None)
     dataset = overrides.pop("dataset", None)
     model_kind = overrides.pop("model", None)
     cfg = {**BASE, **overrides, "log_dir": str(out_dir / name / "logs"),
@@ -113,11 +118,17 @@ def run_case(name, overrides, out_dir, rank):
             return pid
         trainer.stream.kill_a_worker = kill_and_remember
     out = {}
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    if file_size_limit and rank == 0:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (file_size_limit, limit[1]))
     try:
         out["summary"] = trainer.train()
     except Exception as err:  # the case's outcome, asserted by the test
         out["error"] = f"{type(err).__name__}: {err}"
         out["traceback"] = traceback.format_exc()
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limit)
     out["killed_worker_pids"] = worker_pids
     out["killed_alive"] = [psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
                            for p in worker_pids]
