@@ -18,15 +18,63 @@ from .memory import in_use_gb, memory_stats
 log = logging.getLogger(__name__)
 
 
+class JsonlStream:
+    """log_dir/metrics.jsonl: one JSON line per logged step holding every scalar that goes to
+    TensorBoard, appended and line-buffered (a process killed with -9 keeps what it wrote). A
+    resumed run first appends ``{"purge_from": K}``: as TensorBoard's purge_step does, a reader
+    drops the earlier lines of step >= K (written after the checkpoint the run resumed from), and
+    the steps then increase."""
+
+    def __init__(self, path: Path, initial_step: int):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.file = open(path, "a", buffering=1)
+        self.step: int | None = None
+        self.values: dict[str, float] = {}
+        if initial_step:
+            self.file.write(json.dumps({"purge_from": initial_step + 1}) + "\n")
+
+    def add(self, step: int, values: dict[str, float]) -> None:
+        if step != self.step:
+            self.flush()
+            self.step = step
+        self.values.update(values)
+
+    def flush(self) -> None:
+        if self.step is not None and self.values:
+            self.file.write(json.dumps({"step": self.step, **self.values}) + "\n")
+        self.values = {}
+
+    def close(self) -> None:
+        self.flush()
+        self.file.close()
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    """The lines of a metrics.jsonl with purges applied: one dict per step, steps increasing."""
+    rows: list[dict] = []
+    for line in Path(path).read_text().splitlines():
+        record = json.loads(line)
+        if "purge_from" in record:
+            rows = [r for r in rows if r["step"] < record["purge_from"]]
+        elif rows and rows[-1]["step"] == record["step"]:
+            rows[-1].update(record)
+        else:
+            rows.append(record)
+    return rows
+
+
 class Metrics:
-    """Writes scalars to TensorBoard and drives the progress bar, on rank 0 only."""
+    """Writes scalars to TensorBoard and log_dir/metrics.jsonl and drives the progress bar, on
+    rank 0 only."""
 
     def __init__(self, *, enabled: bool, log_dir: str | Path, tensorboard: bool, progress_bar: str,
                  total_steps: int, initial_step: int = 0):
         self.writer = None
         self.bar = None
+        self.jsonl = None
         if not enabled:
             return
+        self.jsonl = JsonlStream(Path(log_dir) / "metrics.jsonl", initial_step)
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
             # A resumed run purges what an earlier incarnation logged after its checkpoint.
@@ -38,6 +86,8 @@ class Metrics:
             self.bar = tqdm(total=total_steps, initial=initial_step, unit="step", dynamic_ncols=True)
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
+        if self.jsonl is not None:
+            self.jsonl.add(step, values)
         if self.writer is not None:
             for name, value in values.items():
                 self.writer.add_scalar(name, value, step)
@@ -48,6 +98,9 @@ class Metrics:
             self.bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
 
     def close(self) -> None:
+        if self.jsonl is not None:
+            self.jsonl.close()
+            self.jsonl = None
         if self.writer is not None:
             self.writer.close()
             self.writer = None
@@ -87,7 +140,7 @@ class StepLog:
         self.window_tokens += tokens
         self.metrics.progress(loss)
         log.debug("step %d: loss %.6f lr %.3e", step, loss, lr)
-        if step % cfg.log_interval == 0:
+        if step % cfg.log_interval == 0 or step == self.total_steps:
             now = time.perf_counter()
             tps = self.window_tokens / (now - self.window_start)
             norm = float(grad_norm)
@@ -120,10 +173,12 @@ class StepLog:
             self.start += spent
             self.window_start += spent
 
-    def summary(self, *, step: int, epochs: float, world_size: int, model_sha256: str, preempted: bool) -> dict:
+    def summary(self, *, step: int, epochs: float, world_size: int, model_sha256: str, preempted: bool,
+                skipped_steps: int, restarts: int) -> dict:
         return {"first_train_loss": self.first_loss, "final_train_loss": self.loss, "final_val_loss": self.val_loss,
                 "steps": step, "epochs": epochs, "tokens_per_sec": self.tokens_per_sec(), "wall_s": self.wall_s(),
-                "world_size": world_size, "model_sha256": model_sha256, "preempted": preempted}
+                "world_size": world_size, "model_sha256": model_sha256, "preempted": preempted,
+                "skipped_steps": skipped_steps, "restarts": restarts}
 
     def wall_s(self) -> float:
         return time.perf_counter() - self.start

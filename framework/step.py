@@ -87,9 +87,11 @@ class SkipBudget:
     def __init__(self, limit: int):
         self.limit = limit
         self.steps: list[int] = []
+        self.total = 0  # in the whole run, for the summary
 
     def record(self, step: int, epoch: int) -> None:
         self.steps.append(step)
+        self.total += 1
         log.warning("step %d: non-finite loss or gradients on some rank; step skipped on all ranks", step)
         if len(self.steps) > self.limit:
             raise FatalError(f"non-finite loss or gradients at steps {self.steps}: more than "
@@ -99,10 +101,11 @@ class SkipBudget:
         self.steps = []
 
     def state_dict(self) -> dict:
-        return {"steps": list(self.steps)}
+        return {"steps": list(self.steps), "total": self.total}
 
     def load_state_dict(self, state: dict) -> None:
         self.steps = [int(s) for s in state["steps"]]
+        self.total = int(state.get("total", len(self.steps)))
 
 
 class TrainStep:

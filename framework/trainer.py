@@ -320,7 +320,8 @@ class DDPTrainer:
         cfg, env = self.cfg, self.env
         summary = steps.summary(step=self.step, epochs=self.sampler.epochs_done(),
                                 world_size=env.world_size, model_sha256=model_sha256(self.raw_model),
-                                preempted=preempted)
+                                preempted=preempted, skipped_steps=self.skips.total,
+                                restarts=distributed.incarnation())
         if env.is_main:
             if not preempted:
                 export.save_final_weights(self.raw_model, cfg)  # final_model.pt and the safetensors export

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from framework.data import ResumableDistributedSampler
+from framework.metrics import read_metrics
 from tests.dist_helper import ROOT, free_port, launch, processes_matching, torchrun_cmd, worker_env
 
 # 32 steps per epoch (256 samples, 2 ranks x batch 4); 48 steps cross an epoch boundary.
@@ -93,6 +94,10 @@ def test_kill_9_then_elastic_restart_resumes_bit_exact(reference, tmp_path, tria
     assert result["steps"] == 48
     assert result["model_sha256"] == reference
     assert_each_sample_once_per_epoch(tmp_path)
+    # The metrics stream survived the kill: appended, and with its purge the steps run 1..48 once.
+    rows = read_metrics(tmp_path / "logs" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(1, 49))
+    assert rows[-1]["train/loss"] == result["final_train_loss"] and result["restarts"] == 1
     assert not run.leftovers
 
 

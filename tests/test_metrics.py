@@ -1,0 +1,43 @@
+"""The metrics stream (log_dir/metrics.jsonl) and the summary's counters, in one process."""
+
+import json
+
+from framework import DDPTrainer
+from framework.metrics import read_metrics
+
+TINY = dict(vocab_size=32, hidden_size=32, num_layers=1, num_heads=2, seq_len=16, dataset_size=128, batch_size=8,
+            dropout=0.0, num_workers=0, learning_rate=3e-3, target_loss=0.0, eval_steps=2, log_interval=2,
+            eval_interval=4, memory_check_interval=4, tensorboard=False)
+
+
+def tiny(tmp_path, **kw):
+    return {**TINY, "log_dir": str(tmp_path / "logs"), "checkpoint_dir": str(tmp_path / "ck"), **kw}
+
+
+def test_every_logged_scalar_goes_to_the_stream_and_the_last_loss_is_the_summarys(tmp_path):
+    summary = DDPTrainer(tiny(tmp_path, max_steps=7)).train()
+    rows = read_metrics(tmp_path / "logs" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [2, 4, 6, 7]
+    assert {"train/loss", "train/lr", "train/grad_norm", "train/tokens_per_sec", "val/loss",
+            "memory/rss_gb"} <= rows[1].keys()
+    assert rows[-1]["train/loss"] == summary["final_train_loss"]
+    assert rows[-1]["val/loss"] == summary["final_val_loss"]
+    assert summary["skipped_steps"] == 0 and summary["restarts"] == 0
+
+
+def test_a_resumed_run_appends_and_its_purge_keeps_the_steps_increasing(tmp_path):
+    DDPTrainer(tiny(tmp_path, max_steps=12, save_every_steps=4, fault_inject="sigterm@step=5")).train()
+    path = tmp_path / "logs" / "metrics.jsonl"
+    first = path.read_text()
+    summary = DDPTrainer(tiny(tmp_path, max_steps=12, save_every_steps=4)).train()
+    text = path.read_text()
+    assert text.startswith(first)  # appended, never rewritten
+    assert json.loads(text[len(first):].splitlines()[0]) == {"purge_from": 7}  # resumed from step 6
+    steps = [r["step"] for r in read_metrics(path)]
+    assert steps == sorted(set(steps)) and steps[-1] == 12
+    assert read_metrics(path)[-1]["train/loss"] == summary["final_train_loss"]
+
+
+def test_skipped_steps_are_counted_in_the_summary(tmp_path):
+    summary = DDPTrainer(tiny(tmp_path, max_steps=6, fault_inject="nan@step=2")).train()
+    assert summary["skipped_steps"] == 1
