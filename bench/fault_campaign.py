@@ -650,7 +650,9 @@ def run_cell(cell: Cell, ref: dict, workdir: Path, timeout: float) -> dict:
     if timed_out:
         res.update(outcome="HANG", reason=f"still running after {timeout:.0f} s; last log line: "
                                           f"{res['last_log_line'][-200:]}")
-    elif completed(summary) and all(code == 0 for code in run.last_codes()):
+    elif completed(summary) and all(code == 0 or (fault == "kill9_agent" and code == -9)
+                                    for code in run.last_codes()):
+        # After an agent kill, that agent's own exit is the kill: the run completed all the same.
         res.update(outcome="survived", reason="")
     else:
         kind, reason = explanation
@@ -852,10 +854,27 @@ def main() -> None:
             shutil.rmtree(r["dir"], ignore_errors=True)
         print("    " + " | ".join(f"{k} {v}" for k, v in zip(COLUMNS[4:], row(cell)[4:], strict=True) if v), flush=True)
 
+        write_results(args, cells, refs, skipped_combos, topologies, workdir, final=False)
+
     t = totals(cells)
     print()
     print_table(cells)
     print(f"\ntotals: {json.dumps(t)}  ({time.monotonic() - campaign_start:.0f} s)")
+    write_results(args, cells, refs, skipped_combos, topologies, workdir, final=True)
+    if not args.keep:
+        for ref in refs.values():
+            shutil.rmtree(ref["dir"], ignore_errors=True)
+    if any(workdir.iterdir()):
+        print(f"run directories (logs, agent outputs) kept under {workdir}")
+    else:
+        workdir.rmdir()
+
+
+def write_results(args, cells, refs, skipped_combos, topologies, workdir, *, final: bool) -> None:
+    """The JSON and the markdown table, rewritten after every cell (an interrupted campaign keeps
+    what it measured)."""
+    cells = [c for c in cells if c.result]
+    t = totals(cells)
     out_dir = ROOT / "bench" / "results"
     result = {"config": CONFIG, "max_restarts": MAX_RESTARTS, "moments": MOMENTS,
               "faults": {k: v.what for k, v in FAULTS.items()},
@@ -866,14 +885,8 @@ def main() -> None:
               "totals": t, "workdir": str(workdir)}
     (out_dir / "fault_campaign.json").write_text(json.dumps(result, indent=2))
     (out_dir / "fault_campaign.md").write_text(markdown(cells, t, refs, skipped_combos))
-    print(f"wrote {out_dir / 'fault_campaign.json'} and {out_dir / 'fault_campaign.md'}")
-    if not args.keep:
-        for ref in refs.values():
-            shutil.rmtree(ref["dir"], ignore_errors=True)
-    if any(workdir.iterdir()):
-        print(f"run directories (logs, agent outputs) kept under {workdir}")
-    else:
-        workdir.rmdir()
+    if final:
+        print(f"wrote {out_dir / 'fault_campaign.json'} and {out_dir / 'fault_campaign.md'}")
 
 
 if __name__ == "__main__":
