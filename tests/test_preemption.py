@@ -34,9 +34,29 @@ def wait_for_log(run_dir: Path, needle: str, timeout: float = 60) -> None:
     raise AssertionError(f"{needle!r} never appeared in {log_file}")
 
 
+def test_sigterm_after_the_last_step_leaves_the_evaluation_to_the_resumed_run(tmp_path):
+    """Before the final evaluation the ranks agree on a late request: the final step is saved,
+    PREEMPTED written, and the resumed run only evaluates."""
+    proc = start(tmp_path, step_timeout_s=0)
+    wait_for_log(tmp_path, "step 8/8")
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, output[-3000:]
+    summary = json.loads((tmp_path / "logs" / "summary.json").read_text())
+    if summary["preempted"]:  # the signal came before the agreement (otherwise: during the evaluation)
+        assert (tmp_path / "ck" / "PREEMPTED").read_text() == "preempted at step 8"
+        assert not (tmp_path / "ck" / "final_model.pt").exists()
+    resumed = start(tmp_path)
+    output, _ = resumed.communicate(timeout=120)
+    assert resumed.returncode == 0, output[-3000:]
+    summary = json.loads((tmp_path / "logs" / "summary.json").read_text())
+    assert summary["steps"] == 8 and summary["final_val_loss"] is not None
+    assert (tmp_path / "ck" / "final_model.pt").is_file()
+
+
 def test_sigterm_during_the_final_evaluation_ends_cleanly(tmp_path):
     proc = start(tmp_path)
-    wait_for_log(tmp_path, "step 8/8")  # the loop is over: the final evaluation runs now
+    wait_for_log(tmp_path, "evaluating at step 8")  # the final evaluation runs now
     proc.send_signal(signal.SIGTERM)
     output, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, output[-3000:]
@@ -64,7 +84,7 @@ def test_two_signals_milliseconds_apart_are_one_request(tmp_path):
 def test_a_second_signal_after_the_window_exits_at_once(tmp_path):
     # A final evaluation of about 6 s: the first request cannot end it, the second one does.
     proc = start(tmp_path, dataset_size=80000, eval_steps=500)
-    wait_for_log(tmp_path, "step 8/8")
+    wait_for_log(tmp_path, "evaluating at step 8")
     proc.send_signal(signal.SIGUSR1)
     wait_for_log(tmp_path, "received SIGUSR1")
     time.sleep(DUPLICATE_WINDOW_S + 0.2)
