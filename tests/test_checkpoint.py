@@ -577,7 +577,7 @@ def test_a_second_run_on_a_busy_checkpoint_dir_exits_2_with_one_line(tmp_path):
             "--log-interval=1",
             f"--checkpoint-dir={tmp_path / 'ck'}"]
     first = subprocess.Popen([sys.executable, str(root / "ddp_training.py"), *args, "--max-steps=100000",
-                              "--target-loss=0", f"--log-dir={tmp_path / 'a'}"], cwd=root,
+                              "--num-epochs=100000", "--target-loss=0", f"--log-dir={tmp_path / 'a'}"], cwd=root,
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 60
