@@ -212,17 +212,13 @@ class ResumableDistributedSampler(torch.utils.data.Sampler[list[int]]):
         taken = [self.delivered.popleft() for _ in range(min(self.accumulation, len(self.delivered)))]
         return [i for batch in taken for i in batch]
 
-    def remaining_steps(self, num_epochs: int) -> int:
-        """Optimizer steps from here to the end of epoch ``num_epochs - 1``."""
-        return self.steps_remaining() + max(0, num_epochs - self.epoch - 1) * self.steps_per_epoch
-
     def epochs_done(self) -> float:
         return self.epoch + self.consumed / (self.steps_per_epoch * self.global_batch)
 
     def last_step(self, step: int, cfg) -> int:
         """The run's last step, from ``step`` where it stands now (a resume on another world size
         or batch size has another number of steps left in its epochs), capped by max_steps."""
-        by_epochs = step + self.remaining_steps(cfg.num_epochs)
+        by_epochs = step + self.steps_remaining() + max(0, cfg.num_epochs - self.epoch - 1) * self.steps_per_epoch
         return min(cfg.max_steps, by_epochs) if cfg.max_steps else by_epochs
 
     def set_micro_batch(self, batch_size: int, accumulation: int) -> None:

@@ -41,8 +41,8 @@ class LRSchedule:
         return {"total_steps": self.total_steps, "warmup_steps": self.warmup_steps}
 
     def load_state_dict(self, state: dict) -> None:
-        # The schedule follows the resumed run's configuration: only recorded for inspection.
-        self.saved = dict(state)
+        """Nothing to load: the schedule follows the resumed run's configuration (the trainer
+        recomputes total_steps after the restore); the saved values are for reading the file."""
 
 
 class UserSchedule:

@@ -61,9 +61,3 @@ class PreemptionHandler:
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)
         self._previous.clear()
-
-    def __enter__(self) -> PreemptionHandler:
-        return self.install()
-
-    def __exit__(self, *exc) -> None:
-        self.restore()

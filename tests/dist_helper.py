@@ -26,6 +26,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def cli_args(cfg: dict) -> list[str]:
+    """``cfg`` as ddp_training.py flags: ``--key-name value``, booleans as true/false."""
+    out = []
+    for key, value in cfg.items():
+        out += [f"--{key.replace('_', '-')}", str(value).lower() if isinstance(value, bool) else str(value)]
+    return out
+
+
 def worker_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("DDP_")}
     env.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", PYTHONPATH=str(ROOT),

@@ -14,6 +14,7 @@ import psutil
 import pytest
 
 from tests.dist_helper import (
+    cli_args,
     ROOT,
     finish_nodes,
     kill_matching,
@@ -34,11 +35,7 @@ TIMEOUT = 150  # for a whole 2-node launch, restart included
 
 
 def args_for(run_dir: Path, **extra) -> list[str]:
-    cfg = {**CONFIG, "log_dir": str(run_dir / "logs"), "checkpoint_dir": str(run_dir / "ck"), **extra}
-    out = []
-    for key, value in cfg.items():
-        out += [f"--{key.replace('_', '-')}", str(value).lower() if isinstance(value, bool) else str(value)]
-    return out
+    return cli_args({**CONFIG, "log_dir": str(run_dir / "logs"), "checkpoint_dir": str(run_dir / "ck"), **extra})
 
 
 def summary(run_dir: Path) -> dict:

@@ -13,7 +13,7 @@ import torch
 
 from framework.data import ResumableDistributedSampler
 from framework.metrics import read_metrics
-from tests.dist_helper import ROOT, free_port, launch, processes_matching, torchrun_cmd, worker_env
+from tests.dist_helper import ROOT, cli_args, free_port, launch, processes_matching, torchrun_cmd, worker_env
 
 # 32 steps per epoch (256 samples, 2 ranks x batch 4); 48 steps cross an epoch boundary.
 CONFIG = dict(vocab_size=64, hidden_size=96, num_heads=2, num_layers=2, seq_len=48, dataset_size=256,
@@ -24,11 +24,7 @@ STEPS_PER_EPOCH = 32
 
 
 def args_for(run_dir: Path, **extra) -> list[str]:
-    cfg = {**CONFIG, "log_dir": str(run_dir / "logs"), "checkpoint_dir": str(run_dir / "ck"), **extra}
-    out = []
-    for key, value in cfg.items():
-        out += [f"--{key.replace('_', '-')}", str(value).lower() if isinstance(value, bool) else str(value)]
-    return out
+    return cli_args({**CONFIG, "log_dir": str(run_dir / "logs"), "checkpoint_dir": str(run_dir / "ck"), **extra})
 
 
 def train(run_dir: Path, nproc=2, torchrun_extra=None, timeout=180, **extra):

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from framework.preemption import DUPLICATE_WINDOW_S
-from tests.dist_helper import ROOT, worker_env
+from tests.dist_helper import ROOT, cli_args, worker_env
 
 # A long final evaluation (about 2 s here): 2,000 validation sequences of 128 tokens.
 SLOW_EVAL = dict(vocab_size=64, hidden_size=128, num_layers=2, num_heads=2, seq_len=128, dataset_size=20000,
@@ -19,8 +19,7 @@ SLOW_EVAL = dict(vocab_size=64, hidden_size=128, num_layers=2, num_heads=2, seq_
 
 def start(run_dir: Path, **cfg) -> subprocess.Popen:
     cfg = {**SLOW_EVAL, "log_dir": str(run_dir / "logs"), "checkpoint_dir": str(run_dir / "ck"), **cfg}
-    args = [f"--{k.replace('_', '-')}={v}" for k, v in cfg.items()]
-    return subprocess.Popen([sys.executable, str(ROOT / "ddp_training.py"), *args], cwd=ROOT, env=worker_env(),
+    return subprocess.Popen([sys.executable, str(ROOT / "ddp_training.py"), *cli_args(cfg)], cwd=ROOT, env=worker_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -89,10 +88,10 @@ def test_a_second_signal_after_the_window_exits_at_once(tmp_path):
     wait_for_log(tmp_path, "received SIGUSR1")
     time.sleep(DUPLICATE_WINDOW_S + 0.2)
     assert proc.poll() is None, "the evaluation ended before the second signal; make it longer"
-    sent = time.monotonic()
     proc.send_signal(signal.SIGTERM)
     proc.communicate(timeout=60)
-    assert proc.returncode == -signal.SIGTERM and time.monotonic() - sent < 1.0
+    # Died of the signal, in the evaluation, which would otherwise have finished and exited 0.
+    assert proc.returncode == -signal.SIGTERM
     assert not (tmp_path / "ck" / "final_model.pt").exists()
 
 

@@ -114,10 +114,9 @@ def test_a_fatal_exit_waits_for_the_checkpoint_write_in_flight(tmp_path):
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    args = [f"--{k.replace('_', '-')}={v}" for k, v in tiny(tmp_path, vocab_size=64, hidden_size=256, num_layers=4,
-                                                             num_heads=4, seq_len=32, max_steps=20,
-                                                             save_every_steps=4, max_errors_per_epoch=0,
-                                                             fault_inject="nan@step=4").items()]
+    from tests.dist_helper import cli_args
+    args = cli_args(tiny(tmp_path, vocab_size=64, hidden_size=256, num_layers=4, num_heads=4, seq_len=32, max_steps=20,
+                         save_every_steps=4, max_errors_per_epoch=0, fault_inject="nan@step=4"))
     out = subprocess.run([sys.executable, str(root / "ddp_training.py"), *args], cwd=root, capture_output=True,
                          text=True, timeout=120, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
     assert out.returncode == 1 and "fatal: non-finite loss or gradients at steps [4]" in out.stderr

@@ -4,6 +4,7 @@ batches resumes bit-exact after kill -9 with an elastic restart."""
 import json
 
 import pytest
+import torch
 
 from tests.dist_helper import ROOT, launch
 
@@ -26,8 +27,13 @@ def uninterrupted(tmp_path_factory):
 def test_uninterrupted_run_uses_the_users_pieces(uninterrupted):
     assert uninterrupted["summary"]["steps"] == 40
     assert uninterrupted["tally"]["steps"] == 40
-    # OneCycleLR ends far below its peak: the user's schedule, not the built-in cosine, drove the rate.
-    assert uninterrupted["lr"] < 0.2 / 100
+    # The user's OneCycleLR, stepped once per step, drove the rate (not the built-in cosine schedule).
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.05, momentum=0.9)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.2, total_steps=40)
+    for _ in range(40):
+        opt.step()
+        sched.step()
+    assert uninterrupted["lr"] == opt.param_groups[0]["lr"]
     assert uninterrupted["summary"]["final_train_loss"] < uninterrupted["summary"]["first_train_loss"]
 
 

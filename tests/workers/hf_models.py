@@ -17,7 +17,6 @@ import dataclasses
 import datetime
 import hashlib
 import os
-import time
 import traceback
 import warnings
 from dataclasses import dataclass
@@ -309,14 +308,11 @@ def run_forced(name: str, kind: str, overrides: dict, out_dir) -> dict:
     return {"error_type": None, "error": None}
 
 
-def timed(fn, *args) -> dict:
-    start = time.perf_counter()
+def guarded(fn, *args) -> dict:
     try:
-        out = fn(*args)
+        return fn(*args)
     except Exception as err:  # recorded per case so one failure does not hide the others
-        out = {"harness_error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()}
-    out["seconds"] = round(time.perf_counter() - start, 3)
-    return out
+        return {"harness_error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()}
 
 
 def main() -> None:
@@ -328,11 +324,11 @@ def main() -> None:
     assert dist.get_world_size() == WORLD
     results: dict[str, dict] = {}
     for name, case in PLAIN_CASES.items():
-        results[name] = timed(run_plain, case, rank)
+        results[name] = guarded(run_plain, case, rank)
     for name, (kind, overrides) in FRAMEWORK_CASES.items():
-        results[name] = timed(run_framework, name, kind, overrides, out_dir)
+        results[name] = guarded(run_framework, name, kind, overrides, out_dir)
     for name, (kind, overrides) in FORCED_CASES.items():
-        results[name] = timed(run_forced, name, kind, overrides, out_dir)
+        results[name] = guarded(run_forced, name, kind, overrides, out_dir)
     finish_worker(out_dir, rank, {"cases": results})
 
 
