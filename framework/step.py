@@ -112,13 +112,14 @@ class TrainStep:
     """Runs optimizer steps on ``model`` (DDP-wrapped or not; ``raw_model`` is the unwrapped one)."""
 
     def __init__(self, *, model, raw_model, optimizer, scaler, schedule, loss_fn, autocast, env, sampler, stream,
-                 faults, skips: SkipBudget, cfg, oom_recovery: bool):
+                 faults, skips: SkipBudget, cfg, oom_recovery: bool, lr_factor: Callable[[int], float] = lambda s: 1.0):
         self.model, self.raw_model = model, raw_model
         self.optimizer, self.scaler, self.schedule = optimizer, scaler, schedule
         self.loss_fn, self.autocast, self.env = loss_fn, autocast, env
         self.sampler, self.stream, self.faults, self.skips = sampler, stream, faults, skips
         self.cfg = cfg
         self.oom_recovery = oom_recovery
+        self.lr_factor = lr_factor  # a loss-spike rollback's learning-rate cooldown
         self.params = [p for p in raw_model.parameters() if p.requires_grad]
 
     def forward_backward_with_retry(self, micro: list, step: int) -> torch.Tensor:
@@ -190,7 +191,7 @@ class TrainStep:
         return None
 
     def _micro_step(self, batch, step: int, i: int, n: int) -> torch.Tensor:
-        batch = to_device(batch, self.env.device)
+        batch = self.faults.corrupt(step, i, to_device(batch, self.env.device))
         with self.faults.micro_step(step, i, n - 1, self.raw_model, self.stream.kill_a_worker) as on_loss:
             with self.autocast():
                 loss = batch_loss(self.model, batch, self.loss_fn) / n
@@ -211,6 +212,9 @@ class TrainStep:
                        preempt: bool = False) -> tuple[Agreement, float, torch.Tensor]:
         """Clip, agree with the other ranks, then step (or skip a non-finite step everywhere)."""
         lr = self.schedule.apply(self.optimizer, step)
+        factor = self.lr_factor(step)
+        for group in self.optimizer.param_groups if factor != 1.0 else ():
+            group["lr"] *= factor
         self.scaler.unscale_(self.optimizer)
         grad_norm = torch.nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None])
         if self.cfg.grad_clip > 0:
@@ -233,4 +237,6 @@ class TrainStep:
             self.scaler.update()
             self.schedule.after_step()
             self.optimizer.zero_grad(set_to_none=True)
-        return agreed, lr, grad_norm
+        for group in self.optimizer.param_groups if factor != 1.0 else ():
+            group["lr"] /= factor  # a user's scheduler reads the rate back
+        return agreed, lr * factor, grad_norm
