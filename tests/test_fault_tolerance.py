@@ -162,6 +162,19 @@ def test_fatal_marker_stops_a_restarted_group_at_once(tmp_path):
     assert not run.leftovers
 
 
+def test_a_crash_after_every_restart_stops_after_max_no_progress_restarts(tmp_path):
+    run = train(tmp_path, torchrun_extra=["--max-restarts", "5"], fault_inject="crash@step=10,restart=*",
+                max_no_progress_restarts=2)
+    assert run.returncode != 0
+    marker = (tmp_path / "ck" / "FATAL").read_text()
+    assert "3 restarts in a row resumed from step 8 with no progress in between (max_no_progress_restarts=2)" in marker
+    assert "the last error: rank " in marker and "RuntimeError: fault injection: crash at step 10" in marker
+    # The first launch and 2 restarts trained; the third restart stopped; the last two stopped at once.
+    assert rank_log(tmp_path).count("fault injection: crash at step 10 on rank 0") == 3
+    assert run.output.count("an earlier incarnation of this run failed and a restart cannot help") >= 2
+    assert not run.leftovers
+
+
 def test_two_nodes_on_loopback_match_one_node(reference, tmp_path):
     port = free_port()
     procs = []
