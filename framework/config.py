@@ -170,6 +170,18 @@ class TrainConfig:
     max_no_progress_restarts: int = bounded(3, lo=1)
     """Elastic restarts in a row that resume from the same checkpoint step before the run stops with FATAL."""
 
+    # --- stragglers --------------------------------------------------------------------------
+    straggler_interval: int = bounded(50, lo=0)
+    """Share every rank's section timings every this many steps (one small all-gather); 0 = off."""
+    straggler_threshold: float = bounded(1.3, lo=1.0)
+    """A rank this many times slower than the fastest in a section (and straggler_min_ms more) is slow."""
+    straggler_min_ms: float = bounded(5.0, lo=0.0)
+    """A rank must also be this many ms slower than the fastest: sub-millisecond noise never counts."""
+    straggler_patience: int = bounded(2, lo=1)
+    """Checks in a row a rank must be slow before it is named."""
+    straggler_action: Literal["warn", "fatal"] = "warn"
+    """warn names a persistent straggler in a WARNING; fatal stops the run with FATAL naming it."""
+
     # --- loss spikes -------------------------------------------------------------------------
     spike_guard: Literal["off", "warn", "rollback"] = "warn"
     """Loss-spike guard: warn logs a spike; rollback returns to the checkpoint before it and excludes its samples."""

@@ -39,7 +39,8 @@ _NEUTRAL = frozenset({
     "pin_memory", "oom_recovery", "target_loss", "num_epochs", "max_steps", "ddp_static_graph",
     "find_unused_parameters", "gradient_as_bucket_view", "bucket_cap_mb", "checkpoint_modules", "export_dir",
     "max_no_progress_restarts", "spike_guard", "spike_threshold", "spike_warmup", "spike_window", "max_rollbacks",
-    "spike_lr_cooldown", "exclude_samples"})
+    "spike_lr_cooldown", "exclude_samples", "straggler_interval", "straggler_threshold", "straggler_min_ms",
+    "straggler_patience", "straggler_action"})
 
 
 class Stateful(Protocol):

@@ -64,7 +64,13 @@ class SpikeGuard:
         self.sampler = None
 
     def attach(self, sampler) -> None:
-        """Apply the exclusions to ``sampler`` (now and after every change)."""
+        """Apply the exclusions to ``sampler`` (now and after every change). A stream's samples
+        (an IterableDataset's) have no indices: it gets warnings only."""
+        if not hasattr(sampler, "exclude"):
+            if self.mode == "rollback" or self.excluded:
+                raise ValueError("spike_guard='rollback' and exclude_samples need a map-style train_dataset: the "
+                                 "samples of an IterableDataset have no indices to exclude; use spike_guard=warn")
+            return
         self.sampler = sampler
         sampler.exclude(self.excluded)
 
@@ -84,7 +90,7 @@ class SpikeGuard:
         self.max_z = max(self.max_z, self.z)
         spike = None
         if self.z > self.threshold:
-            spike = Spike(step, loss, self.z, self.sampler.last_step_samples())
+            spike = Spike(step, loss, self.z, [] if self.sampler is None else self.sampler.last_step_samples())
             self.spikes.append({"step": step, "loss": loss, "z": self.z})
             log.warning("loss spike at step %d: loss %.4f is %.1f deviations above the trend of the last %d steps "
                         "(spike_threshold=%g)%s", step, loss, self.z, len(self.history), self.threshold,

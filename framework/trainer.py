@@ -33,6 +33,7 @@ from .optim import optimizer_and_schedule, precision
 from .preemption import PreemptionHandler
 from .resume import Checkpointer, guard_restart_loop, open_manager
 from .spike import SpikeGuard
+from .straggler import StragglerMonitor
 from .step import SkipBudget, TrainStep, apply_recorded_micro_batch, prepare_model
 
 log = logging.getLogger(__name__)
@@ -165,6 +166,7 @@ class DDPTrainer:
     def _build_run_health(self) -> None:
         cfg, env = self.cfg, self.env
         self.faults = FaultPlan(cfg.fault_inject, env.rank, distributed.incarnation())
+        self.stragglers = StragglerMonitor(cfg, env)
         self.watchdog = Watchdog(step_timeout_s=cfg.step_timeout_s, factor=cfg.step_timeout_factor,
                                  log_file=log_file_stream(self.log_path), rank=env.rank, world_size=env.world_size,
                                  store=distributed.STORE)
@@ -172,7 +174,7 @@ class DDPTrainer:
                                scaler=self.scaler, schedule=self.schedule, loss_fn=self.loss_fn,
                                autocast=self._autocast, env=env, sampler=self.sampler, stream=self.stream,
                                faults=self.faults, skips=self.skips, cfg=cfg, oom_recovery=self.oom_recovery,
-                               lr_factor=self.spikes.lr_factor)
+                               lr_factor=self.spikes.lr_factor, timer=self.stragglers.timer)
         self.evaluator = Evaluator(self.raw_model, self.val_dataset, self.loss_fn, cfg=cfg, env=env,
                                    autocast=self._autocast, sampler=self.sampler)
         self.consistency = ConsistencyCheck(self.raw_model, interval=cfg.consistency_check_interval,
@@ -288,23 +290,30 @@ class DDPTrainer:
     def _train_step(self, steps: StepLog, samples_log: SampleLog) -> Agreement | None:
         self.watchdog.arm(self.step)
         self.faults.fire_process_faults(self.step)
+        self.stragglers.begin_step(self.step)
         micro = self.stream.next_step()
+        self.stragglers.timer.lap("data")
         if micro is None:
             self.watchdog.disarm()
             return None
         loss = self.steps.forward_backward_with_retry(micro, self.step)
         self.faults.on_gradients(self.step, self.raw_model)
         agreed, lr, grad_norm = self.optimizer_step(loss, preempt=self.preemption.requested is not None)
+        self.stragglers.timer.end()
         indices = self.sampler.advance()
         self.step += 1
         self.watchdog.disarm()
         self.faults.on_step_end(self.step, self.raw_model)
+        if self.stragglers.should_check(self.step):
+            with self.watchdog.phase("straggler check"):
+                self.stragglers.check(self.step)
         step_tokens = sum(num_tokens(b) for b in micro) * self.env.world_size
         self.tokens_total += step_tokens
         samples_log.write(self.sampler.epoch, self.step, indices)
         self.spike = self.spikes.observe(self.step, agreed.loss, skipped=agreed.nonfinite)
         steps.record(self.step, self.sampler.epoch, agreed.loss, lr, grad_norm, step_tokens,
-                     health={**self.spikes.scalars(), "health/skipped_steps": self.skips.total})
+                     health={**self.spikes.scalars(), **self.stragglers.scalars(),
+                             "health/skipped_steps": self.skips.total})
         if self.callbacks:
             metrics = {"loss": agreed.loss, "lr": lr, "grad_norm": float(grad_norm), "tokens": step_tokens}
             self.callbacks("on_step_end", self, self.step, metrics)
