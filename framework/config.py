@@ -15,6 +15,7 @@ import inspect
 import json
 import math
 import os
+import shutil
 import tomllib
 import typing
 from dataclasses import dataclass, field, fields
@@ -213,6 +214,12 @@ class TrainConfig:
     """Let gradients alias DDP's communication buckets (saves one copy of the gradients)."""
     broadcast_buffers: bool = True
     """Broadcast module buffers from rank 0 at every forward."""
+    compile: bool = False
+    """torch.compile the model after the DDP preflight and wrapping (DDP's graph split at bucket boundaries)."""
+    compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = "default"
+    """torch.compile mode."""
+    compile_backend: Literal["inductor", "aot_eager", "eager"] = "inductor"
+    """torch.compile backend: inductor generates kernels (needs a C compiler on CPU); aot_eager only traces."""
 
 
 
@@ -337,6 +344,10 @@ def _check_values(cfg: TrainConfig) -> list[str]:
             parse(cfg.fault_inject)
         except ValueError as err:
             problems.append(f"fault_inject={cfg.fault_inject!r}: {err}")
+    if cfg.compile and cfg.compile_backend == "inductor" and not any(
+            shutil.which(c) for c in (os.environ.get("CXX", ""), "g++", "c++", "clang++") if c):
+        problems.append("compile_backend='inductor': needs a C++ compiler (g++, c++ or clang++ on PATH, or CXX); "
+                        "allowed without one: aot_eager, eager")
     if cfg.spike_guard == "rollback" and not cfg.save_every_steps:
         problems.append("spike_guard='rollback': needs save_every_steps > 0 (a checkpoint before the spike to "
                         "return to); allowed with save_every_steps=0: off, warn")

@@ -15,10 +15,10 @@ import logging
 from typing import Callable
 
 import torch
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from . import ddp_policy, markers
 from .batches import batch_loss, to_device
+from .compiling import is_ddp
 from .control import Agreement, agree
 from .markers import FatalError
 from .memory import is_oom
@@ -182,7 +182,7 @@ class TrainStep:
         """The micro-step's loss, or None after an out-of-memory error in a micro-step that
         other ranks can still agree on."""
         last = i == n - 1
-        sync = last or not isinstance(self.model, DDP)
+        sync = last or not is_ddp(self.model)
         try:
             with contextlib.nullcontext() if sync else self.model.no_sync():
                 return self._micro_step(batch, step, i, n)
@@ -201,7 +201,7 @@ class TrainStep:
             on_loss(loss)
             self.timer.lap("forward_backward")
             self.scaler.scale(loss).backward()
-        self.timer.lap("synced_backward" if i == n - 1 and isinstance(self.model, DDP) else "forward_backward")
+        self.timer.lap("synced_backward" if i == n - 1 and is_ddp(self.model) else "forward_backward")
         return loss.detach()
 
     def _release_after_oom(self, micro: int, step: int) -> None:

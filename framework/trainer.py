@@ -15,6 +15,7 @@ import torch.distributed as dist
 from . import ddp_policy, distributed, ending, markers, rng
 from .activation import enable_checkpointing, tile_user_mlps
 from .checkpoint import CheckpointError
+from .compiling import compile_model
 from .config import TrainConfig, resolve_config
 from .control import Agreement
 from .data import builtin_datasets, check_same_datasets
@@ -162,6 +163,7 @@ class DDPTrainer:
             lambda: ddp_policy.prepare(self.raw_model, self._peek, self.loss_fn, self._autocast, cfg,
                                        env.device, distributed=env.distributed, doctor=doctor),
             self.sampler, cfg.checkpoint_dir, oom_recovery=self.oom_recovery)
+        self.model = self.model if doctor else compile_model(self.model, cfg)
 
     def _build_run_health(self) -> None:
         cfg, env = self.cfg, self.env

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from framework.faults import KINDS, Fault, FaultPlan, middle_module, nudge_one_ulp, parse
+from framework.faults import ANY_RESTART, KINDS, Fault, FaultPlan, middle_module, nudge_one_ulp, parse
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -53,14 +53,16 @@ def test_parse_good_specs():
         Fault("nan", 5, 1), Fault("oom", 8), Fault("sigterm", 4)]
     assert parse(" oom @ step=3 , micro=0 , restart=2 ;") == [Fault("oom", 3, None, 2, 0)]
     assert parse("kill_worker@step=0,rank=0,restart=1") == [Fault("kill_worker", 0, 0, 1, None)]
-    for kind in KINDS:
+    assert parse("slow@step=5,rank=1,ms=40") == [Fault("slow", 5, 1, ms=40)]
+    assert parse("crash@step=3,restart=*") == [Fault("crash", 3, restart=ANY_RESTART)]
+    for kind in set(KINDS) - {"slow"}:
         assert parse(f"{kind}@step=7") == [Fault(kind, 7)]
 
 
 @pytest.mark.parametrize("spec, names", [
     ("boom@step=1", ["'boom@step=1'", "unknown kind 'boom'", "allowed: nan, oom, kill_worker, hang, sigterm"]),
     ("nan@step=1; explode@step=2", ["'explode@step=2'", "unknown kind 'explode'", "allowed:"]),
-    ("nan@step=x", ["'nan@step=x'", "'step=x'", "step=N, rank=N, restart=N|*, or micro=N"]),
+    ("nan@step=x", ["'nan@step=x'", "'step=x'", "step=N, rank=N, restart=N|*, micro=N or ms=N"]),
     ("nan@step=-1", ["'step=-1'", "must be step=N"]),
     ("nan@when=3", ["'when=3'", "must be step=N"]),
     ("nan@step", ["'step'", "must be step=N"]),

@@ -1,0 +1,33 @@
+"""torch.compile of the model that trains: after the DDP preflight, which probes the eager model,
+and after wrapping, so that TorchDynamo's DDPOptimizer splits the graph at DDP's bucket
+boundaries and each bucket's all-reduce still overlaps the rest of the backward.
+
+The checkpoint, the export and the model fingerprint use the unwrapped, uncompiled model, so a
+compiled run's checkpoint loads into an uncompiled run and back. Evaluation runs the eager model.
+A micro-batch halved after an out-of-memory error changes the input shape: Dynamo recompiles once
+(and marks the batch dimension dynamic from then on).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+log = logging.getLogger(__name__)
+
+
+def compile_model(model: torch.nn.Module, cfg) -> torch.nn.Module:
+    """``model`` compiled as ``cfg`` says (compile, compile_mode, compile_backend), or itself."""
+    if not cfg.compile:
+        return model
+    mode = None if cfg.compile_mode == "default" else cfg.compile_mode
+    log.info("torch.compile: backend %s, mode %s, DDP graph splitting at bucket boundaries %s", cfg.compile_backend,
+             cfg.compile_mode, "on" if isinstance(model, DDP) and torch._dynamo.config.optimize_ddp else "n/a")
+    return torch.compile(model, backend=cfg.compile_backend, mode=mode)
+
+
+def is_ddp(model: torch.nn.Module) -> bool:
+    """Whether ``model`` is DDP, compiled or not."""
+    return isinstance(getattr(model, "_orig_mod", model), DDP)
