@@ -164,3 +164,16 @@ def test_a_worker_whose_agent_died_before_it_armed_the_death_signal_ends():
     assert proc.returncode == -signal.SIGTERM, proc.stdout + proc.stderr
     assert "the torchrun agent (pid 0) is gone" in proc.stderr
     assert "survived" not in proc.stdout
+
+
+def test_two_nodes_stop_a_crash_after_every_restart_after_max_no_progress_restarts(tmp_path):
+    nodes = start_nodes(ROOT / "ddp_training.py", args_for(tmp_path, max_steps=40, fault_inject="crash@step=20,restart=*",
+                                                          max_no_progress_restarts=1),
+                        tmp_path, nnodes=2, rdzv_id=tmp_path.name, torchrun_extra=["--max-restarts", "3"])
+    nodes = finish_nodes(nodes, TIMEOUT)
+    outputs = "\n".join(node.output[-3000:] for node in nodes)
+    assert all(node.returncode != 0 for node in nodes), outputs
+    marker = (tmp_path / "ck" / "FATAL").read_text()
+    assert "2 restarts in a row resumed from step 16" in marker and "fault injection: crash at step 20" in marker
+    assert rank_log(tmp_path, 0).count("fault injection: crash at step 20 on rank 0") == 2
+    assert not nodes[0].leftovers and not nodes[1].leftovers
