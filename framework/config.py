@@ -183,6 +183,12 @@ class TrainConfig:
     """Let gradients alias DDP's communication buckets (saves one copy of the gradients)."""
     broadcast_buffers: bool = True
     """Broadcast module buffers from rank 0 at every forward."""
+    ddp_comm_hook: Literal["none", "fp16", "bf16", "powersgd"] = "none"
+    """Gradient all-reduce: none = fp32, fp16/bf16 = compressed (bf16 needs NCCL), powersgd = low-rank (see README)."""
+    powersgd_rank: int = bounded(1, lo=1, hi=1024)
+    """PowerSGD's matrix approximation rank (1 = strongest compression; try 2, 4, ... if the loss suffers)."""
+    powersgd_start_iter: int = bounded(1000, lo=2)
+    """PowerSGD runs plain all-reduce for this many synced backward passes (optimizer steps) first; at least 2."""
 
 
 
@@ -311,6 +317,12 @@ def _check_values(cfg: TrainConfig) -> list[str]:
         problems.append("amp_dtype='fp16': needs CUDA (use bf16 on CPU, or use_amp=false)")
     if cfg.backend == "nccl" and not _cuda_available():
         problems.append("backend='nccl': needs CUDA; allowed on this machine: auto, gloo")
+    if cfg.ddp_comm_hook == "bf16" and cfg.backend == "gloo":
+        problems.append("ddp_comm_hook='bf16': needs backend=nccl (gloo cannot all-reduce bf16); "
+                        "allowed with gloo: none, fp16, powersgd")
+    elif cfg.ddp_comm_hook == "bf16" and cfg.backend == "auto" and not _cuda_available():
+        problems.append("ddp_comm_hook='bf16': needs backend=nccl, which needs CUDA (backend=auto picks gloo on this "
+                        "machine); allowed here: none, fp16, powersgd")
     return problems
 
 

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from . import atomic, ddp_policy, distributed, export, markers, rng
 from .activation import enable_checkpointing, tile_user_mlps
 from .checkpoint import CheckpointError
+from .comm_hooks import CommHook
 from .config import TrainConfig, resolve_config
 from .control import Agreement, agree
 from .data import builtin_datasets, check_same_datasets
@@ -114,11 +115,12 @@ class DDPTrainer:
         cfg, env = self.cfg, self.env
         self.step = self.tokens_total = 0
         self.skips = SkipBudget(cfg.max_errors_per_epoch)
+        self.comm_hook = CommHook(cfg, env)
         self.checkpoints = Checkpointer(
             cfg, env, open_manager(cfg, env),
             {"trainer": self, "model": self.raw_model, "optimizer": self.optimizer, "scaler": self.scaler,
              "schedule": self.schedule, "sampler": self.sampler, "stream": self.stream, "skips": self.skips,
-             **self.user_state, **self.callbacks.stateful()},
+             "comm_hook": self.comm_hook, **self.user_state, **self.callbacks.stateful()},
             builtin_data=builtin_data, on_save=lambda step: self.callbacks("on_save", self, step))
         state = self.checkpoints.load() if load else None
         if state is not None:
@@ -152,7 +154,8 @@ class DDPTrainer:
         self.oom_recovery = cfg.oom_recovery == "true" or (cfg.oom_recovery == "auto" and env.device.type == "cuda")
         self.model, self.report, self.decision = prepare_model(
             lambda: ddp_policy.prepare(self.raw_model, self._peek, self.loss_fn, self._autocast, cfg,
-                                       env.device, distributed=env.distributed, doctor=doctor),
+                                       env.device, distributed=env.distributed, doctor=doctor,
+                                       comm_hook=self.comm_hook),
             self.sampler, cfg.checkpoint_dir, oom_recovery=self.oom_recovery)
 
     def _build_run_health(self) -> None:
