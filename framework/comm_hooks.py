@@ -34,7 +34,8 @@ def capture_powersgd(state: PowerSGDState) -> dict:
     """``state``'s training state as plain values and CPU tensors (the safe loader reads them)."""
     _, keys, pos, has_gauss, cached_gaussian = state.rng.get_state()
     cpu = lambda d: {int(i): t.detach().to("cpu", copy=True) for i, t in d.items()}  # noqa: E731
-    return {"iter": int(state.iter), "error": cpu(state.error_dict), "p": cpu(state.p_memory_dict),
+    return {"iter": int(state.iter), "rank": int(state.matrix_approximation_rank), "error": cpu(state.error_dict),
+            "p": cpu(state.p_memory_dict),
             "q": cpu(state.q_memory_dict),
             "rng": {"keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos), "has_gauss": int(has_gauss),
                     "cached_gaussian": float(cached_gaussian)},
@@ -43,10 +44,15 @@ def capture_powersgd(state: PowerSGDState) -> dict:
 
 
 def restore_powersgd(state: PowerSGDState, saved: dict, device: torch.device) -> None:
-    """Set ``state`` to what ``capture_powersgd`` returned, its tensors on ``device``."""
+    """Set ``state`` to what ``capture_powersgd`` returned, its tensors on ``device``. The warm start's
+    P and Q are sized by the rank: saved with another powersgd_rank, they start afresh."""
     on = lambda d: {int(i): t.to(device) for i, t in d.items()}  # noqa: E731
     state.iter = int(saved["iter"])
     state.error_dict, state.p_memory_dict, state.q_memory_dict = on(saved["error"]), on(saved["p"]), on(saved["q"])
+    if int(saved["rank"]) != state.matrix_approximation_rank:
+        log.warning("PowerSGD state saved with powersgd_rank=%d, now %d: the warm start starts afresh",
+                    int(saved["rank"]), state.matrix_approximation_rank)
+        state.p_memory_dict, state.q_memory_dict = {}, {}
     rng = saved["rng"]
     state.rng.set_state(("MT19937", rng["keys"].numpy().astype(np.uint32), int(rng["pos"]), int(rng["has_gauss"]),
                          float(rng["cached_gaussian"])))

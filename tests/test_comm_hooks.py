@@ -1,6 +1,7 @@
 """DDP communication hooks on 2 gloo ranks (one torchrun launch for every case), PowerSGD's
 checkpointed state, and the bf16 configuration check."""
 
+import json
 import subprocess
 import sys
 
@@ -9,7 +10,7 @@ import torch
 
 import ddp_training
 from framework.comm_hooks import capture_powersgd, restore_powersgd
-from tests.dist_helper import ROOT, launch_cases
+from tests.dist_helper import ROOT, cli_args, launch, launch_cases
 from tests.workers.comm_hooks import POWERSGD, RESUME_AT, TRAIN_BASE
 
 WORKER = "tests/workers/comm_hooks.py"
@@ -71,6 +72,21 @@ def test_powersgd_resume_is_exact(two_ranks, rank):
     assert blank["summary"]["model_sha256"] != uninterrupted["summary"]["model_sha256"]
 
 
+def test_powersgd_killed_and_restarted_by_torchrun_ends_as_uninterrupted(two_ranks, tmp_path):
+    cfg = {**TRAIN_BASE, **POWERSGD, "log_dir": str(tmp_path / "logs"), "checkpoint_dir": str(tmp_path / "ck"),
+           "fault_inject": "sigkill@step=15,rank=1"}
+    run = launch(ROOT / "ddp_training.py", cli_args(cfg), tmp_path, nproc=2, timeout=300,
+                 torchrun_extra=["--max-restarts", "1"])
+    assert run.returncode == 0, run.output[-4000:]
+    log = (tmp_path / "logs" / "rank_0.log").read_text()
+    assert f"resumed from step {RESUME_AT}" in log
+    assert f"plain all-reduce until iteration {POWERSGD['powersgd_start_iter']}, now at {RESUME_AT})" in log
+    summary = json.loads((tmp_path / "logs" / "summary.json").read_text())
+    assert summary["restarts"] == 1 and summary["steps"] == TRAIN_BASE["max_steps"]
+    assert summary["model_sha256"] == case(two_ranks, 0, "powersgd")["summary"]["model_sha256"]
+    assert not run.leftovers
+
+
 @pytest.mark.parametrize("rank", [0, 1])
 def test_powersgd_survives_a_non_finite_step(two_ranks, rank):
     out = case(two_ranks, rank, "nonfinite")
@@ -97,6 +113,10 @@ def test_powersgd_state_round_trips_through_the_safe_loader(tmp_path):
     assert torch.equal(back.q_memory_dict[0], state.q_memory_dict[0])
     assert [back.rng.randint(10**9) for _ in range(3)] == [state.rng.randint(10**9) for _ in range(3)]
     assert back.rng.standard_normal() == state.rng.standard_normal()
+    # Another rank: the error feedback and the counter stay, the rank-sized warm start does not.
+    other = PowerSGDState(None, matrix_approximation_rank=4, start_powerSGD_iter=2)
+    restore_powersgd(other, capture_powersgd(state), torch.device("cpu"))
+    assert other.iter == 7 and other.error_dict.keys() == {0, 1} and other.q_memory_dict == {}
 
 
 def test_bf16_with_gloo_is_refused_by_check_config_without_torch(tmp_path):
