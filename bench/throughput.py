@@ -439,11 +439,12 @@ def orchestrate_comm_hooks(args) -> int:
         rows.append(row)
         print(f"{name:<26} {med[name]:>15.0f} {row['c_over_a']:>6.3f} {row['vs_plain']:>9.3f} {paired:>7.3f} "
               f"{' '.join(f'{r:.0f}' for r in runs[name]):>26}")
-    best = max(rows, key=lambda r: r["median_tokens_per_sec"])
+    # The paired ratio decides: a repeat's settings ran back to back, so drift between repeats cancels.
+    best = max(rows, key=lambda r: r["vs_plain_paired"])
     spread = {k: (max(v) - min(v)) / statistics.median(v) for k, v in runs.items()}
-    print(f"\nbest: {best['setting']} at {best['vs_plain']:.3f}x plain DDP (target >= 1.05: "
-          f"{'met' if best['vs_plain'] >= 1.05 else 'NOT met'}); c/a {best['c_over_a']:.3f} against the ceiling "
-          f"{ceiling:.3f}; run-to-run spread (max - min) / median: {min(spread.values()):.0%} to "
+    print(f"\nbest (paired): {best['setting']} at {best['vs_plain_paired']:.3f}x plain DDP (target >= 1.05: "
+          f"{'met' if best['vs_plain_paired'] >= 1.05 else 'NOT met'}); its c/a {best['c_over_a']:.3f} against the "
+          f"ceiling e/b {ceiling:.3f}; run-to-run spread (max - min) / median: {min(spread.values()):.0%} to "
           f"{max(spread.values()):.0%}")
     out = {"description": "(c) DDPTrainer on 2 processes under DDP settings; tokens/s global over ranks; see "
                           "bench/throughput.py docstring",
@@ -454,7 +455,7 @@ def orchestrate_comm_hooks(args) -> int:
            "a_median_tokens_per_sec": med["a"], "b_median_tokens_per_sec": med["b"],
            "e_median_tokens_per_sec": med["e"], "ceiling_e_over_b": ceiling,
            "runs": {k: runs[k] for k in ("a", "b", "e")}, "settings": rows, "best": best["setting"],
-           "best_vs_plain": best["vs_plain"], "spread": spread}
+           "best_vs_plain_paired": best["vs_plain_paired"], "spread": spread}
     dest = Path(args.out)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp_path = dest.with_name(dest.name + ".tmp")
