@@ -376,8 +376,9 @@ class CheckpointManager:
             path.unlink(missing_ok=True)
 
     # --- reading (any rank) ------------------------------------------------------------------
-    def latest_valid(self) -> tuple[Path, dict] | None:
-        """The newest-written checkpoint that is intact, as ``(path, state)``, or None when there is none.
+    def latest_valid(self, before: int | None = None) -> tuple[Path, dict] | None:
+        """The newest-written checkpoint that is intact (and of a step before ``before``, when
+        given), as ``(path, state)``, or None when there is none.
 
         Goes newest-first (by ``seq``, whatever the step) through the manifest, checking each file's
         size and SHA-256 and that it loads; without a readable manifest, goes through the
@@ -389,11 +390,13 @@ class CheckpointManager:
         try:
             entries = _read_manifest(self.manifest_path)
         except FileNotFoundError:
-            return self._latest_by_scan(f"{self.manifest_path} is missing")
+            return self._latest_by_scan(f"{self.manifest_path} is missing", before)
         except (ValueError, OSError) as e:
-            return self._latest_by_scan(f"{self.manifest_path} is unreadable ({e})")
+            return self._latest_by_scan(f"{self.manifest_path} is unreadable ({e})", before)
         self._warn_unlisted(entries)
         for entry in reversed(entries):
+            if before is not None and entry["step"] >= before:
+                continue
             path = self.directory / entry["file"]
             state = self._verified(path, entry)
             if state is not None:
@@ -413,8 +416,9 @@ class CheckpointManager:
             return self._reject(path, "checksum mismatch")
         return self._loaded(path, io.BytesIO(data))
 
-    def _latest_by_scan(self, why: str) -> tuple[Path, dict] | None:
-        files = sorted(_step_files(self.directory), key=_step_then_mtime, reverse=True)
+    def _latest_by_scan(self, why: str, before: int | None) -> tuple[Path, dict] | None:
+        files = sorted((f for f in _step_files(self.directory) if before is None or f[1] < before),
+                       key=_step_then_mtime, reverse=True)
         if files:
             log.warning("%s: falling back to scanning %d step_*.pt files in %s", why, len(files), self.directory)
         for path, _, _ in files:

@@ -87,15 +87,19 @@ class CommHook:
             log.info("DDP communication hook: %s (gradients all-reduced in %s, averaged, then cast back)",
                      self.name, self.name)
             return
-        self.state = PowerSGDState(None, matrix_approximation_rank=cfg.powersgd_rank,
-                                   start_powerSGD_iter=cfg.powersgd_start_iter, use_error_feedback=True,
-                                   warm_start=True, random_seed=cfg.seed % 2**32)
+        self.state = self._new_state()
         if self._saved is not None:
             restore_powersgd(self.state, self._saved, self.env.device)
-        self._wait = dist.get_backend() != "nccl"
+        self._wait = not (dist.is_initialized() and dist.get_backend() == "nccl")
         ddp_model.register_comm_hook(self.state, self._powersgd)
         log.info("DDP communication hook: powersgd (rank %d, error feedback, warm start; plain all-reduce until "
                  "iteration %d, now at %d)", cfg.powersgd_rank, cfg.powersgd_start_iter, self.state.iter)
+
+    def _new_state(self) -> PowerSGDState:
+        cfg = self.cfg
+        return PowerSGDState(None, matrix_approximation_rank=cfg.powersgd_rank,
+                             start_powerSGD_iter=cfg.powersgd_start_iter, use_error_feedback=True, warm_start=True,
+                             random_seed=cfg.seed % 2**32)
 
     def _powersgd(self, state: PowerSGDState, bucket):
         index, size = bucket.index(), bucket.buffer().numel()
@@ -137,18 +141,23 @@ class CommHook:
         return {"ranks": ranks or []}
 
     def load_state_dict(self, state: dict) -> None:
-        ranks = state.get("ranks", [])
+        """Keep this rank's saved state for ``register``; once the hook runs (an in-process
+        rollback), set its state at once."""
+        self._saved = self._this_ranks(state.get("ranks", []))
+        if self.state is not None:
+            restore_powersgd(self.state, self._saved or capture_powersgd(self._new_state()), self.env.device)
+
+    def _this_ranks(self, ranks: list) -> dict | None:
         if self.name != "powersgd":
             if ranks:
                 log.warning("the checkpoint holds PowerSGD state, but ddp_comm_hook=%s: not used", self.name)
-            return
+            return None
         if not ranks:
             log.warning("the checkpoint holds no PowerSGD state: PowerSGD starts afresh (plain all-reduce for "
                         "powersgd_start_iter=%d iterations)", self.cfg.powersgd_start_iter)
-            return
+            return None
         if len(ranks) != self.env.world_size:
             log.warning("the checkpoint holds PowerSGD state for %d ranks, this run has %d: its iteration count is "
                         "kept, error feedback and warm start start afresh", len(ranks), self.env.world_size)
-            self._saved = {**ranks[0], "error": {}, "p": {}, "q": {}}
-            return
-        self._saved = ranks[self.env.rank]
+            return {**ranks[0], "error": {}, "p": {}, "q": {}}
+        return ranks[self.env.rank]

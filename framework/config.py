@@ -167,6 +167,36 @@ class TrainConfig:
     """DataLoader rebuilds allowed per epoch after a worker died or timed out."""
     oom_recovery: Switch = "auto"
     """On out-of-memory, halve the micro-batch and double accumulation; auto = on with CUDA."""
+    max_no_progress_restarts: int = bounded(3, lo=1)
+    """Elastic restarts in a row that resume from the same checkpoint step before the run stops with FATAL."""
+
+    # --- stragglers --------------------------------------------------------------------------
+    straggler_interval: int = bounded(50, lo=0)
+    """Share every rank's section timings every this many steps (one small all-gather); 0 = off."""
+    straggler_threshold: float = bounded(1.3, lo=1.0)
+    """A rank this many times slower than the fastest in a section (and straggler_min_ms more) is slow."""
+    straggler_min_ms: float = bounded(5.0, lo=0.0)
+    """A rank must also be this many ms slower than the fastest: sub-millisecond noise never counts."""
+    straggler_patience: int = bounded(2, lo=1)
+    """Checks in a row a rank must be slow before it is named."""
+    straggler_action: Literal["warn", "fatal"] = "warn"
+    """warn names a persistent straggler in a WARNING; fatal stops the run with FATAL naming it."""
+
+    # --- loss spikes -------------------------------------------------------------------------
+    spike_guard: Literal["off", "warn", "rollback"] = "warn"
+    """Loss-spike guard: warn logs a spike; rollback returns to the checkpoint before it and excludes its samples."""
+    spike_threshold: float = bounded(6.0, lo=1.0)
+    """A spike: the loss this many deviations above the trend of the last spike_window steps."""
+    spike_warmup: int = bounded(50, lo=0)
+    """Steps observed before the guard judges (the early loss falls too fast for a trend)."""
+    spike_window: int = bounded(50, lo=3)
+    """Steps in the window the trend and its deviation are fitted to."""
+    max_rollbacks: int = bounded(3, lo=0)
+    """Rollbacks allowed in a run; one more stops it with FATAL naming the steps and samples."""
+    spike_lr_cooldown: int = bounded(0, lo=0)
+    """After a rollback, ramp the learning rate back up linearly over this many steps; 0 = off."""
+    exclude_samples: str = ""
+    """A JSON file of training-sample indices left out of every epoch (e.g. a rollback's EXCLUDED_SAMPLES.json)."""
 
     # --- distributed -------------------------------------------------------------------------
     backend: Literal["auto", "gloo", "nccl"] = "auto"
@@ -313,6 +343,15 @@ def _check_values(cfg: TrainConfig) -> list[str]:
             parse(cfg.fault_inject)
         except ValueError as err:
             problems.append(f"fault_inject={cfg.fault_inject!r}: {err}")
+    if cfg.spike_guard == "rollback" and not cfg.save_every_steps:
+        problems.append("spike_guard='rollback': needs save_every_steps > 0 (a checkpoint before the spike to "
+                        "return to); allowed with save_every_steps=0: off, warn")
+    if cfg.exclude_samples:
+        from .exclusions import read
+        try:
+            read(cfg.exclude_samples)
+        except ValueError as err:
+            problems.append(f"exclude_samples={cfg.exclude_samples!r}: {err}")
     if cfg.use_amp == "true" and cfg.amp_dtype == "fp16" and not _cuda_available():
         problems.append("amp_dtype='fp16': needs CUDA (use bf16 on CPU, or use_amp=false)")
     if cfg.backend == "nccl" and not _cuda_available():

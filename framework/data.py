@@ -155,7 +155,8 @@ class ResumableDistributedSampler(torch.utils.data.Sampler[list[int]]):
     r takes slice r of each. An epoch covers the first ``floor(N / G) * G`` samples, G being the
     global batch per optimizer step (``world_size * batch_size * accumulation``); the rest is
     dropped. ``consumed`` counts the global samples of committed steps in the current epoch, and
-    iteration starts there, so a resumed run continues at the exact sample.
+    iteration starts there, so a resumed run continues at the exact sample. ``excluded`` samples
+    (a loss-spike rollback's, framework/spike.py) are dropped from every epoch's permutation.
     """
 
     def __init__(self, num_samples: int, world_size: int, rank: int, batch_size: int,
@@ -168,6 +169,8 @@ class ResumableDistributedSampler(torch.utils.data.Sampler[list[int]]):
         self.seed = seed
         self.epoch = 0
         self.consumed = 0
+        self.excluded: frozenset[int] = frozenset()
+        self._perm: tuple[tuple[int, int], torch.Tensor] | None = None  # (epoch, len(excluded)) -> permutation
         # What __iter__ handed out and the trainer has not yet committed, oldest first.
         self.delivered: collections.deque[list[int]] = collections.deque()
 
@@ -176,15 +179,40 @@ class ResumableDistributedSampler(torch.utils.data.Sampler[list[int]]):
         return self.world_size * self.batch_size * self.accumulation
 
     @property
+    def epoch_samples(self) -> int:
+        return self.num_samples - len(self.excluded)
+
+    @property
     def steps_per_epoch(self) -> int:
-        return self.num_samples // self.global_batch
+        return self.epoch_samples // self.global_batch
 
     def steps_remaining(self) -> int:
-        return max(0, (self.num_samples - self.consumed) // self.global_batch)
+        return max(0, (self.epoch_samples - self.consumed) // self.global_batch)
 
     def permutation(self, epoch: int) -> torch.Tensor:
-        seed = int(np.random.SeedSequence([self.seed, epoch]).generate_state(1, np.uint64)[0] >> 1)
-        return torch.randperm(self.num_samples, generator=torch.Generator().manual_seed(seed))
+        key = (epoch, len(self.excluded))
+        if self._perm is None or self._perm[0] != key:
+            seed = int(np.random.SeedSequence([self.seed, epoch]).generate_state(1, np.uint64)[0] >> 1)
+            perm = torch.randperm(self.num_samples, generator=torch.Generator().manual_seed(seed))
+            if self.excluded:
+                keep = torch.ones(self.num_samples, dtype=torch.bool)
+                keep[torch.tensor(sorted(self.excluded))] = False
+                perm = perm[keep[perm]]
+            self._perm = (key, perm)
+        return self._perm[1]
+
+    def exclude(self, indices) -> None:
+        """Drop these samples from every epoch's permutation. Those of the current epoch that are
+        still to come shift forward; the committed prefix is unchanged as long as no excluded
+        sample lies in it (a rollback excludes only samples after its checkpoint)."""
+        bad = sorted(i for i in indices if not 0 <= i < self.num_samples)
+        if bad:
+            raise ValueError(f"sample indices {bad[:5]} are outside the training set of {self.num_samples} samples")
+        self.excluded = frozenset(self.excluded | set(indices))
+
+    def last_step_samples(self) -> list[int]:
+        """The global sample indices of the last committed step (every rank computes the same)."""
+        return self.permutation(self.epoch)[self.consumed - self.global_batch:self.consumed].tolist()
 
     def __iter__(self) -> Iterator[list[int]]:
         perm = self.permutation(self.epoch)

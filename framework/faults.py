@@ -2,7 +2,9 @@
 ``nan@step=5,rank=1; oom@step=8; sigterm@step=4; sigkill@step=6,rank=1; hang@step=10,rank=0``.
 
 A fault fires once, at the given step, on the given rank (all ranks if none), and only in the
-first incarnation of the group (restart count 0) unless it says ``restart=N``.
+first incarnation of the group (restart count 0) unless it says ``restart=N``, or ``restart=*``
+(in every incarnation: a failure that a restart cannot fix). ``slow@step=K,rank=R,ms=M`` is the
+exception: it delays every forward from step K on by M ms (a straggler).
 """
 
 from __future__ import annotations
@@ -12,12 +14,14 @@ import ctypes
 import logging
 import os
 import signal
+import time
 from dataclasses import dataclass
 from typing import Callable
 
 log = logging.getLogger(__name__)
 
-KINDS = ("nan", "oom", "kill_worker", "hang", "sigterm", "sigkill", "ulp")
+KINDS = ("nan", "oom", "kill_worker", "hang", "sigterm", "sigkill", "ulp", "bad_data", "crash", "slow")
+ANY_RESTART = -1
 
 
 @dataclass(frozen=True)
@@ -25,8 +29,9 @@ class Fault:
     kind: str
     step: int
     rank: int | None = None
-    restart: int = 0
+    restart: int = 0  # ANY_RESTART: every incarnation
     micro: int | None = None  # oom: the micro-step whose backward fails (default: the last)
+    ms: int = 0  # slow: the delay added to each forward from ``step`` on
 
 
 def parse(spec: str) -> list[Fault]:
@@ -40,12 +45,19 @@ def parse(spec: str) -> list[Fault]:
         fields: dict[str, int] = {}
         for item in filter(None, (a.strip() for a in args.split(","))):
             key, eq, value = item.partition("=")
-            if key not in ("step", "rank", "restart", "micro") or not eq or not value.strip().isdigit():
-                raise ValueError(f"fault {part!r}: {item!r} must be step=N, rank=N, restart=N or micro=N")
+            if key == "restart" and value.strip() == "*":
+                fields[key] = ANY_RESTART
+                continue
+            if key not in ("step", "rank", "restart", "micro", "ms") or not eq or not value.strip().isdigit():
+                raise ValueError(f"fault {part!r}: {item!r} must be step=N, rank=N, restart=N|*, micro=N or ms=N")
             fields[key] = int(value)
         if "step" not in fields:
             raise ValueError(f"fault {part!r}: needs step=N, e.g. {kind}@step=5")
-        faults.append(Fault(kind, fields["step"], fields.get("rank"), fields.get("restart", 0), fields.get("micro")))
+        if (kind == "slow") != ("ms" in fields):
+            raise ValueError(f"fault {part!r}: " + ("ms=N is for slow faults only" if "ms" in fields
+                                                   else "needs ms=N, e.g. slow@step=5,rank=1,ms=40"))
+        faults.append(Fault(kind, fields["step"], fields.get("rank"), fields.get("restart", 0), fields.get("micro"),
+                            fields.get("ms", 0)))
     return faults
 
 
@@ -63,13 +75,15 @@ class FaultPlan:
         """True once for each fault of ``kind`` planned for ``step`` (and micro-step) on this rank
         and incarnation."""
         for fault in self.faults:
-            if (fault.kind == kind and fault.step == step and fault not in self.fired
-                    and fault.rank in (None, self.rank) and fault.restart == self.restart_count
+            if (fault.kind == kind and fault.step == step and fault not in self.fired and self._mine(fault)
                     and (micro is None or micro == (last_micro if fault.micro is None else fault.micro))):
                 self.fired.add(fault)
                 log.warning("fault injection: %s at step %d on rank %d", kind, step, self.rank)
                 return True
         return False
+
+    def _mine(self, fault: Fault) -> bool:
+        return fault.rank in (None, self.rank) and fault.restart in (ANY_RESTART, self.restart_count)
 
     def fire_process_faults(self, step: int) -> None:
         """The faults that act on the whole process, at the start of ``step``."""
@@ -81,6 +95,8 @@ class FaultPlan:
             for handler in logging.getLogger().handlers:
                 handler.flush()
             os.kill(os.getpid(), signal.SIGKILL)
+        if self.due("crash", step):
+            raise RuntimeError(f"fault injection: crash at step {step}")
         if self.due("hang", step):
             # sleep(3) through ctypes.PyDLL keeps the GIL: no Python thread can run, only faulthandler.
             ctypes.PyDLL(None).sleep(10**6)
@@ -92,6 +108,9 @@ class FaultPlan:
         ``on_loss(loss)``, to be called between forward and backward."""
         hook = middle_module(model).register_forward_hook(_raise_oom_in_backward) if (
             self.faults and self.due("oom", step, micro, last_micro)) else None
+        if self.faults and micro == 0:
+            delay = sum(f.ms for f in self.faults if f.kind == "slow" and f.step <= step and self._mine(f))
+            time.sleep(delay / 1000)
         kill = bool(self.faults) and micro == last_micro and self.due("kill_worker", step)
 
         def on_loss(loss) -> None:
@@ -103,6 +122,22 @@ class FaultPlan:
         finally:
             if hook is not None:
                 hook.remove()
+
+    def corrupt(self, step: int, micro: int, batch):
+        """Bad data: the step's first micro-batch on this rank gets uniformly random targets (the
+        last element of a tuple, or ``labels``), seeded by step and rank, so the loss spike is a
+        real one and the same in every rerun."""
+        if not (self.faults and micro == 0 and self.due("bad_data", step)):
+            return batch
+        import torch
+        gen = torch.Generator().manual_seed(1_000_003 * step + self.rank)
+
+        def randomized(targets):
+            high = max(int(targets.max()) + 1, 2)
+            return torch.randint(0, high, targets.shape, generator=gen).to(targets.device, targets.dtype)
+        if isinstance(batch, dict):
+            return {**batch, "labels": randomized(batch["labels"])}
+        return type(batch)([*batch[:-1], randomized(batch[-1])])
 
     def on_gradients(self, step: int, model) -> None:
         """After backward: a NaN in this rank's first gradient."""

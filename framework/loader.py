@@ -108,6 +108,12 @@ class BatchStream:
                     raise
                 self.restart(str(err).splitlines()[0])
 
+    def rewind(self) -> None:
+        """Continue at the sampler's position after a rollback restored an earlier one."""
+        self.shutdown()
+        self.sampler.delivered.clear()
+        self._start()
+
     def refetch_step(self) -> list:
         """Rebuild the iterator at the first uncommitted sample (after the micro-batch size
         changed) and return the step's micro-batches again."""

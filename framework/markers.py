@@ -1,5 +1,6 @@
-"""What a run leaves in checkpoint_dir for its restart: the FATAL and PREEMPTED markers and the
-micro-batch an out-of-memory error forced, and the check a new incarnation makes at start.
+"""What a run leaves in checkpoint_dir for its restart: the FATAL and PREEMPTED markers, the
+micro-batch an out-of-memory error forced, the restart-loop count with the last error, and the
+check a new incarnation makes at start.
 
 A FATAL marker stops every later incarnation of the same launch at once (torchrun would
 otherwise retry a deterministic failure --max-restarts times); a fresh launch clears it.
@@ -18,6 +19,8 @@ log = logging.getLogger(__name__)
 FATAL = "FATAL"
 PREEMPTED = "PREEMPTED"
 MICRO_BATCH = "MICRO_BATCH.json"
+LAST_ERROR = "LAST_ERROR"
+RESTARTS = "RESTARTS.json"
 
 
 class FatalError(RuntimeError):
@@ -51,6 +54,28 @@ def write_fatal(directory: str | Path, rank: int, err: BaseException) -> None:
     log.error("fatal, not retriable (FATAL marker written): %s", message)
 
 
+def record_error(directory: str | Path, rank: int, err: BaseException) -> None:
+    """The error a rank is exiting with, for the restart-loop guard to name."""
+    try:
+        write(directory, LAST_ERROR, f"rank {rank}: {type(err).__name__}: {(str(err).splitlines() or [''])[0]}")
+    except OSError as write_err:
+        log.error("could not record the error in %s: %s", directory, write_err)
+
+
+def note_restart(directory: str | Path, resumed_step: int, limit: int) -> str | None:
+    """Count the restarts in a row that resumed from ``resumed_step`` (RESTARTS.json); the
+    message of the FATAL stop once there are more than ``limit`` of them, else None."""
+    text = read(directory, RESTARTS)
+    last = json.loads(text) if text is not None else {"step": -1, "count": 0}
+    count = last["count"] + 1 if last["step"] == resumed_step else 1
+    write(directory, RESTARTS, json.dumps({"step": resumed_step, "count": count}))
+    if count <= limit:
+        return None
+    error = read(directory, LAST_ERROR) or "none recorded (killed by a signal? see the rank logs)"
+    return (f"{count} restarts in a row resumed from step {resumed_step} with no progress in between "
+            f"(max_no_progress_restarts={limit}); the last error: {error}")
+
+
 def record_micro_batch(directory: str | Path, batch_size: int, accumulation: int, reason: str) -> None:
     """Remember a smaller micro-batch for the next incarnation (after an OOM only a restart can fix)."""
     write(directory, MICRO_BATCH, json.dumps(
@@ -70,6 +95,9 @@ def check_at_start(directory: str | Path, *, restart_count: int, is_main: bool) 
     if restart_count == 0 and is_main and read(directory, MICRO_BATCH) is not None:
         log.warning("clearing %s of an earlier launch", MICRO_BATCH)
         clear(directory, MICRO_BATCH)
+    if restart_count == 0 and is_main:
+        clear(directory, RESTARTS)
+        clear(directory, LAST_ERROR)
     message = read(directory, FATAL)
     if message is None:
         return

@@ -31,7 +31,12 @@ class JsonlStream:
         self.step: int | None = None
         self.values: dict[str, float] = {}
         if initial_step:
-            self.file.write(json.dumps({"purge_from": initial_step + 1}) + "\n")
+            self.purge_from(initial_step + 1)
+
+    def purge_from(self, step: int) -> None:
+        self.flush()
+        self.step = None
+        self.file.write(json.dumps({"purge_from": step}) + "\n")
 
     def add(self, step: int, values: dict[str, float]) -> None:
         if step != self.step:
@@ -75,15 +80,25 @@ class Metrics:
         if not enabled:
             return
         self.jsonl = JsonlStream(Path(log_dir) / "metrics.jsonl", initial_step)
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-            # A resumed run purges what an earlier incarnation logged after its checkpoint.
-            self.writer = SummaryWriter(str(Path(log_dir) / "tensorboard"),
-                                        purge_step=initial_step + 1 if initial_step else None)
+        self.tensorboard_dir = Path(log_dir) / "tensorboard" if tensorboard else None
+        self._open_writer(purge_step=initial_step + 1 if initial_step else None)
         show = progress_bar == "true" or (progress_bar == "auto" and sys.stderr.isatty())
         if show:
             from tqdm import tqdm
             self.bar = tqdm(total=total_steps, initial=initial_step, unit="step", dynamic_ncols=True)
+
+    def _open_writer(self, purge_step: int | None) -> None:
+        """A resumed (or rolled-back) run purges what was logged after its checkpoint."""
+        if self.tensorboard_dir is not None:
+            from torch.utils.tensorboard import SummaryWriter
+            self.writer = SummaryWriter(str(self.tensorboard_dir), purge_step=purge_step)
+
+    def purge_from(self, step: int) -> None:
+        if self.jsonl is not None:
+            self.jsonl.purge_from(step)
+        if self.writer is not None:
+            self.writer.close()
+            self._open_writer(purge_step=step)
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
         if self.jsonl is not None:
@@ -132,7 +147,9 @@ class StepLog:
     def close(self) -> None:
         self.metrics.close()
 
-    def record(self, step: int, epoch: int, loss: float, lr: float, grad_norm, tokens: int) -> None:
+    def record(self, step: int, epoch: int, loss: float, lr: float, grad_norm, tokens: int,
+               health: dict[str, float] | None = None) -> None:
+        """One committed step; ``health`` (the run-health scalars) joins the periodic scalars."""
         cfg = self.cfg
         self.loss = loss
         self.first_loss = loss if self.first_loss is None else self.first_loss
@@ -147,7 +164,7 @@ class StepLog:
             log.info("step %d/%d | epoch %d | loss %.4f | lr %.3e | grad_norm %.3f | %.0f tok/s",
                      step, self.total_steps, epoch, loss, lr, norm, tps)
             self.metrics.scalars(step, {"train/loss": loss, "train/lr": lr, "train/grad_norm": norm,
-                                        "train/tokens_per_sec": tps})
+                                        "train/tokens_per_sec": tps, **(health or {})})
             self.window_start, self.window_tokens = now, 0
         if step % cfg.memory_check_interval == 0:
             stats = memory_stats(self.device)
@@ -155,6 +172,10 @@ class StepLog:
             self.metrics.scalars(step, {f"memory/{k}": v for k, v in stats.items()})
             if in_use_gb(stats) > cfg.max_memory_gb:
                 log.warning("memory in use %.2f GiB exceeds max_memory_gb=%g", in_use_gb(stats), cfg.max_memory_gb)
+
+    def purge_from(self, step: int) -> None:
+        """A rollback: the steps from ``step`` on are run again; drop what was logged for them."""
+        self.metrics.purge_from(step)
 
     def record_val(self, step: int, val_loss: float | None) -> None:
         self.val_loss = val_loss
@@ -174,11 +195,11 @@ class StepLog:
             self.window_start += spent
 
     def summary(self, *, step: int, epochs: float, world_size: int, model_sha256: str, preempted: bool,
-                skipped_steps: int, restarts: int) -> dict:
+                skipped_steps: int, restarts: int, **health) -> dict:
         return {"first_train_loss": self.first_loss, "final_train_loss": self.loss, "final_val_loss": self.val_loss,
                 "steps": step, "epochs": epochs, "tokens_per_sec": self.tokens_per_sec(), "wall_s": self.wall_s(),
                 "world_size": world_size, "model_sha256": model_sha256, "preempted": preempted,
-                "skipped_steps": skipped_steps, "restarts": restarts}
+                "skipped_steps": skipped_steps, "restarts": restarts, **health}
 
     def wall_s(self) -> float:
         return time.perf_counter() - self.start

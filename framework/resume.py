@@ -17,7 +17,7 @@ from typing import Callable, Protocol
 import torch
 import torch.distributed as dist
 
-from . import __version__, rng
+from . import __version__, distributed, markers, rng
 from .checkpoint import CheckpointDirLocked, CheckpointError, CheckpointManager, load_file
 from .config import TrainConfig, as_dict
 from .ddp_policy import unwrap
@@ -37,7 +37,10 @@ _NEUTRAL = frozenset({
     "record_samples", "fault_inject", "step_timeout_s", "step_timeout_factor", "timeout_s", "num_workers",
     "max_loader_restarts", "consistency_check_interval", "cleanup_interval", "max_errors_per_epoch", "backend",
     "pin_memory", "oom_recovery", "target_loss", "num_epochs", "max_steps", "ddp_static_graph",
-    "find_unused_parameters", "gradient_as_bucket_view", "bucket_cap_mb", "checkpoint_modules", "export_dir"})
+    "find_unused_parameters", "gradient_as_bucket_view", "bucket_cap_mb", "checkpoint_modules", "export_dir",
+    "max_no_progress_restarts", "spike_guard", "spike_threshold", "spike_warmup", "spike_window", "max_rollbacks",
+    "spike_lr_cooldown", "exclude_samples", "straggler_interval", "straggler_threshold", "straggler_min_ms",
+    "straggler_patience", "straggler_action"})
 
 
 class Stateful(Protocol):
@@ -110,6 +113,19 @@ def gather_rng(distributed: bool, world_size: int) -> list[dict]:
     states: list = [None] * world_size
     dist.all_gather_object(states, mine)
     return states
+
+
+def guard_restart_loop(cfg: TrainConfig, env, resumed_step: int) -> None:
+    """After an elastic restart: stop with FATAL when more than max_no_progress_restarts restarts
+    in a row resumed from the same step (rank 0 counts in checkpoint_dir and tells the others)."""
+    if distributed.incarnation() == 0:
+        return
+    verdict = [markers.note_restart(cfg.checkpoint_dir, resumed_step, cfg.max_no_progress_restarts)
+               if env.is_main else None]
+    if env.distributed:
+        dist.broadcast_object_list(verdict, src=0)
+    if verdict[0] is not None:
+        raise FatalError(verdict[0])
 
 
 def open_manager(cfg: TrainConfig, env) -> CheckpointManager:
@@ -196,16 +212,17 @@ class Checkpointer:
                 "rng": gather_rng(self.env.distributed, self.env.world_size),
                 "config": as_dict(self.cfg), "world_size": self.env.world_size}
 
-    def load(self) -> dict | None:
-        """Rank 0 picks the checkpoint (``resume`` = auto | none | PATH) and loads it once; the
-        other ranks load the file it names. Returns the state, or None to start fresh."""
-        if self.cfg.resume == "none":
+    def load(self, before: int | None = None) -> dict | None:
+        """Rank 0 picks the checkpoint (``resume`` = auto | none | PATH; with ``before``, the newest
+        of a step before it, for a rollback) and loads it once; the other ranks load the file it
+        names. Returns the state, or None to start fresh."""
+        if self.cfg.resume == "none" and before is None:
             return None
         choice: list = [None, None]  # the path, or the error that every rank raises
         state = None
         if self.env.is_main:
             try:
-                path, state = self._choose()
+                path, state = self._choose(before)
                 choice[0] = None if path is None else str(path)
             except CheckpointError as err:
                 choice[1] = str(err)
@@ -220,9 +237,9 @@ class Checkpointer:
             return None
         return upgrade(state if state is not None else load_file(Path(choice[0])))
 
-    def _choose(self) -> tuple[Path | None, dict | None]:
-        if self.cfg.resume == "auto":
-            path, state = self.manager.latest_valid() or (None, None)
+    def _choose(self, before: int | None = None) -> tuple[Path | None, dict | None]:
+        if self.cfg.resume == "auto" or before is not None:
+            path, state = self.manager.latest_valid(before) or (None, None)
         else:
             path = Path(self.cfg.resume)
             state = load_file(path)
@@ -252,6 +269,17 @@ class Checkpointer:
                         "continues at global sample %d of epoch %d, but the run is no longer bitwise equal to "
                         "an uninterrupted one", state["world_size"], self.env.world_size, sampler["consumed"],
                         sampler["epoch"])
+
+    def roll_back(self, before: int) -> int | None:
+        """Restore, in-process, the newest valid checkpoint of a step before ``before`` (every
+        rank calls this); returns its step, or None when there is none."""
+        state = self.load(before=before)
+        if state is None:
+            return None
+        self.restore(state)
+        step = self.components["trainer"].step
+        self.restore_rng(state, step)
+        return step
 
     def restore_rng(self, state: dict, step: int) -> None:
         if int(state["world_size"]) == self.env.world_size:

@@ -22,6 +22,7 @@ from .batches import batch_loss, to_device
 from .control import Agreement, agree
 from .markers import FatalError
 from .memory import is_oom
+from .straggler import SectionTimer
 
 log = logging.getLogger(__name__)
 
@@ -112,13 +113,16 @@ class TrainStep:
     """Runs optimizer steps on ``model`` (DDP-wrapped or not; ``raw_model`` is the unwrapped one)."""
 
     def __init__(self, *, model, raw_model, optimizer, scaler, schedule, loss_fn, autocast, env, sampler, stream,
-                 faults, skips: SkipBudget, cfg, oom_recovery: bool):
+                 faults, skips: SkipBudget, cfg, oom_recovery: bool, lr_factor: Callable[[int], float] = lambda s: 1.0,
+                 timer: SectionTimer | None = None):
         self.model, self.raw_model = model, raw_model
         self.optimizer, self.scaler, self.schedule = optimizer, scaler, schedule
         self.loss_fn, self.autocast, self.env = loss_fn, autocast, env
         self.sampler, self.stream, self.faults, self.skips = sampler, stream, faults, skips
         self.cfg = cfg
         self.oom_recovery = oom_recovery
+        self.lr_factor = lr_factor  # a loss-spike rollback's learning-rate cooldown
+        self.timer = timer or SectionTimer(env.device)  # the straggler scores' section timings
         self.params = [p for p in raw_model.parameters() if p.requires_grad]
 
     def forward_backward_with_retry(self, micro: list, step: int) -> torch.Tensor:
@@ -190,12 +194,14 @@ class TrainStep:
         return None
 
     def _micro_step(self, batch, step: int, i: int, n: int) -> torch.Tensor:
-        batch = to_device(batch, self.env.device)
+        batch = self.faults.corrupt(step, i, to_device(batch, self.env.device))
         with self.faults.micro_step(step, i, n - 1, self.raw_model, self.stream.kill_a_worker) as on_loss:
             with self.autocast():
                 loss = batch_loss(self.model, batch, self.loss_fn) / n
             on_loss(loss)
+            self.timer.lap("forward_backward")
             self.scaler.scale(loss).backward()
+        self.timer.lap("synced_backward" if i == n - 1 and isinstance(self.model, DDP) else "forward_backward")
         return loss.detach()
 
     def _release_after_oom(self, micro: int, step: int) -> None:
@@ -211,6 +217,10 @@ class TrainStep:
                        preempt: bool = False) -> tuple[Agreement, float, torch.Tensor]:
         """Clip, agree with the other ranks, then step (or skip a non-finite step everywhere)."""
         lr = self.schedule.apply(self.optimizer, step)
+        factor = self.lr_factor(step)
+        rates = [group["lr"] for group in self.optimizer.param_groups]
+        for group in self.optimizer.param_groups:
+            group["lr"] *= factor
         self.scaler.unscale_(self.optimizer)
         grad_norm = torch.nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None])
         if self.cfg.grad_clip > 0:
@@ -220,17 +230,19 @@ class TrainStep:
         nonfinite = ~torch.isfinite(loss)
         if not self.scaler.is_enabled():
             nonfinite |= ~torch.isfinite(grad_norm)
+        self.timer.lap("optimizer")
         agreed = agree(loss=loss, world_size=self.env.world_size, distributed=self.env.distributed,
                        nonfinite=nonfinite, stop=stop, preempt=preempt)
+        self.timer.lap(None)  # a collective: time spent waiting for the others
         skip = agreed.nonfinite if self.cfg.agree_nonfinite else bool(nonfinite)
-        if skip:
-            self.optimizer.zero_grad(set_to_none=True)
-            self.scaler.update()
-            self.schedule.after_step()
-            self.skips.record(step, self.sampler.epoch)
-        else:
+        if not skip:
             self.scaler.step(self.optimizer)
-            self.scaler.update()
-            self.schedule.after_step()
-            self.optimizer.zero_grad(set_to_none=True)
-        return agreed, lr, grad_norm
+        for group, rate in zip(self.optimizer.param_groups, rates, strict=True):
+            group["lr"] = rate  # before a user's scheduler reads the rate back
+        self.scaler.update()
+        self.schedule.after_step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.timer.lap("optimizer")
+        if skip:
+            self.skips.record(step, self.sampler.epoch)
+        return agreed, lr * factor, grad_norm

@@ -4,7 +4,6 @@ and metrics into a training run."""
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import signal
 from pathlib import Path
@@ -13,16 +12,16 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from . import atomic, ddp_policy, distributed, export, markers, rng
+from . import ddp_policy, distributed, ending, markers, rng
 from .activation import enable_checkpointing, tile_user_mlps
 from .checkpoint import CheckpointError
 from .comm_hooks import CommHook
 from .config import TrainConfig, resolve_config
-from .control import Agreement, agree
+from .control import Agreement
 from .data import builtin_datasets, check_same_datasets
 from .evaluation import Evaluator
 from .faults import FaultPlan
-from .health import ConsistencyCheck, Watchdog, model_sha256
+from .health import ConsistencyCheck, Watchdog
 from .loader import build_stream
 from .logs import log_file_stream, setup_logging
 from .markers import FatalError
@@ -33,7 +32,9 @@ from .callbacks import Callbacks, user_stateful
 from .model import GPT, GPTConfig, lm_loss
 from .optim import optimizer_and_schedule, precision
 from .preemption import PreemptionHandler
-from .resume import Checkpointer, open_manager
+from .resume import Checkpointer, guard_restart_loop, open_manager
+from .spike import SpikeGuard
+from .straggler import StragglerMonitor
 from .step import SkipBudget, TrainStep, apply_recorded_micro_batch, prepare_model
 
 log = logging.getLogger(__name__)
@@ -80,7 +81,8 @@ class DDPTrainer:
             markers.write_fatal(self.cfg.checkpoint_dir, self.env.rank, err)
             self.close()
             raise
-        except BaseException:
+        except BaseException as err:
+            markers.record_error(self.cfg.checkpoint_dir, self.env.rank, err)
             self.close()
             raise
 
@@ -115,18 +117,24 @@ class DDPTrainer:
         cfg, env = self.cfg, self.env
         self.step = self.tokens_total = 0
         self.skips = SkipBudget(cfg.max_errors_per_epoch)
+        self.spikes = SpikeGuard(cfg, is_main=env.is_main)
+        self.spikes.attach(self.sampler)
         self.comm_hook = CommHook(cfg, env)
         self.checkpoints = Checkpointer(
             cfg, env, open_manager(cfg, env),
             {"trainer": self, "model": self.raw_model, "optimizer": self.optimizer, "scaler": self.scaler,
              "schedule": self.schedule, "sampler": self.sampler, "stream": self.stream, "skips": self.skips,
-             "comm_hook": self.comm_hook, **self.user_state, **self.callbacks.stateful()},
+             "spike_guard": self.spikes, "comm_hook": self.comm_hook,
+             **self.user_state, **self.callbacks.stateful()},
             builtin_data=builtin_data, on_save=lambda step: self.callbacks("on_save", self, step))
         state = self.checkpoints.load() if load else None
         if state is not None:
             self.checkpoints.restore(state)
             log.info("resumed from step %d (epoch %d, sample %d of the epoch)", self.step, self.sampler.epoch,
                      self.sampler.consumed)
+            self.spikes.adopt_recorded()
+        if load:
+            guard_restart_loop(cfg, env, self.step)
         if self.sampler.steps_remaining() == 0:  # saved at the end of an epoch
             self.sampler.set_epoch(self.sampler.epoch + 1)
             self.skips.new_epoch()
@@ -161,13 +169,15 @@ class DDPTrainer:
     def _build_run_health(self) -> None:
         cfg, env = self.cfg, self.env
         self.faults = FaultPlan(cfg.fault_inject, env.rank, distributed.incarnation())
+        self.stragglers = StragglerMonitor(cfg, env)
         self.watchdog = Watchdog(step_timeout_s=cfg.step_timeout_s, factor=cfg.step_timeout_factor,
                                  log_file=log_file_stream(self.log_path), rank=env.rank, world_size=env.world_size,
                                  store=distributed.STORE)
         self.steps = TrainStep(model=self.model, raw_model=self.raw_model, optimizer=self.optimizer,
                                scaler=self.scaler, schedule=self.schedule, loss_fn=self.loss_fn,
                                autocast=self._autocast, env=env, sampler=self.sampler, stream=self.stream,
-                               faults=self.faults, skips=self.skips, cfg=cfg, oom_recovery=self.oom_recovery)
+                               faults=self.faults, skips=self.skips, cfg=cfg, oom_recovery=self.oom_recovery,
+                               lr_factor=self.spikes.lr_factor, timer=self.stragglers.timer)
         self.evaluator = Evaluator(self.raw_model, self.val_dataset, self.loss_fn, cfg=cfg, env=env,
                                    autocast=self._autocast, sampler=self.sampler)
         self.consistency = ConsistencyCheck(self.raw_model, interval=cfg.consistency_check_interval,
@@ -225,13 +235,13 @@ class DDPTrainer:
             with GcPolicy(cfg.cleanup_interval, env.device) as gc_policy:
                 preempted = self._loop(steps, gc_policy, samples_log)
             if not preempted:
-                preempted = self._final_evaluation_and_save(steps)
+                preempted = ending.final_evaluation_and_save(self, steps)
             self.checkpoints.close()
             self.watchdog.close()
         finally:
             steps.close()
             samples_log.close()
-        return self._finish(steps, preempted)
+        return ending.finish(self, steps, preempted)
 
     def _loop(self, steps: StepLog, gc_policy: GcPolicy, samples_log: SampleLog) -> bool:
         """Train until the run stops; True when it stopped because of a preemption request."""
@@ -241,12 +251,15 @@ class DDPTrainer:
                 agreed = self._train_step(steps, samples_log)
                 if agreed is None:  # a stream ran out on some rank
                     break
+                if self.spike is not None:
+                    self._roll_back(steps)
+                    continue
                 gc_policy.step(self.step)
                 if self.consistency.should_run(self.step):
                     with self.watchdog.phase("consistency check"):
                         self.consistency.maybe_check(self.step)
                 if agreed.preempt:
-                    self._save_preempted()
+                    ending.save_preempted(self)
                     return True
                 if self._should_stop(agreed):
                     return False
@@ -255,55 +268,55 @@ class DDPTrainer:
             self.skips.new_epoch()
         return False
 
+    def _roll_back(self, steps: StepLog) -> None:
+        spike, self.spike = self.spike, None
+        restored = self.checkpoints.roll_back(before=spike.step)
+        self.spikes.roll_back(spike, restored)
+        if restored is not None:
+            self.stream.rewind()
+            steps.purge_from(self.step + 1)
+            self.total_steps = self.schedule.total_steps = self.sampler.last_step(self.step, self.cfg)
+
     def _save_and_evaluate(self, steps: StepLog, *, epoch_ended: bool) -> None:
         if self.checkpoints.should_save(self.step, self.sampler.epoch, epoch_ended):
             with self.watchdog.phase("checkpoint save", scale=10):
                 self.checkpoints.maybe_save(self.step, self.sampler.epoch, epoch_ended)
         if self.evaluator.should_run(self.step):
             with steps.paused(), self.watchdog.phase("evaluation", scale=self.cfg.eval_steps):
-                self._evaluate(steps)
+                self.evaluate_and_record(steps)
 
-    def _evaluate(self, steps: StepLog) -> None:
+    def evaluate_and_record(self, steps: StepLog) -> None:
         val_loss = self.evaluator.run(self.step)
         steps.record_val(self.step, val_loss)
         self.callbacks("on_evaluate", self, self.step, val_loss)
 
-    def _final_evaluation_and_save(self, steps: StepLog) -> bool:
-        """The final evaluation and save; True when a preemption request came in after the last
-        step, in which case (agreed by every rank) the evaluation is left to the resumed run."""
-        cfg = self.cfg
-        if steps.loss is not None and 0 < cfg.target_loss and steps.loss <= cfg.target_loss:
-            log.info("target_loss %g reached at step %d (loss %.4f)", cfg.target_loss, self.step, steps.loss)
-        preempted = agree(loss=torch.zeros((), device=self.env.device), world_size=self.env.world_size,
-                          distributed=self.env.distributed, preempt=self.preemption.requested is not None).preempt
-        if not preempted:
-            with self.watchdog.phase("evaluation", scale=cfg.eval_steps):
-                self._evaluate(steps)
-        with self.watchdog.phase("checkpoint save", scale=10):
-            if preempted:
-                self._save_preempted()
-            else:
-                self.checkpoints.save_final(self.step)
-        return preempted
-
     def _train_step(self, steps: StepLog, samples_log: SampleLog) -> Agreement | None:
         self.watchdog.arm(self.step)
         self.faults.fire_process_faults(self.step)
+        self.stragglers.begin_step(self.step)
         micro = self.stream.next_step()
+        self.stragglers.timer.lap("data")
         if micro is None:
             self.watchdog.disarm()
             return None
         loss = self.steps.forward_backward_with_retry(micro, self.step)
         self.faults.on_gradients(self.step, self.raw_model)
         agreed, lr, grad_norm = self.optimizer_step(loss, preempt=self.preemption.requested is not None)
+        self.stragglers.timer.end()
         indices = self.sampler.advance()
         self.step += 1
         self.watchdog.disarm()
         self.faults.on_step_end(self.step, self.raw_model)
+        if self.stragglers.should_check(self.step):
+            with self.watchdog.phase("straggler check"):
+                self.stragglers.check(self.step)
         step_tokens = sum(num_tokens(b) for b in micro) * self.env.world_size
         self.tokens_total += step_tokens
         samples_log.write(self.sampler.epoch, self.step, indices)
-        steps.record(self.step, self.sampler.epoch, agreed.loss, lr, grad_norm, step_tokens)
+        self.spike = self.spikes.observe(self.step, agreed.loss, skipped=agreed.nonfinite)
+        steps.record(self.step, self.sampler.epoch, agreed.loss, lr, grad_norm, step_tokens,
+                     health={**self.spikes.scalars(), **self.stragglers.scalars(),
+                             "health/skipped_steps": self.skips.total})
         if self.callbacks:
             metrics = {"loss": agreed.loss, "lr": lr, "grad_norm": float(grad_norm), "tokens": step_tokens}
             self.callbacks("on_step_end", self, self.step, metrics)
@@ -312,26 +325,6 @@ class DDPTrainer:
     def _should_stop(self, agreed: Agreement) -> bool:
         target = self.cfg.target_loss
         return self.step >= self.total_steps or agreed.stop or (target > 0 and agreed.loss <= target)
-
-    def _save_preempted(self) -> None:
-        self.save_checkpoint(blocking=True)
-        if self.env.is_main:
-            markers.write(self.cfg.checkpoint_dir, markers.PREEMPTED, f"preempted at step {self.step}")
-        log.warning("preempted: checkpoint of step %d saved; exiting", self.step)
-
-    def _finish(self, steps: StepLog, preempted: bool) -> dict:
-        cfg, env = self.cfg, self.env
-        summary = steps.summary(step=self.step, epochs=self.sampler.epochs_done(),
-                                world_size=env.world_size, model_sha256=model_sha256(self.raw_model),
-                                preempted=preempted, skipped_steps=self.skips.total,
-                                restarts=distributed.incarnation())
-        if env.is_main:
-            if not preempted:
-                export.save_final_weights(self.raw_model, cfg)  # final_model.pt and the safetensors export
-            atomic.write_bytes(Path(cfg.log_dir) / "summary.json", json.dumps(summary, indent=2).encode())
-        log.info("%s: %s", "preempted" if preempted else "done", json.dumps(summary))
-        self.callbacks("on_train_end", self, summary)
-        return summary
 
     def close(self) -> None:
         """Wait for the checkpoint write in flight, release the loader's workers and, if this

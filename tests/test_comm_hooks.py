@@ -147,3 +147,26 @@ def test_comm_hook_settings_checked(argv, code, needle, tmp_path, capsys, monkey
         got = exc.code
     err = capsys.readouterr().err
     assert got == code and err.strip().splitlines() == [f"error: {needle}" if code else needle], err
+
+
+def test_powersgd_state_loaded_after_registration_applies_at_once():
+    """An in-process rollback (spike_guard) restores a checkpoint while the hook is running."""
+    from types import SimpleNamespace
+
+    from framework.comm_hooks import CommHook
+    from framework.config import resolve_config
+
+    cfg = resolve_config({"ddp_comm_hook": "powersgd", "powersgd_rank": 2, "powersgd_start_iter": 3})
+    hook = CommHook(cfg, SimpleNamespace(rank=0, world_size=1, distributed=False, device=torch.device("cpu")))
+    registered = []
+    hook.register(SimpleNamespace(register_comm_hook=lambda state, fn: registered.append((state, fn))))
+    assert registered[0][0] is hook.state and hook.state.iter == 0
+    saved = hook.state_dict()
+    hook.state.iter, hook.state.error_dict = 9, {0: torch.ones(3)}
+    later = hook.state_dict()
+    hook.load_state_dict(saved)
+    assert hook.state is registered[0][0] and hook.state.iter == 0 and hook.state.error_dict == {}
+    hook.load_state_dict(later)
+    assert hook.state.iter == 9 and torch.equal(hook.state.error_dict[0], torch.ones(3))
+    hook.load_state_dict({})  # saved with another hook: PowerSGD starts afresh
+    assert hook.state.iter == 0 and hook.state.error_dict == {}

@@ -162,6 +162,34 @@ def test_fatal_marker_stops_a_restarted_group_at_once(tmp_path):
     assert not run.leftovers
 
 
+def test_a_crash_after_every_restart_stops_after_max_no_progress_restarts(tmp_path):
+    run = train(tmp_path, torchrun_extra=["--max-restarts", "5"], fault_inject="crash@step=10,restart=*",
+                max_no_progress_restarts=2)
+    assert run.returncode != 0
+    marker = (tmp_path / "ck" / "FATAL").read_text()
+    assert "3 restarts in a row resumed from step 8 with no progress in between (max_no_progress_restarts=2)" in marker
+    assert "the last error: rank " in marker and "RuntimeError: fault injection: crash at step 10" in marker
+    # The first launch and 2 restarts trained; the third restart stopped; the last two stopped at once.
+    assert rank_log(tmp_path).count("fault injection: crash at step 10 on rank 0") == 3
+    assert run.output.count("an earlier incarnation of this run failed and a restart cannot help") >= 2
+    assert not run.leftovers
+
+
+def test_a_kill_after_a_rollback_keeps_its_exclusions_and_the_run_equals_the_excluding_one(tmp_path):
+    spike = dict(spike_guard="rollback", spike_warmup=8, spike_window=16, spike_threshold=8)
+    run = train(tmp_path / "rolled", torchrun_extra=["--max-restarts", "1"],
+                fault_inject="bad_data@step=20,rank=1; sigkill@step=22,rank=0", **spike)
+    assert run.returncode == 0, run.output[-3000:]
+    log = rank_log(tmp_path / "rolled")
+    assert "rolled back to the checkpoint of step 16" in log and "resumed from step 16" in log
+    excluded = tmp_path / "rolled" / "ck" / "EXCLUDED_SAMPLES.json"
+    assert len(json.loads(excluded.read_text())["samples"]) == 8
+    ref = train(tmp_path / "excluding", exclude_samples=str(excluded), **spike)
+    assert ref.returncode == 0, ref.output[-3000:]
+    assert summary(tmp_path / "rolled")["model_sha256"] == summary(tmp_path / "excluding")["model_sha256"]
+    assert summary(tmp_path / "rolled")["excluded_samples"] == 8 and summary(tmp_path / "excluding")["loss_spikes"] == 0
+
+
 def test_two_nodes_on_loopback_match_one_node(reference, tmp_path):
     port = free_port()
     procs = []

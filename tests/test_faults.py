@@ -60,7 +60,7 @@ def test_parse_good_specs():
 @pytest.mark.parametrize("spec, names", [
     ("boom@step=1", ["'boom@step=1'", "unknown kind 'boom'", "allowed: nan, oom, kill_worker, hang, sigterm"]),
     ("nan@step=1; explode@step=2", ["'explode@step=2'", "unknown kind 'explode'", "allowed:"]),
-    ("nan@step=x", ["'nan@step=x'", "'step=x'", "step=N, rank=N, restart=N or micro=N"]),
+    ("nan@step=x", ["'nan@step=x'", "'step=x'", "step=N, rank=N, restart=N|*, or micro=N"]),
     ("nan@step=-1", ["'step=-1'", "must be step=N"]),
     ("nan@when=3", ["'when=3'", "must be step=N"]),
     ("nan@step", ["'step'", "must be step=N"]),

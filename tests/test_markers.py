@@ -72,3 +72,16 @@ def test_restart_keeps_the_recorded_micro_batch(tmp_path):
     markers.record_micro_batch(tmp_path, 4, 2, "oom")
     markers.check_at_start(tmp_path, restart_count=1, is_main=True)
     assert markers.recorded_micro_batch(tmp_path) == {"micro_batch_size": 4, "accumulation_steps": 2, "reason": "oom"}
+
+
+def test_restarts_count_only_while_they_resume_from_the_same_step(tmp_path):
+    from framework import markers
+    assert markers.note_restart(tmp_path, 8, limit=2) is None
+    assert markers.note_restart(tmp_path, 16, limit=2) is None  # progress: the count starts again
+    assert markers.note_restart(tmp_path, 16, limit=2) is None
+    message = markers.note_restart(tmp_path, 16, limit=2)
+    assert message.startswith("3 restarts in a row resumed from step 16") and "none recorded" in message
+    markers.record_error(tmp_path, 1, RuntimeError("boom\nmore"))
+    assert markers.note_restart(tmp_path, 16, limit=2).endswith("the last error: rank 1: RuntimeError: boom")
+    markers.check_at_start(tmp_path, restart_count=0, is_main=True)  # a fresh launch forgets them
+    assert markers.note_restart(tmp_path, 16, limit=2) is None

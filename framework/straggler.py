@@ -1,0 +1,154 @@
+"""Straggler scores: each rank times the sections of its steps, and every ``straggler_interval``
+steps one small all-gather shares the medians, so every rank holds every rank's timings and
+decides alike.
+
+A rank's score in a section is its median over the fastest rank's. Only the sections with no
+collective in them can name a straggler: waiting for data, the forward/backward before the
+synced backward, and the optimizer's own step. The synced backward is reported too, but a rank
+that is long there is usually waiting in DDP's all-reduce for a slower one (so the straggler
+shows the *lowest* score there). A rank is named when it is over ``straggler_threshold`` and
+``straggler_min_ms`` slower than the fastest, in the same section, for ``straggler_patience``
+checks in a row.
+
+Only the last few steps before each check are timed (``TIMED_STEPS``); on CUDA those steps
+synchronize the device at the section boundaries, so that the readings are the sections' own.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from .markers import FatalError
+
+log = logging.getLogger(__name__)
+
+SECTIONS = ("data", "forward_backward", "synced_backward", "optimizer")
+JUDGED = ("data", "forward_backward", "optimizer")  # no collective inside
+TIMED_STEPS = 10
+
+
+class SectionTimer:
+    """Lap timing of one step's sections. ``lap(section)`` books the time since the previous lap
+    to ``section`` (None: to nothing); untimed steps cost one comparison per lap."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.timing = False
+        self.last = 0.0
+        self.step_times = dict.fromkeys(SECTIONS, 0.0)
+        self.samples: dict[str, list[float]] = {s: [] for s in SECTIONS}
+
+    def begin(self, timed: bool) -> None:
+        self.timing = timed
+        if timed:
+            self.step_times = dict.fromkeys(SECTIONS, 0.0)
+            self.last = self._now()
+
+    def lap(self, section: str | None) -> None:
+        if not self.timing:
+            return
+        now = self._now()
+        if section is not None:
+            self.step_times[section] += now - self.last
+        self.last = now
+
+    def end(self) -> None:
+        if self.timing:
+            for section, seconds in self.step_times.items():
+                self.samples[section].append(seconds)
+            self.timing = False
+
+    def medians_ms(self) -> list[float]:
+        """The median of each section over the timed steps since the last call, in ms."""
+        medians = [1e3 * statistics.median(self.samples[s]) if self.samples[s] else 0.0 for s in SECTIONS]
+        self.samples = {s: [] for s in SECTIONS}
+        return medians
+
+    def _now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+
+def scores(medians: list[list[float]]) -> list[list[float]]:
+    """Each rank's median over the fastest rank's, per section (1.0 where all are ~0)."""
+    fastest = [min(column) for column in zip(*medians, strict=True)]
+    return [[m / f if f > 1e-6 else 1.0 for m, f in zip(row, fastest, strict=True)] for row in medians]
+
+
+def slow_sections(medians: list[list[float]], *, threshold: float, min_ms: float) -> dict[int, str]:
+    """rank -> the judged section it is slowest in, for the ranks over both bars."""
+    score = scores(medians)
+    fastest = [min(column) for column in zip(*medians, strict=True)]
+    slow = {}
+    for rank, row in enumerate(score):
+        over = [(row[i], s) for i, s in enumerate(SECTIONS)
+                if s in JUDGED and row[i] > threshold and medians[rank][i] - fastest[i] > min_ms]
+        if over:
+            slow[rank] = max(over)[1]
+    return slow
+
+
+class StragglerMonitor:
+    """Times every rank's sections and shares them every ``straggler_interval`` steps."""
+
+    def __init__(self, cfg, env):
+        self.interval, self.threshold = cfg.straggler_interval, cfg.straggler_threshold
+        self.patience, self.min_ms, self.action = cfg.straggler_patience, cfg.straggler_min_ms, cfg.straggler_action
+        self.env = env
+        self.timer = SectionTimer(env.device)
+        self.streak: dict[int, int] = {}
+        self.latest: dict[str, float] = {}
+        self.hosts: list[str] | None = None
+
+    def begin_step(self, step: int) -> None:
+        """``step`` counts the steps done; the step about to run is timed when a check is near."""
+        due_in = self.interval - (step % self.interval) if self.interval else 0
+        self.timer.begin(bool(self.interval) and self.env.distributed and due_in <= TIMED_STEPS)
+
+    def should_check(self, step: int) -> bool:
+        return bool(self.interval) and self.env.distributed and step % self.interval == 0
+
+    def check(self, step: int) -> None:
+        """One all-gather of every rank's medians; rank 0 logs the scores; a rank slow for
+        ``straggler_patience`` checks in a row is named (or, with action fatal, stops the run)."""
+        mine = torch.tensor(self.timer.medians_ms(), dtype=torch.float64)
+        gathered = [torch.zeros_like(mine) for _ in range(self.env.world_size)]
+        dist.all_gather(gathered, mine)
+        if self.hosts is None:
+            self.hosts = [""] * self.env.world_size
+            dist.all_gather_object(self.hosts, socket.gethostname())
+        medians = [g.tolist() for g in gathered]
+        score = scores(medians)
+        self.latest = {f"straggler/{s}/rank{r}": score[r][i] for r in range(len(score))
+                       for i, s in enumerate(SECTIONS)}
+        self.latest["straggler/max_score"] = max(score[r][i] for r in range(len(score))
+                                                 for i, s in enumerate(SECTIONS) if s in JUDGED)
+        if self.env.is_main:
+            log.info("step %d straggler scores (median over the fastest rank's): %s", step, "; ".join(
+                f"rank {r}: " + ", ".join(f"{s} {score[r][i]:.2f} ({medians[r][i]:.1f} ms)"
+                                          for i, s in enumerate(SECTIONS)) for r in range(len(score))))
+        slow = slow_sections(medians, threshold=self.threshold, min_ms=self.min_ms)
+        self.streak = {r: self.streak.get(r, 0) + 1 for r in slow}
+        for rank, section in slow.items():
+            if self.streak[rank] >= self.patience:
+                self._name(step, rank, section, medians)
+
+    def _name(self, step: int, rank: int, section: str, medians: list[list[float]]) -> None:
+        i = SECTIONS.index(section)
+        fastest = min(row[i] for row in medians)
+        message = (f"straggler: rank {rank} on host {self.hosts[rank]} is {medians[rank][i] / fastest:.2f}x the "
+                   f"fastest rank in {section} (median {medians[rank][i]:.1f} ms against {fastest:.1f} ms) for "
+                   f"{self.streak[rank]} checks in a row, up to step {step}")
+        if self.action == "fatal":
+            raise FatalError(f"{message} (straggler_action=fatal)")
+        log.warning("%s", message)
+
+    def scalars(self) -> dict[str, float]:
+        return self.latest

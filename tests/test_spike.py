@@ -1,0 +1,183 @@
+"""The loss-spike guard: the detector, the exclusions, and on 2 gloo ranks a real spike (random
+targets on one rank) rolled back, warned about, or stopping the run after max_rollbacks; the
+rolled-back run ends bit-identical to a run that excluded the same samples from the start."""
+
+import json
+import math
+import random
+import re
+
+import pytest
+
+from framework import exclusions
+from framework.config import ConfigError, resolve_config
+from framework.data import ResumableDistributedSampler
+from framework.faults import FaultPlan
+from framework.markers import FatalError
+from framework.metrics import read_metrics
+from framework.spike import SpikeGuard, loss_z
+from tests.dist_helper import launch_cases
+from tests.workers.spike import BASE
+
+
+def test_a_falling_noisy_loss_stays_within_a_few_deviations_and_a_jump_does_not():
+    rng = random.Random(0)
+    losses = [3.0 * math.exp(-i / 200) + rng.gauss(0, 0.02) for i in range(400)]
+    zs = [loss_z(losses[i - 50:i], losses[i]) for i in range(50, 400)]
+    assert max(zs) < 4.5
+    assert loss_z(losses[-50:], losses[-1] + 0.3) > 10
+
+
+def test_the_trend_is_extrapolated_so_a_steady_fall_is_not_a_deviation():
+    line = [2.0 - 0.01 * i for i in range(50)]
+    assert abs(loss_z(line, 2.0 - 0.01 * 50)) < 1e-6
+    assert loss_z(line, 2.0) > 100  # back where it started: far above the trend
+
+
+def test_excluded_samples_are_dropped_from_every_epoch_and_the_committed_prefix_stays():
+    sampler = ResumableDistributedSampler(100, 2, 0, 3, 2, seed=0)
+    full = sampler.permutation(0).tolist()
+    it = iter(sampler)
+    next(it), next(it)
+    sampler.advance()
+    assert sampler.last_step_samples() == full[:12]
+    later = full[20:23]
+    sampler.exclude(later)
+    assert sampler.permutation(0).tolist()[:12] == full[:12]
+    assert not set(later) & set(sampler.permutation(0).tolist() + sampler.permutation(1).tolist())
+    assert sampler.steps_per_epoch == 97 // 12
+    with pytest.raises(ValueError, match=r"\[100\] are outside the training set of 100 samples"):
+        sampler.exclude([100])
+
+
+def guard(tmp_path, **over):
+    cfg = resolve_config({**BASE, "checkpoint_dir": str(tmp_path), "spike_guard": "rollback", **over})
+    g = SpikeGuard(cfg, is_main=True)
+    g.attach(ResumableDistributedSampler(64, 1, 0, 4, 1, seed=0))
+    return g
+
+
+def feed(g, losses, start=1):
+    spikes = []
+    for i, loss in enumerate(losses, start):
+        g.sampler.consumed = i * 4
+        spikes.append(g.observe(i, loss, skipped=False))
+    return spikes
+
+
+def test_rollback_keeps_what_the_run_learnt_when_the_older_checkpoint_loads(tmp_path):
+    g = guard(tmp_path, spike_warmup=3, spike_window=10)
+    feed(g, [2.0, 1.9, 1.8, 1.7])
+    saved = g.state_dict()  # the checkpoint of step 4
+    spike = feed(g, [1.6, 1.5, 5.0], start=5)[-1]
+    assert spike is not None and spike.step == 7 and spike.samples == g.sampler.permutation(0)[24:28].tolist()
+    g.roll_back(spike, restored_step=4)
+    g.load_state_dict(saved)
+    assert g.history == [2.0, 1.9, 1.8, 1.7] and g.excluded == set(spike.samples)
+    assert g.summary()["rollbacks"] == 1 and g.summary()["loss_spikes"] == 1
+    recorded = json.loads((tmp_path / exclusions.FILE).read_text())
+    assert recorded["samples"] == sorted(spike.samples) and recorded["rollbacks"][0]["step"] == 7
+    fresh = guard(tmp_path)
+    fresh.adopt_recorded()  # a restart before a newer checkpoint holds them
+    assert fresh.excluded == set(spike.samples) and not set(spike.samples) & set(fresh.sampler.permutation(0).tolist())
+
+
+def test_more_than_max_rollbacks_is_fatal_naming_steps_and_samples(tmp_path):
+    g = guard(tmp_path, spike_warmup=3, max_rollbacks=0)
+    spike = feed(g, [2.0, 1.9, 1.8, 1.7, 9.0])[-1]
+    with pytest.raises(FatalError, match=re.escape(f"more than max_rollbacks=0 loss-spike rollbacks: step 5 (samples "
+                                                   f"{spike.samples})")):
+        g.roll_back(spike, restored_step=4)
+
+
+def test_warn_mode_only_reports_and_skipped_steps_are_not_judged(tmp_path):
+    g = guard(tmp_path, spike_guard="warn", spike_warmup=3)
+    assert feed(g, [2.0, 1.9, 1.8, 1.7, 9.0]) == [None] * 5
+    assert g.summary()["loss_spikes"] == 1 and g.summary()["max_loss_z"] > 8
+    assert g.observe(6, float("nan"), skipped=True) is None and g.seen == 5
+
+
+def test_the_cooldown_ramps_the_learning_rate_back_linearly(tmp_path):
+    g = guard(tmp_path, spike_warmup=3, spike_lr_cooldown=3)
+    spike = feed(g, [2.0, 1.9, 1.8, 1.7, 9.0])[-1]
+    assert g.lr_factor(4) == 1.0
+    g.roll_back(spike, restored_step=4)
+    assert [g.lr_factor(s) for s in (4, 5, 6, 7)] == [0.25, 0.5, 0.75, 1.0]
+
+
+def test_bad_data_randomizes_one_rank_s_targets_the_same_way_every_time():
+    import torch
+    x, y = torch.zeros(4, 8, dtype=torch.long), torch.arange(32).view(4, 8) % 16
+    a = FaultPlan("bad_data@step=3,rank=1", rank=1, restart_count=0).corrupt(3, 0, (x, y))
+    b = FaultPlan("bad_data@step=3,rank=1", rank=1, restart_count=0).corrupt(3, 0, (x, y))
+    assert torch.equal(a[1], b[1]) and not torch.equal(a[1], y) and a[0] is x
+    assert FaultPlan("bad_data@step=3,rank=1", rank=0, restart_count=0).corrupt(3, 0, (x, y))[1] is y
+
+
+@pytest.mark.parametrize("over, problem", [
+    (dict(spike_guard="rollback", save_every_steps=0), "spike_guard='rollback': needs save_every_steps > 0"),
+    (dict(exclude_samples="missing.json"), "exclude_samples='missing.json': file not found"),
+    (dict(exclude_samples="BAD"), "exclude_samples='BAD': allowed: a JSON list of sample indices"),
+])
+def test_bad_spike_settings_are_one_line_errors(tmp_path, monkeypatch, over, problem):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "BAD").write_text('{"samples": [1, -2]}')
+    with pytest.raises(ConfigError) as err:
+        resolve_config(over)
+    assert any(p.startswith(problem) for p in err.value.problems), err.value.problems
+
+
+@pytest.fixture(scope="module")
+def spikes(tmp_path_factory):
+    out = tmp_path_factory.mktemp("spike")
+    return out, launch_cases("tests/workers/spike.py", out)
+
+
+def case(spikes, name, rank=0):
+    out = spikes[1][rank]["cases"][name]
+    assert "error" not in out or name == "too_many_rollbacks", out.get("traceback")
+    return out
+
+
+def test_a_spike_is_rolled_back_and_the_run_equals_one_that_excluded_its_samples(spikes):
+    out_dir, _ = spikes
+    for rank in (0, 1):
+        got = case(spikes, "rollback", rank)["summary"]
+        assert (got["loss_spikes"], got["rollbacks"], got["excluded_samples"], got["steps"]) == (1, 1, 8, 50)
+        assert got["model_sha256"] == case(spikes, "reference", rank)["summary"]["model_sha256"]
+        assert case(spikes, "reference", rank)["summary"]["loss_spikes"] == 0
+    log = (out_dir / "rollback" / "logs" / "rank_1.log").read_text()
+    assert "loss spike at step 31" in log and "rolled back to the checkpoint of step 30" in log
+    recorded = json.loads((out_dir / "rollback" / "ck" / exclusions.FILE).read_text())
+    assert recorded["rollbacks"][0]["restored_step"] == 30 and len(recorded["samples"]) == 8
+    assert case(spikes, "rollback")["excluded"] == recorded["samples"]
+    rows = read_metrics(out_dir / "rollback" / "logs" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(1, 51))  # step 31 logged again after the purge
+    assert rows[-1]["health/rollbacks"] == 1 and rows[-1]["train/loss"] == case(spikes, "rollback")["summary"][
+        "final_train_loss"]
+
+
+def test_with_warn_the_spike_is_only_logged(spikes):
+    got = case(spikes, "warn")["summary"]
+    assert (got["loss_spikes"], got["rollbacks"], got["excluded_samples"]) == (1, 0, 0)
+    assert got["max_loss_z"] > BASE["spike_threshold"]
+    assert "spike_guard=warn: continuing" in (spikes[0] / "warn" / "logs" / "rank_0.log").read_text()
+
+
+def test_too_many_rollbacks_stop_every_rank_with_fatal(spikes):
+    for rank in (0, 1):
+        assert "more than max_rollbacks=0 loss-spike rollbacks: step 31 (samples [" in case(
+            spikes, "too_many_rollbacks", rank)["error"]
+    assert "max_rollbacks=0" in (spikes[0] / "too_many_rollbacks" / "ck" / "FATAL").read_text()
+
+
+def test_the_cooldown_lowers_the_rate_after_the_rollback(spikes):
+    rows = {r["step"]: r for r in read_metrics(spikes[0] / "cooldown" / "logs" / "metrics.jsonl")}
+    plain = {r["step"]: r for r in read_metrics(spikes[0] / "rollback" / "logs" / "metrics.jsonl")}
+    assert rows[31]["train/lr"] == pytest.approx(plain[31]["train/lr"] / 5)
+    assert rows[35]["train/lr"] == plain[35]["train/lr"]
+
+
+def test_a_clean_run_has_no_false_positive(spikes):
+    got = case(spikes, "clean")["summary"]
+    assert got["loss_spikes"] == 0 and got["max_loss_z"] < BASE["spike_threshold"]

@@ -1,0 +1,50 @@
+"""Run under torchrun with 2 ranks: the straggler scores' cases, one after another in the same
+process group. Each case's outcome goes into result_rank{r}.json for tests/test_straggler.py."""
+
+from __future__ import annotations
+
+import os
+import traceback
+
+import torch.distributed as dist
+
+from tests.dist_helper import finish_worker, recorded, register_worker
+
+BASE = dict(vocab_size=32, hidden_size=32, num_layers=2, num_heads=2, seq_len=16, dataset_size=4096,
+            batch_size=4, dropout=0.0, num_workers=0, tensorboard=False, eval_interval=0, eval_steps=2,
+            target_loss=0.0, seed=3, max_steps=20, log_interval=5, resume="none", straggler_interval=5)
+
+CASES = {
+    # Rank 1's forward takes 40 ms longer from step 5 on: named at the second check after it (step 15).
+    "slow": dict(fault_inject="slow@step=5,rank=1,ms=40"),
+    "fatal": dict(fault_inject="slow@step=5,rank=1,ms=40", straggler_action="fatal"),
+    "clean": dict(max_steps=200, straggler_interval=10, log_interval=10),
+}
+
+
+def run_case(name, overrides, out_dir):
+    from framework.trainer import DDPTrainer
+
+    cfg = {**BASE, **overrides, "log_dir": str(out_dir / name / "logs"), "checkpoint_dir": str(out_dir / name / "ck")}
+    out = {}
+    try:
+        out["summary"] = DDPTrainer(cfg).train()
+    except Exception as err:  # the case's outcome, asserted by the test
+        out["error"] = f"{type(err).__name__}: {err}"
+        out["traceback"] = traceback.format_exc()
+    return out
+
+
+def main():
+    out_dir = register_worker()
+    dist.init_process_group("gloo")
+    results = {}
+    for name, overrides in CASES.items():
+        results[name] = recorded(run_case, name, overrides, out_dir)
+        dist.barrier()
+    finish_worker(out_dir, dist.get_rank(), {"cases": results})
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()
