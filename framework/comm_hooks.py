@@ -4,9 +4,10 @@ exactly.
 
 PowerSGD compresses each bucket to a low-rank product and keeps, per rank, what the compression
 lost (error feedback) plus the last Q factors (warm start), keyed by DDP's bucket index. DDP
-rebuilds its buckets after a process's first synced backward, so the state only fits the rebuilt
-layout: the DDP preflight runs one synced warm-up backward before the hook is registered, and a
-fresh and a resumed process both apply PowerSGD to rebuilt buckets only.
+rebuilds its buckets in the forward after a process's first synced backward (after its second
+under static_graph; torch 2.13), so the state only fits the rebuilt layout: the DDP preflight runs
+that many synced warm-up backwards before the hook is registered, and a fresh and a resumed
+process both apply PowerSGD to rebuilt buckets only.
 
 On gloo a bucket's PowerSGD all-reduces are issued from gloo's own threads as the previous ones
 complete, so with two buckets or more the ranks can issue them in different orders: plain torch
@@ -72,10 +73,10 @@ class CommHook:
         self._saved: dict | None = None
         self._wait = True
 
-    @property
-    def needs_warm_up(self) -> bool:
-        """PowerSGD's state must only ever see DDP's rebuilt buckets (see the module docstring)."""
-        return self.name == "powersgd"
+    def warm_ups(self, static_graph: bool) -> int:
+        """Synced backwards to run before ``register``: PowerSGD's state must only ever see DDP's
+        rebuilt buckets (see the module docstring)."""
+        return (2 if static_graph else 1) if self.name == "powersgd" else 0
 
     def register(self, ddp_model) -> None:
         cfg = self.cfg

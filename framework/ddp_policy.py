@@ -255,8 +255,9 @@ def warm_up(ddp_model: DDP, batch, loss_fn, autocast) -> None:
 
     static_graph records its graph in the first backward; if that backward runs inside
     no_sync(), DDP asserts (expect_autograd_hooks_). DDP also rebuilds its buckets after the
-    first backward, which PowerSGD's per-bucket state must not see. Doing this at every process
-    start makes a fresh and a resumed process compute every real step the same way."""
+    first backward (the second under static_graph), which PowerSGD's per-bucket state must not
+    see. Doing this at every process start makes a fresh and a resumed process compute every
+    real step the same way."""
     module = ddp_model.module
     with preserved_state(module), training_mode(ddp_model):
         with autocast():
@@ -336,7 +337,7 @@ def wrap_for_training(model: nn.Module, batches: list, loss_fn, autocast, cfg, d
         log.warning("%s\n(kept because ddp_static_graph/find_unused_parameters were set explicitly)", message)
     ddp_model = wrap(model, device, decision, bucket_cap_mb=cfg.bucket_cap_mb,
                      gradient_as_bucket_view=cfg.gradient_as_bucket_view, broadcast_buffers=cfg.broadcast_buffers)
-    if decision.static_graph or (comm_hook is not None and comm_hook.needs_warm_up):
+    for _ in range(max(int(decision.static_graph), comm_hook.warm_ups(decision.static_graph) if comm_hook else 0)):
         warm_up(ddp_model, batches[0], loss_fn, autocast)
     if comm_hook is not None:
         comm_hook.register(ddp_model)

@@ -11,7 +11,7 @@ import torch
 import ddp_training
 from framework.comm_hooks import capture_powersgd, restore_powersgd
 from tests.dist_helper import ROOT, cli_args, launch, launch_cases
-from tests.workers.comm_hooks import POWERSGD, RESUME_AT, TRAIN_BASE
+from tests.workers.comm_hooks import POWERSGD, RESUME_AT, STATIC_ACCUM, TRAIN_BASE
 
 WORKER = "tests/workers/comm_hooks.py"
 # fp16 keeps 11 significant bits: each rank's gradient / 2 and their sum are rounded once each,
@@ -85,6 +85,15 @@ def test_powersgd_killed_and_restarted_by_torchrun_ends_as_uninterrupted(two_ran
     assert summary["restarts"] == 1 and summary["steps"] == TRAIN_BASE["max_steps"]
     assert summary["model_sha256"] == case(two_ranks, 0, "powersgd")["summary"]["model_sha256"]
     assert not run.leftovers
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_powersgd_with_static_graph_and_accumulation_resumes_exactly(two_ranks, rank):
+    uninterrupted, resumed = case(two_ranks, rank, "static_accum"), case(two_ranks, rank, "static_accum_resumed")
+    assert uninterrupted["powersgd_iter"] == STATIC_ACCUM["max_steps"]  # synced backwards only: one per step
+    assert resumed["logged"][0].endswith(f"now at {STATIC_ACCUM['save_every_steps']})")
+    assert resumed["summary"]["model_sha256"] == uninterrupted["summary"]["model_sha256"]
+    assert uninterrupted["static_graph"] and resumed["static_graph"]
 
 
 @pytest.mark.parametrize("rank", [0, 1])

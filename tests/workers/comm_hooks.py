@@ -22,6 +22,9 @@ TRAIN_BASE = {**GRAD_BASE, "hidden_size": 128, "learning_rate": 3e-3, "max_steps
               "keep_last": 5, "bucket_cap_mb": 1}
 POWERSGD = dict(ddp_comm_hook="powersgd", powersgd_rank=8, powersgd_start_iter=4)
 RESUME_AT = 10
+# static_graph (its warm-up is also PowerSGD's) with no_sync() accumulation: PowerSGD counts synced steps.
+STATIC_ACCUM = dict(ddp_static_graph="true", gradient_accumulation_steps=2, batch_size=2, max_steps=12,
+                    save_every_steps=6)
 
 
 def grads_after_one_step(name: str, overrides: dict, out_dir) -> dict[str, torch.Tensor]:
@@ -56,6 +59,7 @@ def train(name: str, overrides: dict, out_dir, **kwargs) -> dict:
     state = trainer.comm_hook.state
     log = (out_dir / name / f"rank_{dist.get_rank()}.log").read_text()
     return {"summary": summary, "powersgd_iter": None if state is None else state.iter,
+            "static_graph": trainer.decision.static_graph,
             "buckets_with_state": None if state is None else sorted(state.error_dict),
             "logged": [line.split("INFO ", 1)[-1] for line in log.splitlines() if "communication hook" in line]}
 
@@ -80,6 +84,10 @@ def run_powersgd_cases(out_dir, rank: int) -> dict:
     recorded(strip_comm_hook_state, saved, stripped)
     out["resumed_without_state"] = recorded(train, "resumed_without_state", {**POWERSGD, "resume": str(stripped)},
                                             out_dir)
+    static = {**POWERSGD, **STATIC_ACCUM}
+    out["static_accum"] = recorded(train, "static_accum", static, out_dir)
+    saved = out_dir / "static_accum" / "ck" / f"step_{STATIC_ACCUM['save_every_steps']:08d}.pt"
+    out["static_accum_resumed"] = recorded(train, "static_accum_resumed", {**static, "resume": str(saved)}, out_dir)
     return out
 
 
