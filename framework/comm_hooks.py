@@ -36,8 +36,7 @@ def capture_powersgd(state: PowerSGDState) -> dict:
     _, keys, pos, has_gauss, cached_gaussian = state.rng.get_state()
     cpu = lambda d: {int(i): t.detach().to("cpu", copy=True) for i, t in d.items()}  # noqa: E731
     return {"iter": int(state.iter), "rank": int(state.matrix_approximation_rank), "error": cpu(state.error_dict),
-            "p": cpu(state.p_memory_dict),
-            "q": cpu(state.q_memory_dict),
+            "p": cpu(state.p_memory_dict), "q": cpu(state.q_memory_dict),
             "rng": {"keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos), "has_gauss": int(has_gauss),
                     "cached_gaussian": float(cached_gaussian)},
             "stats": [int(state.total_numel_before_compression), int(state.total_numel_after_compression),
@@ -47,7 +46,7 @@ def capture_powersgd(state: PowerSGDState) -> dict:
 def restore_powersgd(state: PowerSGDState, saved: dict, device: torch.device) -> None:
     """Set ``state`` to what ``capture_powersgd`` returned, its tensors on ``device``. The warm start's
     P and Q are sized by the rank: saved with another powersgd_rank, they start afresh."""
-    on = lambda d: {int(i): t.to(device) for i, t in d.items()}  # noqa: E731
+    on = lambda d: {int(i): t.to(device, copy=True) for i, t in d.items()}  # noqa: E731  (Q is updated in place)
     state.iter = int(saved["iter"])
     state.error_dict, state.p_memory_dict, state.q_memory_dict = on(saved["error"]), on(saved["p"]), on(saved["q"])
     if int(saved["rank"]) != state.matrix_approximation_rank:
