@@ -179,3 +179,15 @@ def test_powersgd_state_loaded_after_registration_applies_at_once():
     assert hook.state.iter == 9 and torch.equal(hook.state.error_dict[0], torch.ones(3))
     hook.load_state_dict({})  # saved with another hook: PowerSGD starts afresh
     assert hook.state.iter == 0 and hook.state.error_dict == {}
+
+
+def test_one_process_ignores_the_hook_and_says_so(tmp_path):
+    from framework.trainer import DDPTrainer
+    from tests.workers.comm_hooks import GRAD_BASE
+
+    cfg = {**GRAD_BASE, **POWERSGD, "max_steps": 2, "log_dir": str(tmp_path / "logs"),
+           "checkpoint_dir": str(tmp_path / "ck")}
+    summary = DDPTrainer(cfg, rank=0, world_size=1).train()
+    assert summary["steps"] == 2
+    assert "ddp_comm_hook=powersgd: not used by one process" in (tmp_path / "logs" / "rank_0.log").read_text()
+    assert torch.load(tmp_path / "ck" / "step_00000002.pt", weights_only=True)["comm_hook"] == {}
