@@ -30,7 +30,12 @@ summary tokens_per_sec (which includes start-up and warm-up steps) is shown for 
 of this shared machine over both; the median of the repeats is reported. Results are printed as a
 table with the ratios a/b, c/d, c/a, d/b, e/b and written to bench/results/throughput.json.
 
-usage: python bench/throughput.py [--quick] [--steps N] [--warmup N] [--repeats N]
+--comm-hooks instead runs (c) once per DDP setting below, the settings round-robin within each
+repeat (b a e c1 c2 ... cN, repeated), and reports each setting's c/a (its scaling) against e/b
+(the ceiling) and its tokens/s against plain (c); written to bench/results/comm_hooks.json.
+PowerSGD starts compressing at iteration 2, before the timed window.
+
+usage: python bench/throughput.py [--quick] [--steps N] [--warmup N] [--repeats N] [--comm-hooks]
 """
 
 from __future__ import annotations
@@ -55,15 +60,26 @@ if str(ROOT) not in sys.path:
 
 CONFIG = ROOT / "configs" / "nanogpt_shakespeare_char.toml"
 RESULTS = ROOT / "bench" / "results" / "throughput.json"
+COMM_RESULTS = ROOT / "bench" / "results" / "comm_hooks.json"
+# --comm-hooks: (c) under each of these DDP settings; "plain" is the framework's default.
+COMM_SETTINGS = {
+    "plain": {},
+    "fp16": {"ddp_comm_hook": "fp16"},
+    "powersgd r1": {"ddp_comm_hook": "powersgd", "powersgd_rank": 1, "powersgd_start_iter": 2},
+    "powersgd r4": {"ddp_comm_hook": "powersgd", "powersgd_rank": 4, "powersgd_start_iter": 2},
+    "bucket 1 MiB": {"bucket_cap_mb": 1},
+    "bucket 4 MiB": {"bucket_cap_mb": 4},
+    "grad as bucket view": {"gradient_as_bucket_view": True},
+}
 SCRIPT = Path(__file__).resolve()
 
 
 # ============================================================================ worker side ====
-def load_cfg(workdir: Path, total_steps: int):
+def load_cfg(workdir: Path, total_steps: int, overrides: dict | None = None):
     from framework.config import build_config, load_config_file
     values = load_config_file(CONFIG)
     values.update(max_steps=total_steps, eval_interval=0, eval_steps=1, tensorboard=True,
-                  log_dir=str(workdir / "logs"), checkpoint_dir=str(workdir / "checkpoints"))
+                  log_dir=str(workdir / "logs"), checkpoint_dir=str(workdir / "checkpoints"), **(overrides or {}))
     return build_config(values, env={})
 
 
@@ -146,7 +162,7 @@ def worker_main(args) -> None:
     import torch
     torch.set_num_threads(1)
     workdir = Path(args.workdir)
-    cfg = load_cfg(workdir, args.warmup + args.steps)
+    cfg = load_cfg(workdir, args.warmup + args.steps, json.loads(args.set))
     clock = Clock()
     if args.worker == "framework":
         info = run_framework(cfg, clock)
@@ -213,7 +229,7 @@ def child_env() -> dict:
     return env
 
 
-def start(kind: str, nproc: int, tmp: Path, name: str, args, copy: int = 0):
+def start(kind: str, nproc: int, tmp: Path, name: str, args, copy: int = 0, overrides: dict | None = None):
     workdir = tmp / name
     workdir.mkdir(parents=True)
     result = workdir / "result.json"
@@ -222,7 +238,8 @@ def start(kind: str, nproc: int, tmp: Path, name: str, args, copy: int = 0):
         cmd += ["-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
                 "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}"]
     cmd += [str(SCRIPT), "--worker", kind, "--steps", str(args.steps), "--warmup", str(args.warmup),
-            "--workdir", str(workdir), "--result", str(result), "--copy", str(copy)]
+            "--workdir", str(workdir), "--result", str(result), "--copy", str(copy),
+            "--set", json.dumps(overrides or {})]
     log = open(workdir / "output.log", "w")
     proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(), stdout=log, stderr=subprocess.STDOUT,
                             stdin=subprocess.DEVNULL)
@@ -248,9 +265,9 @@ def rate(res: dict) -> float:
     return res["steps"] * res["tokens_per_step"] / (s[-1] - s[w - 1])
 
 
-def run_variant(kind: str, nproc: int, tmp: Path, name: str, args) -> dict:
+def run_variant(kind: str, nproc: int, tmp: Path, name: str, args, overrides: dict | None = None) -> dict:
     t0 = time.perf_counter()
-    res = finish(*start(kind, nproc, tmp, name, args), name, args.timeout)
+    res = finish(*start(kind, nproc, tmp, name, args, overrides=overrides), name, args.timeout)
     res["tokens_per_sec"] = rate(res)
     res["ms_per_step"] = 1000 * (res["stamps"][-1] - res["stamps"][res["warmup"] - 1]) / res["steps"]
     res["cpu_ms_per_step"] = 1000 * (res["cpu_stamps"][-1] - res["cpu_stamps"][res["warmup"] - 1]) / res["steps"]
@@ -387,6 +404,67 @@ def orchestrate(args) -> int:
     return 0
 
 
+def orchestrate_comm_hooks(args) -> int:
+    """(c) under each of COMM_SETTINGS, with (a), (b) and (e), round-robin in every repeat."""
+    atexit.register(kill_children)
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
+    import torch
+    load_before, busy_before = os.getloadavg(), busy_fraction()
+    print(f"torch {torch.__version__}, {len(os.sched_getaffinity(0))} cores; warm-up {args.warmup} steps, timed "
+          f"{args.steps} steps, {args.repeats} repeat(s); CPU busy before start {busy_before:.0%}", flush=True)
+    runs: dict[str, list[float]] = {k: [] for k in ("a", "b", "e", *COMM_SETTINGS)}
+    with tempfile.TemporaryDirectory(prefix="bench_comm_hooks_") as tmpdir:
+        tmp = Path(tmpdir)
+        for i in range(args.repeats):
+            runs["b"].append(run_variant("bare", 1, tmp, f"b{i}", args)["tokens_per_sec"])
+            runs["a"].append(run_variant("framework", 1, tmp, f"a{i}", args)["tokens_per_sec"])
+            runs["e"].append(run_concurrent_pair(tmp, f"e{i}", args)["tokens_per_sec"])
+            for j, (name, overrides) in enumerate(COMM_SETTINGS.items()):
+                runs[name].append(run_variant("framework", 2, tmp, f"c{i}_{j}", args, overrides)["tokens_per_sec"])
+        kill_children()
+    med = {k: statistics.median(v) for k, v in runs.items()}
+    ceiling = med["e"] / med["b"]
+    rows = []
+    print(f"\n(a) DDPTrainer 1 process {med['a']:.0f} tok/s, (b) bare loop {med['b']:.0f}, (e) 2 x bare loop "
+          f"{med['e']:.0f}: ceiling e/b = {ceiling:.3f}\n")
+    print(f"{'(c) setting, 2 processes':<26} {'tok/s (median)':>15} {'c/a':>6} {'vs plain':>9} {'paired':>7} "
+          f"{'runs tok/s':>26}")
+    for name, overrides in COMM_SETTINGS.items():
+        # paired: the median over repeats of this setting's tokens/s over plain's in the same repeat
+        paired = statistics.median(x / y for x, y in zip(runs[name], runs["plain"], strict=True))
+        row = {"setting": name, "overrides": overrides, "median_tokens_per_sec": med[name],
+               "c_over_a": med[name] / med["a"], "vs_plain": med[name] / med["plain"], "vs_plain_paired": paired,
+               "runs": runs[name]}
+        rows.append(row)
+        print(f"{name:<26} {med[name]:>15.0f} {row['c_over_a']:>6.3f} {row['vs_plain']:>9.3f} {paired:>7.3f} "
+              f"{' '.join(f'{r:.0f}' for r in runs[name]):>26}")
+    # The paired ratio decides: a repeat's settings ran back to back, so drift between repeats cancels.
+    best = max(rows, key=lambda r: r["vs_plain_paired"])
+    spread = {k: (max(v) - min(v)) / statistics.median(v) for k, v in runs.items()}
+    print(f"\nbest (paired): {best['setting']} at {best['vs_plain_paired']:.3f}x plain DDP (target >= 1.05: "
+          f"{'met' if best['vs_plain_paired'] >= 1.05 else 'NOT met'}); its c/a {best['c_over_a']:.3f} against the "
+          f"ceiling e/b {ceiling:.3f}; run-to-run spread (max - min) / median: {min(spread.values()):.0%} to "
+          f"{max(spread.values()):.0%}")
+    out = {"description": "(c) DDPTrainer on 2 processes under DDP settings; tokens/s global over ranks; see "
+                          "bench/throughput.py docstring",
+           "torch": torch.__version__, "cores": len(os.sched_getaffinity(0)), "config": str(CONFIG.relative_to(ROOT)),
+           "git": git_state(), "cpu_busy_before_start": busy_before,
+           "load_average_1min": {"before": load_before[0], "after": os.getloadavg()[0]},
+           "warmup_steps": args.warmup, "timed_steps": args.steps, "repeats": args.repeats,
+           "a_median_tokens_per_sec": med["a"], "b_median_tokens_per_sec": med["b"],
+           "e_median_tokens_per_sec": med["e"], "ceiling_e_over_b": ceiling,
+           "runs": {k: runs[k] for k in ("a", "b", "e")}, "settings": rows, "best": best["setting"],
+           "best_vs_plain_paired": best["vs_plain_paired"], "spread": spread}
+    dest = Path(args.out)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp_path = dest.with_name(dest.name + ".tmp")
+    tmp_path.write_text(json.dumps(out, indent=2) + "\n")
+    os.replace(tmp_path, dest)
+    print(f"\nwrote {dest}")
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="short smoke run (few steps, one repeat)")
@@ -395,19 +473,26 @@ def main() -> int:
     p.add_argument("--repeats", type=int, help="interleaved repeats of a/b and c/d (default 3; 1 with --quick)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds allowed per variant run")
     p.add_argument("--variants", default="abcde", help="subset of abcde to run (default: all)")
-    p.add_argument("--out", default=str(RESULTS), help="JSON output path")
+    p.add_argument("--out", help=f"JSON output path (default {RESULTS.relative_to(ROOT)}, or "
+                   f"{COMM_RESULTS.relative_to(ROOT)} with --comm-hooks)")
     # worker mode (internal)
     p.add_argument("--worker", choices=["framework", "bare"], help=argparse.SUPPRESS)
     p.add_argument("--workdir", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     p.add_argument("--copy", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--set", default="{}", help=argparse.SUPPRESS)
+    p.add_argument("--comm-hooks", action="store_true",
+                   help="compare DDP communication hooks and bucket settings (see above)")
     args = p.parse_args()
     args.steps = args.steps or (30 if args.quick else 150)
     args.warmup = args.warmup or (5 if args.quick else 20)
     args.repeats = args.repeats or (1 if args.quick else 3)
+    args.out = args.out or str(COMM_RESULTS if args.comm_hooks else RESULTS)
     if args.worker:
         worker_main(args)
         return 0
+    if args.comm_hooks:
+        return orchestrate_comm_hooks(args)
     return orchestrate(args)
 
 

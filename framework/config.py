@@ -220,6 +220,12 @@ class TrainConfig:
     """torch.compile mode."""
     compile_backend: Literal["inductor", "aot_eager", "eager"] = "inductor"
     """torch.compile backend: inductor generates kernels (needs a C compiler on CPU); aot_eager only traces."""
+    ddp_comm_hook: Literal["none", "fp16", "bf16", "powersgd"] = "none"
+    """Gradient all-reduce: none = fp32, fp16/bf16 = compressed (bf16 needs NCCL), powersgd = low-rank (see README)."""
+    powersgd_rank: int = bounded(1, lo=1, hi=1024)
+    """PowerSGD's matrix approximation rank (1 = strongest compression; try 2, 4, ... if the loss suffers)."""
+    powersgd_start_iter: int = bounded(1000, lo=2)
+    """PowerSGD runs plain all-reduce for this many synced backward passes (optimizer steps) first; at least 2."""
 
 
 
@@ -344,6 +350,23 @@ def _check_values(cfg: TrainConfig) -> list[str]:
             parse(cfg.fault_inject)
         except ValueError as err:
             problems.append(f"fault_inject={cfg.fault_inject!r}: {err}")
+    problems += _check_run_health_and_speed(cfg)
+    if cfg.use_amp == "true" and cfg.amp_dtype == "fp16" and not _cuda_available():
+        problems.append("amp_dtype='fp16': needs CUDA (use bf16 on CPU, or use_amp=false)")
+    if cfg.backend == "nccl" and not _cuda_available():
+        problems.append("backend='nccl': needs CUDA; allowed on this machine: auto, gloo")
+    if cfg.ddp_comm_hook == "bf16" and cfg.backend == "gloo":
+        problems.append("ddp_comm_hook='bf16': needs backend=nccl (gloo cannot all-reduce bf16); "
+                        "allowed with gloo: none, fp16, powersgd")
+    elif cfg.ddp_comm_hook == "bf16" and cfg.backend == "auto" and not _cuda_available():
+        problems.append("ddp_comm_hook='bf16': needs backend=nccl, which needs CUDA (backend=auto picks gloo on this "
+                        "machine); allowed here: none, fp16, powersgd")
+    return problems
+
+
+def _check_run_health_and_speed(cfg: TrainConfig) -> list[str]:
+    """The checks of the compile and loss-spike keys."""
+    problems = []
     if cfg.compile and cfg.compile_backend == "inductor" and not any(
             shutil.which(c) for c in (os.environ.get("CXX", ""), "g++", "c++", "clang++") if c):
         problems.append("compile_backend='inductor': needs a C++ compiler (g++, c++ or clang++ on PATH, or CXX); "
@@ -357,10 +380,6 @@ def _check_values(cfg: TrainConfig) -> list[str]:
             read(cfg.exclude_samples)
         except ValueError as err:
             problems.append(f"exclude_samples={cfg.exclude_samples!r}: {err}")
-    if cfg.use_amp == "true" and cfg.amp_dtype == "fp16" and not _cuda_available():
-        problems.append("amp_dtype='fp16': needs CUDA (use bf16 on CPU, or use_amp=false)")
-    if cfg.backend == "nccl" and not _cuda_available():
-        problems.append("backend='nccl': needs CUDA; allowed on this machine: auto, gloo")
     return problems
 
 

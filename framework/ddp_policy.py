@@ -254,8 +254,10 @@ def warm_up(ddp_model: DDP, batch, loss_fn, autocast) -> None:
     """One synced forward/backward whose gradients are discarded and whose RNG use is undone.
 
     static_graph records its graph in the first backward; if that backward runs inside
-    no_sync(), DDP asserts (expect_autograd_hooks_). Doing this at every process start also
-    makes a fresh and a resumed process compute every real step the same way."""
+    no_sync(), DDP asserts (expect_autograd_hooks_). DDP also rebuilds its buckets after the
+    first backward (the second under static_graph), which PowerSGD's per-bucket state must not
+    see. Doing this at every process start makes a fresh and a resumed process compute every
+    real step the same way."""
     module = ddp_model.module
     with preserved_state(module), training_mode(ddp_model):
         with autocast():
@@ -312,9 +314,10 @@ def format_report(report: ProbeReport, decision: Decision) -> str:
     return "\n".join(lines)
 
 
-def wrap_for_training(model: nn.Module, batches: list, loss_fn, autocast, cfg, device: torch.device
-                      ) -> tuple[DDP, ProbeReport, Decision]:
-    """Probe, decide (logging one line per decision), wrap, and warm up a static graph.
+def wrap_for_training(model: nn.Module, batches: list, loss_fn, autocast, cfg, device: torch.device,
+                      comm_hook=None) -> tuple[DDP, ProbeReport, Decision]:
+    """Probe, decide (logging one line per decision), wrap, warm up a static graph (or PowerSGD's
+    buckets), and register ``comm_hook`` (framework/comm_hooks.py) after the warm-up.
     ``batches`` are this rank's first micro-batches (on the device); the first is the warm-up's."""
     report, decision = preflight(model, batches, loss_fn, autocast, cfg)
     for reason in decision.reasons:
@@ -334,20 +337,24 @@ def wrap_for_training(model: nn.Module, batches: list, loss_fn, autocast, cfg, d
         log.warning("%s\n(kept because ddp_static_graph/find_unused_parameters were set explicitly)", message)
     ddp_model = wrap(model, device, decision, bucket_cap_mb=cfg.bucket_cap_mb,
                      gradient_as_bucket_view=cfg.gradient_as_bucket_view, broadcast_buffers=cfg.broadcast_buffers)
-    if decision.static_graph:
+    for _ in range(max(int(decision.static_graph), comm_hook.warm_ups(decision.static_graph) if comm_hook else 0)):
         warm_up(ddp_model, batches[0], loss_fn, autocast)
+    if comm_hook is not None:
+        comm_hook.register(ddp_model)
     return ddp_model, report, decision
 
 
 def prepare(model: nn.Module, batches, loss_fn, autocast, cfg, device: torch.device, *, distributed: bool,
-            doctor: bool) -> tuple[nn.Module, ProbeReport | None, Decision | None]:
+            doctor: bool, comm_hook=None) -> tuple[nn.Module, ProbeReport | None, Decision | None]:
     """The model to train and the preflight's report and decision: only the preflight for
-    ``doctor``, the wrapped model when ``distributed``, the model itself otherwise.
+    ``doctor``, the wrapped model (with ``comm_hook``) when ``distributed``, the model itself otherwise.
     ``batches()`` returns this rank's first micro-batches (read only when needed)."""
     if doctor:
         return (model, *preflight(model, batches(), loss_fn, autocast, cfg))
     if distributed:
-        return wrap_for_training(model, batches(), loss_fn, autocast, cfg, device)
+        return wrap_for_training(model, batches(), loss_fn, autocast, cfg, device, comm_hook)
+    if comm_hook is not None and comm_hook.name != "none":
+        log.info("ddp_comm_hook=%s: not used by one process (there is no all-reduce)", comm_hook.name)
     return model, None, None
 
 

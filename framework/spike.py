@@ -148,7 +148,10 @@ class SpikeGuard:
 
     def load_state_dict(self, state: dict) -> None:
         """The detector's window comes from the checkpoint; what the run has learnt since (spikes,
-        rollbacks, exclusions) is kept: after a rollback the older checkpoint knows less."""
+        rollbacks, exclusions) is kept: after a rollback the older checkpoint knows less. An empty
+        state is a checkpoint from before the guard."""
+        if not state:
+            return
         self.history, self.seen = [float(x) for x in state["history"]], int(state["seen"])
         self.max_z = max(self.max_z, float(state["max_z"]))
         known = {s["step"] for s in self.spikes}

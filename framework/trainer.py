@@ -16,6 +16,7 @@ from . import ddp_policy, distributed, ending, markers, rng
 from .activation import enable_checkpointing, tile_user_mlps
 from .checkpoint import CheckpointError
 from .compiling import compile_model
+from .comm_hooks import CommHook
 from .config import TrainConfig, resolve_config
 from .control import Agreement
 from .data import builtin_datasets, check_same_datasets
@@ -119,11 +120,12 @@ class DDPTrainer:
         self.skips = SkipBudget(cfg.max_errors_per_epoch)
         self.spikes = SpikeGuard(cfg, is_main=env.is_main)
         self.spikes.attach(self.sampler)
+        self.comm_hook = CommHook(cfg, env)
         self.checkpoints = Checkpointer(
             cfg, env, open_manager(cfg, env),
             {"trainer": self, "model": self.raw_model, "optimizer": self.optimizer, "scaler": self.scaler,
              "schedule": self.schedule, "sampler": self.sampler, "stream": self.stream, "skips": self.skips,
-             "spike_guard": self.spikes,
+             "spike_guard": self.spikes, "comm_hook": self.comm_hook,
              **self.user_state, **self.callbacks.stateful()},
             builtin_data=builtin_data, on_save=lambda step: self.callbacks("on_save", self, step))
         state = self.checkpoints.load() if load else None
@@ -161,7 +163,8 @@ class DDPTrainer:
         self.oom_recovery = cfg.oom_recovery == "true" or (cfg.oom_recovery == "auto" and env.device.type == "cuda")
         self.model, self.report, self.decision = prepare_model(
             lambda: ddp_policy.prepare(self.raw_model, self._peek, self.loss_fn, self._autocast, cfg,
-                                       env.device, distributed=env.distributed, doctor=doctor),
+                                       env.device, distributed=env.distributed, doctor=doctor,
+                                       comm_hook=self.comm_hook),
             self.sampler, cfg.checkpoint_dir, oom_recovery=self.oom_recovery)
         self.model = self.model if doctor else compile_model(self.model, cfg)
 
