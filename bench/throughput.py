@@ -35,7 +35,11 @@ repeat (b a e c1 c2 ... cN, repeated), and reports each setting's c/a (its scali
 (the ceiling) and its tokens/s against plain (c); written to bench/results/comm_hooks.json.
 PowerSGD starts compressing at iteration 2, before the timed window.
 
-usage: python bench/throughput.py [--quick] [--steps N] [--warmup N] [--repeats N] [--comm-hooks]
+--compile instead runs (a) and (c) eager and with compile=true (inductor), interleaved in every
+repeat, and reports tokens/s, the paired ratio to eager, the first step (which holds the
+compilation) and the whole process's wall time; written to bench/results/compile.json.
+
+usage: python bench/throughput.py [--quick] [--steps N] [--warmup N] [--repeats N] [--comm-hooks | --compile]
 """
 
 from __future__ import annotations
@@ -61,6 +65,7 @@ if str(ROOT) not in sys.path:
 CONFIG = ROOT / "configs" / "nanogpt_shakespeare_char.toml"
 RESULTS = ROOT / "bench" / "results" / "throughput.json"
 COMM_RESULTS = ROOT / "bench" / "results" / "comm_hooks.json"
+COMPILE_RESULTS = ROOT / "bench" / "results" / "compile.json"
 # --comm-hooks: (c) under each of these DDP settings; "plain" is the framework's default.
 COMM_SETTINGS = {
     "plain": {},
@@ -107,8 +112,10 @@ def run_framework(cfg, clock: Clock) -> dict:
         return out
 
     trainer.optimizer_step = timed_step  # instance attribute: _train() calls it, nothing else changes
+    train_start = time.perf_counter()
     summary = trainer.train()
-    return {"loader_workers": trainer.num_workers, "world_size": trainer.env.world_size,
+    return {"first_step_s": clock.wall[0] - train_start, "loader_workers": trainer.num_workers,
+            "world_size": trainer.env.world_size,
             "rank": trainer.env.rank, "self_reported_tokens_per_sec": summary["tokens_per_sec"],
             "tokens_per_step": cfg.batch_size * cfg.seq_len * trainer.env.world_size}
 
@@ -269,6 +276,7 @@ def run_variant(kind: str, nproc: int, tmp: Path, name: str, args, overrides: di
     t0 = time.perf_counter()
     res = finish(*start(kind, nproc, tmp, name, args, overrides=overrides), name, args.timeout)
     res["tokens_per_sec"] = rate(res)
+    res["process_wall_s"] = time.perf_counter() - t0
     res["ms_per_step"] = 1000 * (res["stamps"][-1] - res["stamps"][res["warmup"] - 1]) / res["steps"]
     res["cpu_ms_per_step"] = 1000 * (res["cpu_stamps"][-1] - res["cpu_stamps"][res["warmup"] - 1]) / res["steps"]
     print(f"  {name:<14} {res['tokens_per_sec']:>9.0f} tok/s  {res['ms_per_step']:6.2f} ms/step  "
@@ -465,6 +473,47 @@ def orchestrate_comm_hooks(args) -> int:
     return 0
 
 
+def orchestrate_compile(args) -> int:
+    """(a) and (c), eager and compiled (inductor), interleaved in every repeat."""
+    atexit.register(kill_children)
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
+    import torch
+    busy_before = busy_fraction()
+    print(f"torch {torch.__version__}; warm-up {args.warmup} steps, timed {args.steps} steps, {args.repeats} "
+          f"repeat(s); CPU busy before start {busy_before:.0%}", flush=True)
+    variants = {f"{kind} {n} process{'es' if n > 1 else ''}": (n, overrides) for n in (1, 2)
+                for kind, overrides in (("eager", {}), ("compiled", {"compile": True}))}
+    runs: dict[str, list[dict]] = {k: [] for k in variants}
+    with tempfile.TemporaryDirectory(prefix="bench_compile_") as tmpdir:
+        for i in range(args.repeats):
+            for j, (name, (nproc, overrides)) in enumerate(variants.items()):
+                runs[name].append(run_variant("framework", nproc, Path(tmpdir), f"r{i}_{j}", args, overrides))
+        kill_children()
+    rows = []
+    print(f"\n{'variant':<22} {'tok/s':>8} {'vs eager (paired)':>18} {'first step s':>13} {'process wall s':>15}")
+    for name, results in runs.items():
+        eager = runs[name.replace("compiled", "eager")]
+        row = {"variant": name, "median_tokens_per_sec": statistics.median(r["tokens_per_sec"] for r in results),
+               "vs_eager_paired": statistics.median(r["tokens_per_sec"] / e["tokens_per_sec"]
+                                                    for r, e in zip(results, eager, strict=True)),
+               "median_first_step_s": statistics.median(r["first_step_s"] for r in results),
+               "median_process_wall_s": statistics.median(r["process_wall_s"] for r in results),
+               "runs_tokens_per_sec": [r["tokens_per_sec"] for r in results]}
+        rows.append(row)
+        print(f"{name:<22} {row['median_tokens_per_sec']:>8.0f} {row['vs_eager_paired']:>18.3f} "
+              f"{row['median_first_step_s']:>13.2f} {row['median_process_wall_s']:>15.1f}")
+    out = {"description": "DDPTrainer eager vs compile=true (inductor), 1 and 2 processes; first_step_s holds the "
+                          "compilation; see bench/throughput.py docstring",
+           "torch": torch.__version__, "git": git_state(), "cpu_busy_before_start": busy_before,
+           "warmup_steps": args.warmup, "timed_steps": args.steps, "repeats": args.repeats, "variants": rows}
+    dest = Path(args.out)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    dest.write_text(json.dumps(out, indent=2) + "\n")
+    print(f"\nwrote {dest}")
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="short smoke run (few steps, one repeat)")
@@ -483,16 +532,19 @@ def main() -> int:
     p.add_argument("--set", default="{}", help=argparse.SUPPRESS)
     p.add_argument("--comm-hooks", action="store_true",
                    help="compare DDP communication hooks and bucket settings (see above)")
+    p.add_argument("--compile", action="store_true", help="compare eager and compile=true at 1 and 2 processes")
     args = p.parse_args()
     args.steps = args.steps or (30 if args.quick else 150)
     args.warmup = args.warmup or (5 if args.quick else 20)
     args.repeats = args.repeats or (1 if args.quick else 3)
-    args.out = args.out or str(COMM_RESULTS if args.comm_hooks else RESULTS)
+    args.out = args.out or str(COMM_RESULTS if args.comm_hooks else COMPILE_RESULTS if args.compile else RESULTS)
     if args.worker:
         worker_main(args)
         return 0
     if args.comm_hooks:
         return orchestrate_comm_hooks(args)
+    if args.compile:
+        return orchestrate_compile(args)
     return orchestrate(args)
 
 
