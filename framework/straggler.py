@@ -10,8 +10,9 @@ shows the *lowest* score there). A rank is named when it is over ``straggler_thr
 ``straggler_min_ms`` slower than the fastest, in the same section, for ``straggler_patience``
 checks in a row.
 
-Only the last few steps before each check are timed (``TIMED_STEPS``); on CUDA those steps
-synchronize the device at the section boundaries, so that the readings are the sections' own.
+On the CPU every step is timed (a perf_counter reading per section). On CUDA a reading must
+synchronize the device to be the section's own, so only the last ``TIMED_STEPS`` steps before
+each check are timed there. With one process there is no collective and every score is 1.
 """
 
 from __future__ import annotations
@@ -95,6 +96,14 @@ def slow_sections(medians: list[list[float]], *, threshold: float, min_ms: float
     return slow
 
 
+def timed_step(step: int, interval: int, *, distributed: bool, cuda: bool) -> bool:
+    """Whether the step after ``step`` done steps is timed: every step on the CPU, the last
+    ``TIMED_STEPS`` before each check on CUDA (their readings synchronize the device)."""
+    if not interval or not distributed:
+        return False
+    return not cuda or interval - step % interval <= TIMED_STEPS
+
+
 class StragglerMonitor:
     """Times every rank's sections and shares them every ``straggler_interval`` steps."""
 
@@ -108,16 +117,20 @@ class StragglerMonitor:
         self.hosts: list[str] | None = None
 
     def begin_step(self, step: int) -> None:
-        """``step`` counts the steps done; the step about to run is timed when a check is near."""
-        due_in = self.interval - (step % self.interval) if self.interval else 0
-        self.timer.begin(bool(self.interval) and self.env.distributed and due_in <= TIMED_STEPS)
+        """``step`` counts the steps done. The step about to run is timed on the CPU, and on CUDA
+        when a check is near."""
+        self.timer.begin(timed_step(step, self.interval, distributed=self.env.distributed,
+                                    cuda=self.env.device.type == "cuda"))
 
     def should_check(self, step: int) -> bool:
-        return bool(self.interval) and self.env.distributed and step % self.interval == 0
+        return bool(self.interval) and step % self.interval == 0
 
     def check(self, step: int) -> None:
         """One all-gather of every rank's medians; rank 0 logs the scores; a rank slow for
         ``straggler_patience`` checks in a row is named (or, with action fatal, stops the run)."""
+        if not self.env.distributed:
+            self.latest = {**{f"straggler/{s}/rank0": 1.0 for s in SECTIONS}, "straggler/max_score": 1.0}
+            return
         mine = torch.tensor(self.timer.medians_ms(), dtype=torch.float64)
         gathered = [torch.zeros_like(mine) for _ in range(self.env.world_size)]
         dist.all_gather(gathered, mine)

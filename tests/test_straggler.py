@@ -5,10 +5,13 @@ run names nobody."""
 import socket
 
 import pytest
+import torch
 
 from framework.faults import parse
 from framework.metrics import read_metrics
-from framework.straggler import scores, slow_sections
+from framework.config import TrainConfig
+from framework.distributed import DistEnv
+from framework.straggler import SECTIONS, StragglerMonitor, scores, slow_sections, timed_step
 from tests.dist_helper import launch_cases
 
 # Sections: data, forward_backward, synced_backward, optimizer (ms).
@@ -24,6 +27,23 @@ def test_a_slow_rank_is_found_in_the_section_it_slows_and_noise_below_the_floor_
     assert slow_sections([FAST, [1.0, 45.0, 2.0, 3.0]], threshold=1.3, min_ms=5) == {1: "forward_backward"}
     # 3x in data, but 2 ms: under the floor. The long synced backward of rank 0 is its waiting for rank 1.
     assert slow_sections([FAST, [3.0, 33.0, 2.0, 3.0]], threshold=1.3, min_ms=5) == {}
+
+
+def test_every_step_is_timed_on_the_cpu_and_the_last_ten_before_a_check_on_cuda():
+    cpu = [s for s in range(100) if timed_step(s, 50, distributed=True, cuda=False)]
+    cuda = [s for s in range(100) if timed_step(s, 50, distributed=True, cuda=True)]
+    assert cpu == list(range(100))
+    assert cuda == list(range(40, 50)) + list(range(90, 100))  # the steps that end at 41..50, 91..100
+    assert not any(timed_step(s, 0, distributed=True, cuda=False) for s in range(100))
+    assert not any(timed_step(s, 50, distributed=False, cuda=False) for s in range(100))
+
+
+def test_one_process_scores_1_without_a_collective():
+    env = DistEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"), backend=None)
+    monitor = StragglerMonitor(TrainConfig(straggler_interval=50), env)
+    assert [s for s in range(1, 101) if monitor.should_check(s)] == [50, 100]
+    monitor.check(50)  # with no process group, a collective would raise
+    assert monitor.scalars() == {**{f"straggler/{s}/rank0": 1.0 for s in SECTIONS}, "straggler/max_score": 1.0}
 
 
 @pytest.mark.parametrize("spec, message", [
