@@ -22,7 +22,7 @@ from .compiling import is_ddp
 from .control import Agreement, agree
 from .markers import FatalError
 from .memory import is_oom
-from .straggler import SectionTimer
+from .straggler import SectionTimer, off_the_clock_buffer_broadcast
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +123,7 @@ class TrainStep:
         self.oom_recovery = oom_recovery
         self.lr_factor = lr_factor  # a loss-spike rollback's learning-rate cooldown
         self.timer = timer or SectionTimer(env.device)  # the straggler scores' section timings
+        off_the_clock_buffer_broadcast(model, self.timer)
         self.params = [p for p in raw_model.parameters() if p.requires_grad]
 
     def forward_backward_with_retry(self, micro: list, step: int) -> torch.Tensor:
@@ -163,7 +164,9 @@ class TrainStep:
             if last and agree_oom:
                 # Before the last forward: DDP's synced forward prepares its reducer, so every
                 # rank must either run it or skip it.
+                self.timer.lap("forward_backward")
                 oom = agree(loss=total, world_size=1, distributed=True, oom=oom).oom
+                self.timer.lap(None)  # a collective: waiting for the others
             if oom:
                 if last or not agree_oom:
                     raise MicroBatchOOM(f"out of memory at step {step}")
@@ -196,6 +199,7 @@ class TrainStep:
     def _micro_step(self, batch, step: int, i: int, n: int) -> torch.Tensor:
         batch = self.faults.corrupt(step, i, to_device(batch, self.env.device))
         with self.faults.micro_step(step, i, n - 1, self.raw_model, self.stream.kill_a_worker) as on_loss:
+            self.timer.lap("forward_backward")  # before DDP's buffer broadcast (off_the_clock_buffer_broadcast)
             with self.autocast():
                 loss = batch_loss(self.model, batch, self.loss_fn) / n
             on_loss(loss)

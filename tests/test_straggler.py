@@ -89,3 +89,10 @@ def test_a_clean_run_names_nobody(stragglers):
     assert case(stragglers, "clean")["summary"]["steps"] == 200
     for rank in (0, 1):
         assert "straggler: rank" not in (stragglers[0] / "clean" / "logs" / f"rank_{rank}.log").read_text()
+
+
+def test_a_slowed_rank_is_named_when_ddp_broadcasts_buffers_in_the_forward(stragglers):
+    for rank in (0, 1):
+        log = (stragglers[0] / "slow_buffered" / "logs" / f"rank_{rank}.log").read_text()
+        assert "straggler: rank 1 on host" in log and "the fastest rank in forward_backward" in log, log[-3000:]
+        assert "checks in a row, up to step 15" in log

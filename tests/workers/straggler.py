@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import traceback
 
+import torch
 import torch.distributed as dist
 
 from tests.dist_helper import finish_worker, recorded, register_worker
@@ -19,7 +20,18 @@ CASES = {
     "slow": dict(fault_inject="slow@step=5,rank=1,ms=40"),
     "fatal": dict(fault_inject="slow@step=5,rank=1,ms=40", straggler_action="fatal"),
     "clean": dict(max_steps=200, straggler_interval=10, log_interval=10),
+    # A model with a buffer: DDP broadcasts it at each forward, where the fast rank waits for the slow one.
+    "slow_buffered": dict(fault_inject="slow@step=5,rank=1,ms=40"),
 }
+
+
+def buffered_model(cfg):
+    from framework.config import resolve_config
+    from framework.model import GPT, GPTConfig
+
+    model = GPT(GPTConfig.from_train_config(resolve_config(cfg)))
+    model.register_buffer("seen", torch.zeros(1))
+    return model
 
 
 def run_case(name, overrides, out_dir):
@@ -28,7 +40,7 @@ def run_case(name, overrides, out_dir):
     cfg = {**BASE, **overrides, "log_dir": str(out_dir / name / "logs"), "checkpoint_dir": str(out_dir / name / "ck")}
     out = {}
     try:
-        out["summary"] = DDPTrainer(cfg).train()
+        out["summary"] = DDPTrainer(cfg, model=buffered_model(cfg) if name == "slow_buffered" else None).train()
     except Exception as err:  # the case's outcome, asserted by the test
         out["error"] = f"{type(err).__name__}: {err}"
         out["traceback"] = traceback.format_exc()
