@@ -141,7 +141,7 @@ class StragglerMonitor:
         if not self.env.distributed:
             self.latest = {**{f"straggler/{s}/rank0": 1.0 for s in SECTIONS}, "straggler/max_score": 1.0}
             return
-        mine = torch.tensor(self.timer.medians_ms(), dtype=torch.float64)
+        mine = torch.tensor(self.timer.medians_ms(), dtype=torch.float64, device=self.env.device)  # NCCL: on the GPU
         gathered = [torch.zeros_like(mine) for _ in range(self.env.world_size)]
         dist.all_gather(gathered, mine)
         if self.hosts is None:

@@ -96,3 +96,22 @@ def test_a_slowed_rank_is_named_when_ddp_broadcasts_buffers_in_the_forward(strag
         log = (stragglers[0] / "slow_buffered" / "logs" / f"rank_{rank}.log").read_text()
         assert "straggler: rank 1 on host" in log and "the fastest rank in forward_backward" in log, log[-3000:]
         assert "checks in a row, up to step 15" in log
+
+
+def test_the_medians_are_gathered_from_the_rank_s_device(monkeypatch):
+    """NCCL gathers only GPU tensors: the medians go to the collective on the rank's device (the
+    meta device stands in for a GPU here)."""
+    env = DistEnv(rank=0, local_rank=0, world_size=2, local_world_size=2, device=torch.device("meta"),
+                  backend="nccl")
+    devices = []
+
+    def all_gather(gathered, mine):
+        devices.append(mine.device)
+        gathered[:] = [torch.tensor(row, dtype=torch.float64) for row in (FAST, [1.0, 45.0, 2.0, 3.0])]
+
+    monkeypatch.setattr("framework.straggler.dist.all_gather", all_gather)
+    monkeypatch.setattr("framework.straggler.dist.all_gather_object", lambda out, host: out.__setitem__(0, "a"))
+    monitor = StragglerMonitor(TrainConfig(straggler_interval=5), env)
+    monitor.check(5)
+    assert devices == [torch.device("meta")]
+    assert monitor.scalars()["straggler/forward_backward/rank1"] == 1.5
