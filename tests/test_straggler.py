@@ -69,3 +69,9 @@ def test_a_clean_run_names_nobody(stragglers):
     assert case(stragglers, "clean")["summary"]["steps"] == 200
     for rank in (0, 1):
         assert "straggler: rank" not in (stragglers[0] / "clean" / "logs" / f"rank_{rank}.log").read_text()
+
+
+def test_collectives_get_the_steady_timeout_after_the_first_step(stragglers):
+    assert case(stragglers, "steady_timeout")["summary"]["steps"] == 3
+    log = (stragglers[0] / "steady_timeout" / "logs" / "rank_1.log").read_text()
+    assert log.count("collective timeout after the first step: 30 s (init timeout 60 s)") == 1

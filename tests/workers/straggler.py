@@ -19,6 +19,8 @@ CASES = {
     "slow": dict(fault_inject="slow@step=5,rank=1,ms=40"),
     "fatal": dict(fault_inject="slow@step=5,rank=1,ms=40", straggler_action="fatal"),
     "clean": dict(max_steps=200, straggler_interval=10, log_interval=10),
+    # Not a straggler case, but a cheap place for it: the init timeout, then the steady one on gloo.
+    "steady_timeout": dict(max_steps=3, init_timeout_s=60, timeout_s=30),
 }
 
 
