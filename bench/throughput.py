@@ -37,7 +37,9 @@ PowerSGD starts compressing at iteration 2, before the timed window.
 
 --compile instead runs (a) and (c) eager and with compile=true (inductor), interleaved in every
 repeat, and reports tokens/s, the paired ratio to eager, the first step (which holds the
-compilation) and the whole process's wall time; written to bench/results/compile.json.
+compilation) and the whole process's wall time; written to bench/results/compile.json. Inductor
+caches what it compiled (in /tmp): later runs of the same model compile in seconds;
+--cold-cache gives every run a fresh cache, as a first run has.
 
 usage: python bench/throughput.py [--quick] [--steps N] [--warmup N] [--repeats N] [--comm-hooks | --compile]
 """
@@ -248,7 +250,10 @@ def start(kind: str, nproc: int, tmp: Path, name: str, args, copy: int = 0, over
             "--workdir", str(workdir), "--result", str(result), "--copy", str(copy),
             "--set", json.dumps(overrides or {})]
     log = open(workdir / "output.log", "w")
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(), stdout=log, stderr=subprocess.STDOUT,
+    env = child_env()
+    if getattr(args, "cold_cache", False):  # compile from scratch, as a first run does
+        env["TORCHINDUCTOR_CACHE_DIR"] = str(workdir / "inductor_cache")
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                             stdin=subprocess.DEVNULL)
     log.close()
     CHILDREN.append(proc)
@@ -533,6 +538,8 @@ def main() -> int:
     p.add_argument("--comm-hooks", action="store_true",
                    help="compare DDP communication hooks and bucket settings (see above)")
     p.add_argument("--compile", action="store_true", help="compare eager and compile=true at 1 and 2 processes")
+    p.add_argument("--cold-cache", action="store_true",
+                   help="with --compile: each run compiles into a fresh inductor cache (a first run's cost)")
     args = p.parse_args()
     args.steps = args.steps or (30 if args.quick else 150)
     args.warmup = args.warmup or (5 if args.quick else 20)

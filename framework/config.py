@@ -203,7 +203,9 @@ class TrainConfig:
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """Process-group backend: auto = nccl with CUDA, gloo otherwise."""
     timeout_s: float = bounded(600.0, lo=1.0, hi=86400.0)
-    """Timeout in seconds for process-group init and every collective."""
+    """Timeout in seconds for every collective (and, unless init_timeout_s is set, process-group init)."""
+    init_timeout_s: float = bounded(0.0, lo=0.0, hi=86400.0)
+    """Timeout for process-group init and everything up to the first step's end (then timeout_s); 0 = timeout_s."""
     ddp_static_graph: Switch = "auto"
     """DDP static_graph; auto decides from a preflight probe of the model (env DDP_STATIC_GRAPH=0|1)."""
     find_unused_parameters: Switch = "auto"

@@ -25,6 +25,7 @@ GENERATION: int | None = None
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _PARENT_AT_IMPORT = os.getppid()
 _death_signal_armed = False
+_steady = False  # set_steady_timeout has run since the last setup
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,35 @@ def die_with_parent(parent: int | None = None) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
+def select_device(local_rank: int, cuda_available: bool, device_count: int) -> torch.device:
+    """This rank's device: GPU ``local_rank`` (modulo the visible GPUs) with CUDA, else the CPU."""
+    return torch.device("cuda", local_rank % device_count) if cuda_available and device_count else torch.device("cpu")
+
+
+def nccl_environment(log_dir: str, environ: dict[str, str]) -> dict[str, str]:
+    """What torchtitan sets for NCCL, less what the user set: asynchronous error handling (a
+    failed or timed-out collective tears the process down instead of hanging in it), and the
+    flight recorder, which keeps the last collectives and dumps them into log_dir on a timeout."""
+    wanted = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "TORCH_NCCL_TRACE_BUFFER_SIZE": "20000",
+              "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+              "TORCH_FR_DUMP_TEMP_FILE": os.path.join(os.path.abspath(log_dir), "nccl_trace_rank_")}
+    return {k: v for k, v in wanted.items() if k not in environ}
+
+
+def set_steady_timeout(init_timeout_s: float, timeout_s: float) -> None:
+    """After the first step, collectives get ``timeout_s`` instead of the (longer) init timeout,
+    which covered rendezvous, the first NCCL communicator and the preflight (as torchtitan does).
+    Idempotent: the first call does it."""
+    global _steady
+    if _steady or not (dist.is_available() and dist.is_initialized()) or init_timeout_s == timeout_s:
+        _steady = True
+        return
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+    _set_pg_timeout(datetime.timedelta(seconds=timeout_s), None)
+    _steady = True
+    log.info("collective timeout after the first step: %g s (init timeout %g s)", timeout_s, init_timeout_s)
+
+
 def choose_backend(requested: str, cuda: bool) -> str:
     if requested == "auto":
         return "nccl" if cuda else "gloo"
@@ -92,16 +122,17 @@ def choose_backend(requested: str, cuda: bool) -> str:
 
 
 def setup(backend: str = "auto", timeout_s: float = 600.0, *, rank: int | None = None,
-          world_size: int | None = None) -> DistEnv:
-    """Pick the device and, for world_size > 1, join the process group (reusing one that exists)."""
+          world_size: int | None = None, log_dir: str = "logs") -> DistEnv:
+    """Pick the device and, for world_size > 1, join the process group (reusing one that exists)
+    within ``timeout_s`` (the init timeout; see ``set_steady_timeout``)."""
+    global _steady
+    _steady = False
     die_with_parent()
     rank, local_rank, world_size, local_world_size = read_env(rank, world_size)
     cuda = torch.cuda.is_available()
-    if cuda:
-        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+    device = select_device(local_rank, cuda, torch.cuda.device_count() if cuda else 0)
+    if device.type == "cuda":
         torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
 
     if world_size == 1 and not dist.is_initialized():
         if "TORCHELASTIC_RUN_ID" not in os.environ:
@@ -114,6 +145,10 @@ def setup(backend: str = "auto", timeout_s: float = 600.0, *, rank: int | None =
         if "MASTER_PORT" not in os.environ:
             raise ValueError("world_size > 1 without torchrun: set MASTER_ADDR and MASTER_PORT")
         timeout = datetime.timedelta(seconds=timeout_s)
+        if chosen == "nccl":
+            settings = nccl_environment(log_dir, os.environ)
+            os.environ.update(settings)
+            log.info("NCCL settings: %s", ", ".join(f"{k}={v}" for k, v in settings.items()) or "all set by the user")
         dist.init_process_group(backend=chosen, rank=rank, world_size=world_size, timeout=timeout,
                                 device_id=device if chosen == "nccl" else None,
                                 store=restart_safe_store(rank, world_size, timeout))

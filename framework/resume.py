@@ -40,7 +40,7 @@ _NEUTRAL = frozenset({
     "find_unused_parameters", "gradient_as_bucket_view", "bucket_cap_mb", "checkpoint_modules", "export_dir",
     "max_no_progress_restarts", "spike_guard", "spike_threshold", "spike_warmup", "spike_window", "max_rollbacks",
     "spike_lr_cooldown", "exclude_samples", "straggler_interval", "straggler_threshold", "straggler_min_ms",
-    "straggler_patience", "straggler_action"})
+    "straggler_patience", "straggler_action", "init_timeout_s", "compile", "compile_mode", "compile_backend"})
 
 
 class Stateful(Protocol):

@@ -70,7 +70,8 @@ class DDPTrainer:
             raise
         self._owns_process_group = not dist.is_initialized()
         self.log_path = setup_logging(distributed.read_env(rank, world_size)[0], cfg.log_dir, debug=debug)
-        self.env = distributed.setup(cfg.backend, cfg.timeout_s, rank=rank, world_size=world_size)
+        self.env = distributed.setup(cfg.backend, cfg.init_timeout_s or cfg.timeout_s, rank=rank,
+                                     world_size=world_size, log_dir=cfg.log_dir)
         with self._fatal_on_error():
             self._build(model, train_dataset, val_dataset, loss_fn, doctor)
 
@@ -305,6 +306,7 @@ class DDPTrainer:
         self.faults.on_gradients(self.step, self.raw_model)
         agreed, lr, grad_norm = self.optimizer_step(loss, preempt=self.preemption.requested is not None)
         self.stragglers.timer.end()
+        distributed.set_steady_timeout(self.cfg.init_timeout_s or self.cfg.timeout_s, self.cfg.timeout_s)
         indices = self.sampler.advance()
         self.step += 1
         self.watchdog.disarm()

@@ -115,3 +115,9 @@ def test_the_medians_are_gathered_from_the_rank_s_device(monkeypatch):
     monitor.check(5)
     assert devices == [torch.device("meta")]
     assert monitor.scalars()["straggler/forward_backward/rank1"] == 1.5
+
+
+def test_collectives_get_the_steady_timeout_after_the_first_step(stragglers):
+    assert case(stragglers, "steady_timeout")["summary"]["steps"] == 3
+    log = (stragglers[0] / "steady_timeout" / "logs" / "rank_1.log").read_text()
+    assert log.count("collective timeout after the first step: 30 s (init timeout 60 s)") == 1

@@ -22,6 +22,8 @@ CASES = {
     "clean": dict(max_steps=200, straggler_interval=10, log_interval=10),
     # A model with a buffer: DDP broadcasts it at each forward, where the fast rank waits for the slow one.
     "slow_buffered": dict(fault_inject="slow@step=5,rank=1,ms=40"),
+    # Not a straggler case, but a cheap place for it: the init timeout, then the steady one on gloo.
+    "steady_timeout": dict(max_steps=3, init_timeout_s=60, timeout_s=30),
 }
 
 

@@ -1,0 +1,139 @@
+"""The CUDA paths without a GPU: device selection, DDP's device_ids, autocast and GradScaler,
+pinned offload, and the NCCL settings, with CUDA mocked where the code asks torch about it. The
+launcher's --cpu and --gpus logic is tested against a fake GPU count in tests/test_launch.py."""
+
+import datetime
+import os
+from types import SimpleNamespace
+from unittest import mock
+
+import pytest
+import torch
+
+from framework import distributed
+from framework.activation import CpuOffload, OffloadStats
+from framework.config import resolve_config
+from framework.ddp_policy import Decision, wrap
+from framework.optim import precision
+
+
+@pytest.mark.parametrize("local_rank, cuda, count, expected", [
+    (0, True, 2, "cuda:0"), (1, True, 2, "cuda:1"), (3, True, 2, "cuda:1"),  # more ranks than GPUs: wrap around
+    (1, False, 0, "cpu"), (0, True, 0, "cpu"),
+])
+def test_each_local_rank_gets_its_gpu(local_rank, cuda, count, expected):
+    assert distributed.select_device(local_rank, cuda, count) == torch.device(expected)
+
+
+def test_setup_pins_a_single_process_to_its_gpu(monkeypatch):
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    with mock.patch("torch.cuda.is_available", return_value=True), \
+            mock.patch("torch.cuda.device_count", return_value=2), mock.patch("torch.cuda.set_device") as set_device:
+        env = distributed.setup("auto", rank=0, world_size=1)
+    assert env.device == torch.device("cuda", 1) and not env.distributed
+    set_device.assert_called_once_with(torch.device("cuda", 1))
+
+
+@pytest.mark.parametrize("device, device_ids", [(torch.device("cuda", 1), [1]), (torch.device("cpu"), None)])
+def test_ddp_gets_the_rank_s_gpu_as_device_ids(device, device_ids):
+    with mock.patch("framework.ddp_policy.DDP") as ddp:
+        wrap(torch.nn.Linear(2, 2), device, Decision(False, False, []), bucket_cap_mb=25, gradient_as_bucket_view=False,
+             broadcast_buffers=True)
+    assert ddp.call_args.kwargs["device_ids"] == device_ids
+
+
+@pytest.mark.parametrize("use_amp, amp_dtype, device, amp, dtype, scaler", [
+    ("auto", "bf16", "cuda", True, torch.bfloat16, False),
+    ("auto", "fp16", "cuda", True, torch.float16, True),
+    ("auto", "fp16", "cpu", False, torch.float16, False),  # auto: autocast only on CUDA
+    ("false", "fp16", "cuda", False, torch.float16, False),
+    ("true", "bf16", "cpu", True, torch.bfloat16, False),
+])
+def test_autocast_dtype_and_grad_scaler(use_amp, amp_dtype, device, amp, dtype, scaler):
+    cfg = SimpleNamespace(use_amp=use_amp, amp_dtype=amp_dtype)
+    with mock.patch("torch.cuda.is_available", return_value=True):
+        got_amp, got_dtype, got_scaler = precision(cfg, torch.device(device))
+    assert (got_amp, got_dtype, got_scaler.is_enabled()) == (amp, dtype, scaler)
+
+
+def test_fp16_without_cuda_is_a_config_error():
+    with mock.patch("torch.cuda.is_available", return_value=False), pytest.raises(ValueError, match="needs CUDA"):
+        resolve_config({"use_amp": "true", "amp_dtype": "fp16"})
+
+
+def test_offload_copies_a_cuda_tensor_into_pinned_host_memory_without_blocking():
+    stats = OffloadStats()
+    hooks = CpuOffload(stats)
+    gpu_tensor = mock.MagicMock(device=torch.device("cuda", 0), dtype=torch.float32, layout=torch.strided)
+    gpu_tensor.numel.return_value, gpu_tensor.element_size.return_value = 6, 4
+    gpu_tensor.size.return_value = torch.Size([2, 3])
+    host = mock.MagicMock()
+    with mock.patch("torch.empty", return_value=host) as empty:
+        device, kept, nbytes = hooks.pack_hook(gpu_tensor)
+    assert empty.call_args.kwargs["pin_memory"] is True
+    host.copy_.assert_called_once_with(gpu_tensor, non_blocking=True)
+    assert (device, kept, nbytes, stats.packed_bytes) == (torch.device("cuda", 0), host, 24, 24)
+    hooks.unpack_hook((device, host, nbytes))
+    host.to.assert_called_once_with(torch.device("cuda", 0), non_blocking=True)
+
+
+def test_nccl_gets_torchtitan_s_settings_but_never_overrides_the_user_s(tmp_path):
+    got = distributed.nccl_environment(str(tmp_path), {"TORCH_NCCL_TRACE_BUFFER_SIZE": "5"})
+    assert got == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+                   "TORCH_FR_DUMP_TEMP_FILE": os.path.join(str(tmp_path), "nccl_trace_rank_")}
+
+
+def test_nccl_settings_are_in_place_before_the_process_group_starts(monkeypatch, tmp_path):
+    for key in ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT",
+                "TORCH_FR_DUMP_TEMP_FILE"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("MASTER_PORT", "29999")
+    seen = {}
+
+    def init_process_group(**kwargs):
+        seen.update(kwargs, env={k: os.environ.get(k) for k in ("TORCH_NCCL_ASYNC_ERROR_HANDLING",
+                                                                "TORCH_FR_DUMP_TEMP_FILE")})
+    with mock.patch.dict(os.environ), mock.patch("torch.cuda.is_available", return_value=True), \
+            mock.patch("torch.cuda.device_count", return_value=2), mock.patch("torch.cuda.set_device"), \
+            mock.patch("torch.distributed.init_process_group", side_effect=init_process_group), \
+            mock.patch("torch.distributed.is_initialized", return_value=False):
+        env = distributed.setup("auto", 1800, rank=1, world_size=2, log_dir=str(tmp_path))
+    assert env.backend == "nccl" and env.device == torch.device("cuda", 1)
+    assert seen["backend"] == "nccl" and seen["device_id"] == torch.device("cuda", 1)
+    assert seen["timeout"] == datetime.timedelta(seconds=1800)
+    assert seen["env"] == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",
+                           "TORCH_FR_DUMP_TEMP_FILE": os.path.join(str(tmp_path), "nccl_trace_rank_")}
+    assert "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in os.environ  # patch.dict undid what setup set
+
+
+def test_the_steady_timeout_replaces_the_init_timeout_once(monkeypatch):
+    monkeypatch.setattr(distributed, "_steady", False)
+    with mock.patch("torch.distributed.is_initialized", return_value=True), \
+            mock.patch("torch.distributed.distributed_c10d._set_pg_timeout") as set_timeout:
+        distributed.set_steady_timeout(1800, 300)
+        distributed.set_steady_timeout(1800, 300)
+    set_timeout.assert_called_once_with(datetime.timedelta(seconds=300), None)
+
+
+def test_gpu_check_without_a_gpu_says_so_in_one_line_and_exits_0():
+    import subprocess
+    import sys
+    from tests.dist_helper import ROOT
+    out = subprocess.run([sys.executable, "bench/gpu_check.py"], cwd=ROOT, capture_output=True, text=True,
+                         env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == [out.stdout.strip()] and "no CUDA GPU visible" in out.stdout
+    assert out.stderr == ""
+
+
+def test_gpu_check_plans_every_row_and_the_second_nccl_row_only_with_two_gpus():
+    import importlib.util
+    from tests.dist_helper import ROOT
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "bench" / "gpu_check.py")
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    assert list(gpu_check.checks(1)) == ["nccl_1", "bf16", "fp16", "scaler_overflow", "oom_halving", "memory",
+                                         "compile", "throughput"]
+    assert "nccl_2" in gpu_check.checks(2)
+    assert gpu_check.loss_falls({"first_train_loss": 5.5, "final_train_loss": 2.0, "tokens_per_sec": 1})["ok"]
+    assert not gpu_check.loss_falls({"first_train_loss": 5.5, "final_train_loss": 5.3, "tokens_per_sec": 1})["ok"]
