@@ -116,7 +116,13 @@ def run_framework(cfg, clock: Clock) -> dict:
     trainer.optimizer_step = timed_step  # instance attribute: _train() calls it, nothing else changes
     train_start = time.perf_counter()
     summary = trainer.train()
-    return {"first_step_s": clock.wall[0] - train_start, "loader_workers": trainer.num_workers,
+    ddp = getattr(trainer.model, "_orig_mod", trainer.model)
+    # DDP's own averages over its sampled iterations (ns): backward compute, all-reduce, their overlap.
+    ddp_logging = {k: v for k, v in ddp._get_ddp_logging_data().items()
+                   if k.startswith("avg_") or k in ("rebuilt_bucket_sizes", "num_buckets_reduced")} if hasattr(
+        ddp, "_get_ddp_logging_data") else {}
+    return {"first_step_s": clock.wall[0] - train_start, "ddp_logging": ddp_logging,
+            "loader_workers": trainer.num_workers,
             "world_size": trainer.env.world_size,
             "rank": trainer.env.rank, "self_reported_tokens_per_sec": summary["tokens_per_sec"],
             "tokens_per_step": cfg.batch_size * cfg.seq_len * trainer.env.world_size}
@@ -427,6 +433,8 @@ def orchestrate_comm_hooks(args) -> int:
     print(f"torch {torch.__version__}, {len(os.sched_getaffinity(0))} cores; warm-up {args.warmup} steps, timed "
           f"{args.steps} steps, {args.repeats} repeat(s); CPU busy before start {busy_before:.0%}", flush=True)
     runs: dict[str, list[float]] = {k: [] for k in ("a", "b", "e", *COMM_SETTINGS)}
+    step_ms: dict[str, list[float]] = {k: [] for k in COMM_SETTINGS}
+    ddp_logs: dict[str, list[dict]] = {k: [] for k in COMM_SETTINGS}
     with tempfile.TemporaryDirectory(prefix="bench_comm_hooks_") as tmpdir:
         tmp = Path(tmpdir)
         for i in range(args.repeats):
@@ -434,7 +442,10 @@ def orchestrate_comm_hooks(args) -> int:
             runs["a"].append(run_variant("framework", 1, tmp, f"a{i}", args)["tokens_per_sec"])
             runs["e"].append(run_concurrent_pair(tmp, f"e{i}", args)["tokens_per_sec"])
             for j, (name, overrides) in enumerate(COMM_SETTINGS.items()):
-                runs[name].append(run_variant("framework", 2, tmp, f"c{i}_{j}", args, overrides)["tokens_per_sec"])
+                res = run_variant("framework", 2, tmp, f"c{i}_{j}", args, overrides)
+                runs[name].append(res["tokens_per_sec"])
+                step_ms[name].append(res["ms_per_step"])
+                ddp_logs[name].append(res["ddp_logging"])
         kill_children()
     med = {k: statistics.median(v) for k, v in runs.items()}
     ceiling = med["e"] / med["b"]
@@ -452,6 +463,20 @@ def orchestrate_comm_hooks(args) -> int:
         rows.append(row)
         print(f"{name:<26} {med[name]:>15.0f} {row['c_over_a']:>6.3f} {row['vs_plain']:>9.3f} {paired:>7.3f} "
               f"{' '.join(f'{r:.0f}' for r in runs[name]):>26}")
+    print(f"\nwhere a step's time goes (DDP's own logging, rank 0, medians over repeats; ms): "
+          f"{'step':>6} {'bwd compute':>12} {'all-reduce':>11} {'overlap':>8} {'exposed comm':>13}  bucket bytes")
+    for name in COMM_SETTINGS:
+        def median_ms(key, logs=ddp_logs[name]):
+            values = [d[key] / 1e6 for d in logs if key in d]
+            return statistics.median(values) if values else float("nan")
+        compute, comm = median_ms("avg_backward_compute_time"), median_ms("avg_backward_comm_time")
+        overlap = median_ms("avg_backward_compute_comm_overlap_time")
+        buckets = ddp_logs[name][-1].get("rebuilt_bucket_sizes", "") if ddp_logs[name] else ""
+        row = next(r for r in rows if r["setting"] == name)
+        row.update(step_ms=statistics.median(step_ms[name]), backward_compute_ms=compute, allreduce_ms=comm,
+                   overlap_ms=overlap, exposed_comm_ms=comm - overlap, bucket_sizes=buckets)
+        print(f"{name:<26} {row['step_ms']:>6.1f} {compute:>12.1f} {comm:>11.1f} {overlap:>8.1f} "
+              f"{comm - overlap:>13.1f}  {buckets}")
     # The paired ratio decides: a repeat's settings ran back to back, so drift between repeats cancels.
     best = max(rows, key=lambda r: r["vs_plain_paired"])
     spread = {k: (max(v) - min(v)) / statistics.median(v) for k, v in runs.items()}
