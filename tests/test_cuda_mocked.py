@@ -106,6 +106,34 @@ def test_nccl_settings_are_in_place_before_the_process_group_starts(monkeypatch,
     assert "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in os.environ  # patch.dict undid what setup set
 
 
+@pytest.mark.parametrize("user", [{"TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/mine/fr_"}, {"TORCH_FR_BUFFER_SIZE": "7"}])
+def test_the_flight_recorder_s_other_names_count_as_set_by_the_user(tmp_path, user):
+    got = distributed.nccl_environment(str(tmp_path), user)
+    assert not {"TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"} <= {*got, *user}
+    assert not {"TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_FR_BUFFER_SIZE"} <= {*got, *user}
+    assert got["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"
+
+
+@pytest.mark.parametrize("backend, torchrun, group", [("nccl", True, True), ("auto", True, False),
+                                                     ("gloo", True, False), ("nccl", False, False)])
+def test_one_process_builds_an_nccl_group_only_when_nccl_is_asked_for_under_torchrun(monkeypatch, tmp_path,
+                                                                                     backend, torchrun, group):
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    if torchrun:
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", "gpu_check")
+    monkeypatch.setenv("MASTER_PORT", "29999")
+    with mock.patch.dict(os.environ), mock.patch("torch.cuda.is_available", return_value=True), \
+            mock.patch("torch.cuda.device_count", return_value=1), mock.patch("torch.cuda.set_device"), \
+            mock.patch("torch.distributed.init_process_group") as init, \
+            mock.patch("torch.distributed.is_initialized", return_value=False):
+        env = distributed.setup(backend, rank=0, world_size=1, log_dir=str(tmp_path))
+        nccl_env = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")
+    assert env.distributed is group and init.called is group
+    if group:
+        assert init.call_args.kwargs["backend"] == "nccl" and init.call_args.kwargs["world_size"] == 1
+        assert nccl_env == "3"
+
+
 def test_the_steady_timeout_replaces_the_init_timeout_once(monkeypatch):
     monkeypatch.setattr(distributed, "_steady", False)
     with mock.patch("torch.distributed.is_initialized", return_value=True), \
