@@ -141,27 +141,3 @@ def test_the_steady_timeout_replaces_the_init_timeout_once(monkeypatch):
         distributed.set_steady_timeout(1800, 300)
         distributed.set_steady_timeout(1800, 300)
     set_timeout.assert_called_once_with(datetime.timedelta(seconds=300), None)
-
-
-def test_gpu_check_without_a_gpu_says_so_in_one_line_and_exits_0():
-    import subprocess
-    import sys
-    from tests.dist_helper import ROOT
-    out = subprocess.run([sys.executable, "bench/gpu_check.py"], cwd=ROOT, capture_output=True, text=True,
-                         env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.splitlines() == [out.stdout.strip()] and "no CUDA GPU visible" in out.stdout
-    assert out.stderr == ""
-
-
-def test_gpu_check_plans_every_row_and_the_second_nccl_row_only_with_two_gpus():
-    import importlib.util
-    from tests.dist_helper import ROOT
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "bench" / "gpu_check.py")
-    gpu_check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gpu_check)
-    assert list(gpu_check.checks(1)) == ["nccl_1", "bf16", "fp16", "scaler_overflow", "oom_halving", "memory",
-                                         "compile", "throughput"]
-    assert "nccl_2" in gpu_check.checks(2)
-    assert gpu_check.loss_falls({"first_train_loss": 5.5, "final_train_loss": 2.0, "tokens_per_sec": 1})["ok"]
-    assert not gpu_check.loss_falls({"first_train_loss": 5.5, "final_train_loss": 5.3, "tokens_per_sec": 1})["ok"]
