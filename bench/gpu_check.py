@@ -138,10 +138,10 @@ def check_memory(tmp: Path) -> dict:
             "peaks_bytes": peaks}
 
 
-def check_compile(tmp: Path) -> dict:
+def check_compile(tmp: Path, gpus: int) -> dict:
     out = tmp / "compile.json"
     proc = run_script("bench/throughput.py", "--compile", "--cold-cache", "--repeats", "1", "--steps", "100",
-                      "--out", str(out), timeout=900)
+                      "--max-procs", str(min(gpus, 2)), "--out", str(out), timeout=900)
     if proc.returncode != 0:
         raise RuntimeError(proc.stdout[-1500:] + proc.stderr[-1500:])
     rows = {r["variant"]: r for r in json.loads(out.read_text())["variants"]}
@@ -156,8 +156,11 @@ def check_throughput(tmp: Path) -> dict:
     proc = run_script("bench/throughput.py", "--quick", "--variants", "ab", "--out", str(out), timeout=900)
     if proc.returncode != 0:
         raise RuntimeError(proc.stdout[-1500:] + proc.stderr[-1500:])
-    return {"ok": True, "detail": proc.stdout.strip().splitlines()[-2] if proc.stdout.strip() else "",
-            "result": json.loads(out.read_text())}
+    result = json.loads(out.read_text())
+    ratio = result["ratios"]["a/b"]
+    return {"ok": ratio > 0, "detail": f"a/b = {ratio:.3f} (DDPTrainer / bare loop tokens/s, 1 process; "
+                                       f"{result['variants']['a']['median_tokens_per_sec']:.0f} tok/s)",
+            "result": result}
 
 
 @dataclass(frozen=True)
@@ -177,7 +180,7 @@ def checks(gpus: int) -> dict[str, Row]:
                 oom_halving=Row(check_oom_halving, ("oom_recovery",)),
                 memory=Row(check_memory, ("gradient_checkpointing",)),
                 comm_hook=Row(partial(check_comm_hook, nproc=min(gpus, 2)), ("backend", "ddp_comm_hook")),
-                compile=Row(check_compile, ("compile",)), throughput=Row(check_throughput))
+                compile=Row(partial(check_compile, gpus=gpus), ("compile",)), throughput=Row(check_throughput))
     return rows
 
 

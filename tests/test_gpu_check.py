@@ -1,6 +1,6 @@
 """bench/gpu_check.py on CPU: the one line without a GPU, the rows it plans, a row whose config
-keys are missing, a failing row, and a real row's training run (bf16 autocast on CPU) through the
-same torchrun launch and summary it uses on a GPU."""
+keys are missing, a failing row, and two real rows on CPU: the bf16 training run (through the
+same torchrun launch and summary it uses on a GPU) and the throughput bench."""
 
 import importlib.util
 import os
@@ -62,3 +62,9 @@ def test_the_bf16_row_trains_on_cpu_through_torchrun(gpu_check, tmp_path, monkey
     row = gpu_check.check_amp(tmp_path, "bf16")
     assert row["ok"], row["detail"]
     assert "amp=on (bf16)" in (tmp_path / "bf16" / "logs" / "rank_0.log").read_text()
+
+
+def test_the_throughput_row_runs_the_bench_and_reads_its_json(gpu_check, tmp_path):
+    row = gpu_check.check_throughput(tmp_path)
+    assert row["ok"] and row["detail"].startswith("a/b = "), row["detail"]
+    assert row["result"]["variants_run"] == "ab"
