@@ -141,3 +141,23 @@ def test_the_steady_timeout_replaces_the_init_timeout_once(monkeypatch):
         distributed.set_steady_timeout(1800, 300)
         distributed.set_steady_timeout(1800, 300)
     set_timeout.assert_called_once_with(datetime.timedelta(seconds=300), None)
+
+
+def test_a_one_rank_group_trains_through_ddp_and_switches_to_the_steady_timeout(tmp_path):
+    """What backend=nccl at one process builds, on gloo: DDP over a 1-rank group, the init timeout
+    replaced by timeout_s after the first step."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+    from framework.trainer import DDPTrainer
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        trainer = DDPTrainer({"vocab_size": 32, "hidden_size": 32, "num_layers": 1, "num_heads": 2, "seq_len": 16,
+                              "dataset_size": 64, "batch_size": 8, "max_steps": 4, "eval_interval": 0,
+                              "num_workers": 0, "tensorboard": False, "export_dir": "none", "resume": "none",
+                              "init_timeout_s": 900, "timeout_s": 60, "log_dir": str(tmp_path / "logs"),
+                              "checkpoint_dir": str(tmp_path / "ck")})
+        assert trainer.env.distributed and isinstance(trainer.model, DistributedDataParallel)
+        assert trainer.train()["steps"] == 4
+    finally:
+        dist.destroy_process_group()
+    assert "collective timeout after the first step: 60 s (init timeout 900 s)" in trainer.log_path.read_text()
