@@ -103,7 +103,17 @@ def nccl_environment(log_dir: str, environ: dict[str, str]) -> dict[str, str]:
     wanted = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "TORCH_NCCL_TRACE_BUFFER_SIZE": "20000",
               "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
               "TORCH_FR_DUMP_TEMP_FILE": os.path.join(os.path.abspath(log_dir), "nccl_trace_rank_")}
-    return {k: v for k, v in wanted.items() if not any(name in environ for name in NCCL_ALIASES.get(k, (k,)))}
+    return {k: v for k, v in wanted.items()
+            if not any(name in environ for name in NCCL_ALIASES.get(k, (k,))) or torchrun_default(k, environ)}
+
+
+def torchrun_default(key: str, environ: dict[str, str]) -> bool:
+    """Whether ``environ[key]`` is torchrun's, not the user's: torchrun puts
+    TORCH_NCCL_ASYNC_ERROR_HANDLING=1 into every worker whose launcher environment lacks it, so
+    under torchrun a 1 there is taken for torchrun's (a user's 1 becomes 3 as well: both tear the
+    process down; 3 skips the communicator abort, which can itself hang)."""
+    return (key == "TORCH_NCCL_ASYNC_ERROR_HANDLING" and "TORCHELASTIC_RUN_ID" in environ
+            and environ.get(key) == "1")
 
 
 def set_steady_timeout(init_timeout_s: float, timeout_s: float) -> None:

@@ -106,6 +106,30 @@ def test_nccl_settings_are_in_place_before_the_process_group_starts(monkeypatch,
     assert "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in os.environ  # patch.dict undid what setup set
 
 
+@pytest.mark.parametrize("environ, expected", [
+    ({"TORCHELASTIC_RUN_ID": "x", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}, "3"),  # torchrun's default
+    ({"TORCHELASTIC_RUN_ID": "x", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}, None),  # the user's
+    ({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}, None),  # no torchrun: the user's
+])
+def test_torchrun_s_async_error_handling_default_is_replaced_but_a_user_s_value_is_kept(tmp_path, environ,
+                                                                                       expected):
+    assert distributed.nccl_environment(str(tmp_path), environ).get("TORCH_NCCL_ASYNC_ERROR_HANDLING") == expected
+
+
+def test_under_torchrun_a_worker_gets_async_error_handling_3(tmp_path):
+    """torchrun's agent itself puts TORCH_NCCL_ASYNC_ERROR_HANDLING=1 into its workers' environment."""
+    import subprocess
+    from tests.dist_helper import torchrun_cmd, worker_env
+    script = tmp_path / "show.py"
+    script.write_text("import os, sys\nfrom framework.distributed import nccl_environment\n"
+                      "sys.stdout.write(os.environ['TORCH_NCCL_ASYNC_ERROR_HANDLING'] + ' '\n"
+                      "                 + nccl_environment('logs', os.environ)['TORCH_NCCL_ASYNC_ERROR_HANDLING'])\n")
+    env = {k: v for k, v in worker_env().items() if k != "TORCH_NCCL_ASYNC_ERROR_HANDLING"}
+    out = subprocess.run(torchrun_cmd(script, [], nproc=1), env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "1 3"
+
+
 @pytest.mark.parametrize("user", [{"TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/mine/fr_"}, {"TORCH_FR_BUFFER_SIZE": "7"}])
 def test_the_flight_recorder_s_other_names_count_as_set_by_the_user(tmp_path, user):
     got = distributed.nccl_environment(str(tmp_path), user)
