@@ -24,6 +24,7 @@ usage: python bench/gpu_check.py [--only NAME[,NAME...]]
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import subprocess
 import sys
@@ -98,11 +99,14 @@ def check_oom_halving(tmp: Path) -> dict:
     base = {**TINY, "max_steps": 3}
     peaks = {}
     for batch in (2, 4):
+        gc.collect()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
+        held = torch.cuda.memory_allocated()  # what an earlier probe may still hold
         DDPTrainer({**base, "batch_size": batch, "log_dir": str(tmp / f"oom{batch}" / "logs"),
                     "checkpoint_dir": str(tmp / f"oom{batch}" / "ck")}).train()
-        peaks[batch] = torch.cuda.max_memory_allocated()
+        peaks[batch] = torch.cuda.max_memory_allocated() - held
+    gc.collect()
     torch.cuda.empty_cache()
     per_sample = (peaks[4] - peaks[2]) / 2
     limit = torch.cuda.memory_reserved() + peaks[2] + 9 * per_sample  # 8 samples and some slack; 16 do not fit

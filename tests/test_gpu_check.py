@@ -68,3 +68,35 @@ def test_the_throughput_row_runs_the_bench_and_reads_its_json(gpu_check, tmp_pat
     row = gpu_check.check_throughput(tmp_path)
     assert row["ok"] and row["detail"].startswith("a/b = "), row["detail"]
     assert row["result"]["variants_run"] == "ab"
+
+
+def test_the_oom_row_limits_memory_to_8_samples_from_two_probes(gpu_check, tmp_path, monkeypatch):
+    """The row's arithmetic with CUDA and the trainer faked: probes at 2 and 4 samples (100 MB
+    fixed, 10 MB a sample) give a limit that holds 8 samples and not 16; the row passes only when
+    the trainer ends with a smaller micro-batch times accumulation = 32."""
+    import torch
+    from framework import trainer as trainer_module
+    from unittest import mock
+    made, fraction = [], []
+
+    class FakeTrainer:
+        def __init__(self, cfg):
+            made.append(cfg)
+            self.sampler = mock.Mock(batch_size=cfg["batch_size"], accumulation=1)
+
+        def train(self):
+            if self.sampler.batch_size == 32:
+                self.sampler.batch_size, self.sampler.accumulation = 8, 4
+            return {"steps": 3}
+    monkeypatch.setattr(trainer_module, "DDPTrainer", FakeTrainer)
+    mb = 2**20
+    peak = mock.Mock(side_effect=lambda: (100 + 10 * made[-1]["batch_size"]) * mb)
+    with mock.patch.multiple(torch.cuda, empty_cache=mock.DEFAULT, reset_peak_memory_stats=mock.DEFAULT,
+                             memory_allocated=mock.Mock(return_value=0), max_memory_allocated=peak,
+                             memory_reserved=mock.Mock(return_value=0),
+                             get_device_properties=mock.Mock(return_value=mock.Mock(total_memory=1000 * mb)),
+                             set_per_process_memory_fraction=mock.Mock(side_effect=fraction.append)):
+        row = gpu_check.check_oom_halving(tmp_path)
+    assert [cfg["batch_size"] for cfg in made] == [2, 4, 32] and made[2]["oom_recovery"] == "true"
+    assert 180 * mb < fraction[0] * 1000 * mb < 260 * mb and fraction[1] == 1.0  # 8 samples fit, 16 do not
+    assert row["ok"] and "32 -> 8 x 4" in row["detail"], row["detail"]
