@@ -8,13 +8,15 @@ scripts, each a row of the table and an entry of bench/results/gpu_check.json:
   fp16                autocast fp16 + GradScaler training, loss falling
   scaler_overflow     fp16 with a NaN injected into a gradient: the GradScaler skips the step and
                       lowers its scale; it does not count as a non-finite (skipped) step
-  oom_halving         a real torch.cuda.OutOfMemoryError (the process limited to a memory fraction
-                      a 16x micro-batch cannot fit): oom_recovery halves the micro-batch until it fits
+  oom_halving         a real torch.cuda.OutOfMemoryError (the process limited to the memory of an
+                      8-sample micro-batch, measured): oom_recovery halves 32 until it fits
   memory              bench/memory.py --model gpt: torch.cuda.max_memory_allocated per memory mode
+  comm_hook           ddp_comm_hook=bf16 on NCCL (1 process, or 2 with two GPUs), loss falling
   compile             bench/throughput.py --compile: tokens/s eager vs compile=true, 1 process
   throughput          bench/throughput.py --quick: the framework against a bare loop
 
-Without a GPU it prints one line and exits 0.
+A row whose config keys this version lacks says "not available in this version" (never silently
+skipped). Without a GPU it prints one line and exits 0.
 
 usage: python bench/gpu_check.py [--only NAME[,NAME...]]
 """
@@ -22,11 +24,15 @@ usage: python bench/gpu_check.py [--only NAME[,NAME...]]
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,38 +71,60 @@ def check_nccl(tmp: Path, nproc: int) -> dict:
 
 
 def check_amp(tmp: Path, dtype: str) -> dict:
-    return loss_falls(train(tmp, dtype, use_amp="true", amp_dtype=dtype))
+    summary = train(tmp, dtype, use_amp="true", amp_dtype=dtype)
+    row = loss_falls(summary)
+    row["ok"] &= f"amp=on ({dtype})" in summary["log"]
+    return row
 
 
 def check_scaler_overflow(tmp: Path) -> dict:
+    """fp16 with a NaN put into a gradient at step 20: the GradScaler skips that step and halves
+    its scale (the final checkpoint's scale is below the initial 2**16, which 60 steps cannot grow
+    past), and the framework does not count it as a non-finite step."""
+    from framework.checkpoint import load_file, step_file
     summary = train(tmp, "scaler_overflow", use_amp="true", amp_dtype="fp16", fault_inject="nan@step=20")
-    ok = summary["skipped_steps"] == 0 and summary["steps"] == TINY["max_steps"] and "nan at step 20" in summary["log"]
-    return {"ok": ok, "detail": f"skipped_steps {summary['skipped_steps']} (the GradScaler skipped the step), "
-                                f"{summary['steps']} steps"}
+    scale = load_file(tmp / "scaler_overflow" / "ck" / step_file(summary["steps"]))["scaler"]["scale"]
+    ok = (summary["skipped_steps"] == 0 and summary["steps"] == TINY["max_steps"] and "nan at step 20" in summary["log"]
+          and scale < 2.0**16)
+    return {"ok": ok, "detail": f"skipped_steps {summary['skipped_steps']}, {summary['steps']} steps, "
+                                f"final GradScaler scale {scale:g} (initial 65536)"}
 
 
 def check_oom_halving(tmp: Path) -> dict:
-    """In-process, one process: the memory a 2x micro-batch needs, then a fraction of the GPU
-    that 16x cannot fit; oom_recovery must halve until it trains."""
+    """In-process, one process: the memory of a 2- and a 4-sample micro-batch gives the fixed part
+    and the part per sample; limited to what 8 samples need (and 3 more), a 32-sample micro-batch hits a real
+    OOM and oom_recovery must halve it until it trains, keeping 32 samples per step."""
     import torch
     from framework.trainer import DDPTrainer
-    base = {**TINY, "max_steps": 3, "log_dir": str(tmp / "oom" / "logs"), "checkpoint_dir": str(tmp / "oom" / "ck")}
-    probe = DDPTrainer({**base, "batch_size": 2})
-    torch.cuda.reset_peak_memory_stats()
-    probe.train()
-    need = torch.cuda.max_memory_allocated()
-    del probe
+    base = {**TINY, "max_steps": 3}
+    peaks = {}
+    for batch in (2, 4):
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        held = torch.cuda.memory_allocated()  # what an earlier probe may still hold
+        DDPTrainer({**base, "batch_size": batch, "log_dir": str(tmp / f"oom{batch}" / "logs"),
+                    "checkpoint_dir": str(tmp / f"oom{batch}" / "ck")}).train()
+        peaks[batch] = torch.cuda.max_memory_allocated() - held
+    gc.collect()
     torch.cuda.empty_cache()
-    total = torch.cuda.get_device_properties(0).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, 4 * need / total))
+    per_sample = (peaks[4] - peaks[2]) / 2
+    limit = torch.cuda.memory_reserved() + peaks[2] + 9 * per_sample  # 8 samples and some slack; 16 do not fit
+    torch.cuda.set_per_process_memory_fraction(min(1.0, limit / torch.cuda.get_device_properties(0).total_memory))
     try:
-        trainer = DDPTrainer({**base, "batch_size": 32, "oom_recovery": "true", "resume": "none"})
+        trainer = DDPTrainer({**base, "batch_size": 32, "oom_recovery": "true", "log_dir": str(tmp / "oom" / "logs"),
+                              "checkpoint_dir": str(tmp / "oom" / "ck")})
         summary = trainer.train()
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
     b, a = trainer.sampler.batch_size, trainer.sampler.accumulation
     return {"ok": summary["steps"] == 3 and b < 32 and b * a == 32,
-            "detail": f"limit {4 * need / 2**20:.0f} MiB: micro-batch 32 -> {b} x {a} accumulation"}
+            "detail": f"limit {limit / 2**20:.0f} MiB ({per_sample / 2**20:.1f} MiB per sample): "
+                      f"micro-batch 32 -> {b} x {a} accumulation"}
+
+
+def check_comm_hook(tmp: Path, nproc: int) -> dict:
+    return loss_falls(train(tmp, "comm_hook", nproc=nproc, backend="nccl", ddp_comm_hook="bf16"))
 
 
 def run_script(*args: str, timeout: float) -> subprocess.CompletedProcess:
@@ -114,10 +142,10 @@ def check_memory(tmp: Path) -> dict:
             "peaks_bytes": peaks}
 
 
-def check_compile(tmp: Path) -> dict:
+def check_compile(tmp: Path, gpus: int) -> dict:
     out = tmp / "compile.json"
     proc = run_script("bench/throughput.py", "--compile", "--cold-cache", "--repeats", "1", "--steps", "100",
-                      "--out", str(out), timeout=900)
+                      "--max-procs", str(min(gpus, 2)), "--out", str(out), timeout=900)
     if proc.returncode != 0:
         raise RuntimeError(proc.stdout[-1500:] + proc.stderr[-1500:])
     rows = {r["variant"]: r for r in json.loads(out.read_text())["variants"]}
@@ -132,18 +160,54 @@ def check_throughput(tmp: Path) -> dict:
     proc = run_script("bench/throughput.py", "--quick", "--variants", "ab", "--out", str(out), timeout=900)
     if proc.returncode != 0:
         raise RuntimeError(proc.stdout[-1500:] + proc.stderr[-1500:])
-    return {"ok": True, "detail": proc.stdout.strip().splitlines()[-2] if proc.stdout.strip() else "",
-            "result": json.loads(out.read_text())}
+    result = json.loads(out.read_text())
+    ratio = result["ratios"]["a/b"]
+    return {"ok": ratio > 0, "detail": f"a/b = {ratio:.3f} (DDPTrainer / bare loop tokens/s, 1 process; "
+                                       f"{result['variants']['a']['median_tokens_per_sec']:.0f} tok/s)",
+            "result": result}
 
 
-def checks(gpus: int) -> dict:
-    rows = {"nccl_1": lambda tmp: check_nccl(tmp, 1)}
+@dataclass(frozen=True)
+class Row:
+    check: Callable[[Path], dict]
+    keys: tuple[str, ...] = ()  # the config keys the check needs
+
+
+def checks(gpus: int) -> dict[str, Row]:
+    """The rows, in order: one check each, with the config keys it needs."""
+    amp = ("use_amp", "amp_dtype")
+    rows = {"nccl_1": Row(partial(check_nccl, nproc=1), ("backend",))}
     if gpus >= 2:
-        rows["nccl_2"] = lambda tmp: check_nccl(tmp, 2)
-    rows.update(bf16=lambda tmp: check_amp(tmp, "bf16"), fp16=lambda tmp: check_amp(tmp, "fp16"),
-                scaler_overflow=check_scaler_overflow, oom_halving=check_oom_halving, memory=check_memory,
-                compile=check_compile, throughput=check_throughput)
+        rows["nccl_2"] = Row(partial(check_nccl, nproc=2), ("backend",))
+    rows.update(bf16=Row(partial(check_amp, dtype="bf16"), amp), fp16=Row(partial(check_amp, dtype="fp16"), amp),
+                scaler_overflow=Row(check_scaler_overflow, (*amp, "fault_inject")),
+                oom_halving=Row(check_oom_halving, ("oom_recovery",)),
+                memory=Row(check_memory, ("gradient_checkpointing",)),
+                comm_hook=Row(partial(check_comm_hook, nproc=min(gpus, 2)), ("backend", "ddp_comm_hook")),
+                compile=Row(partial(check_compile, gpus=gpus), ("compile",)), throughput=Row(check_throughput))
     return rows
+
+
+def missing_keys(keys: tuple[str, ...]) -> list[str]:
+    from framework.config import TrainConfig
+    known = {f.name for f in fields(TrainConfig)}
+    return [k for k in keys if k not in known]
+
+
+def run_row(name: str, row: Row, tmp: Path) -> dict:
+    """One row's result: ok True/False, or None when this version lacks the row's config keys."""
+    start = time.perf_counter()
+    if missing := missing_keys(row.keys):
+        result = {"ok": None, "detail": f"not available in this version (no config key {', '.join(missing)})"}
+    else:
+        try:
+            result = row.check(tmp)
+        except Exception as err:  # the check's failure is its result; the other checks still run
+            result = {"ok": False, "detail": f"{type(err).__name__}: {str(err)[-800:]}"}
+    result["seconds"] = time.perf_counter() - start
+    status = {True: "ok", False: "FAILED", None: "n/a"}[result["ok"]]
+    print(f"{name:<16} {status:<7} {result['seconds']:6.0f} s  {result['detail']}", flush=True)
+    return result
 
 
 def main() -> int:
@@ -159,22 +223,13 @@ def main() -> int:
     selected = checks(gpus)
     if args.only:
         selected = {k: v for k, v in selected.items() if k in args.only.split(",")}
-    results = {}
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
-        for name, check in selected.items():
-            start = time.perf_counter()
-            try:
-                results[name] = check(Path(tmp))
-            except Exception as err:  # the check's failure is its result; the other checks still run
-                results[name] = {"ok": False, "detail": f"{type(err).__name__}: {str(err)[-800:]}"}
-            results[name]["seconds"] = time.perf_counter() - start
-            print(f"{name:<16} {'ok' if results[name]['ok'] else 'FAILED':<7} {results[name]['seconds']:6.0f} s  "
-                  f"{results[name]['detail']}", flush=True)
+        results = {name: run_row(name, row, Path(tmp)) for name, row in selected.items()}
     out = {"device": torch.cuda.get_device_name(0), "gpus": gpus, "torch": torch.__version__,
            "cuda": torch.version.cuda, "checks": results}
     RESULTS.write_text(json.dumps(out, indent=2, default=str) + "\n")
     print(f"wrote {RESULTS}")
-    return 0 if all(r["ok"] for r in results.values()) else 1
+    return 0 if all(r["ok"] is not False for r in results.values()) else 1
 
 
 if __name__ == "__main__":

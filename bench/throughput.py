@@ -1,6 +1,11 @@
 #!/usr/bin/env python3
 """Training throughput of DDPTrainer against a bare PyTorch loop, on CPU, in one run.
 
+With CUDA, both run on the GPU of their local rank (NCCL between ranks), the bare loop with the
+framework's autocast and GradScaler (framework.optim.precision), and every step's stamp is taken
+after torch.cuda.synchronize(). One GPU cannot hold 2 NCCL ranks: there, run 1-process variants
+only (--variants ab, --compile --max-procs 1), as bench/gpu_check.py does.
+
 Model and data: configs/nanogpt_shakespeare_char.toml (GPT, 4 layers, 4 heads, hidden 128,
 seq_len 64, dropout 0, AdamW, grad clip 1.0) on data/tinyshakespeare.txt, batch 12 per rank for
 every variant. Every process runs one compute thread (OMP_NUM_THREADS=1, torch.set_num_threads(1)).
@@ -97,8 +102,13 @@ class Clock:
     def __init__(self):
         self.wall: list[float] = []
         self.cpu: list[float] = []
+        import torch
+        self.cuda = torch.cuda.is_available()
 
     def tick(self) -> None:
+        if self.cuda:  # a stamp after the step's kernels ran, not after they were queued
+            import torch
+            torch.cuda.synchronize()
         self.wall.append(time.perf_counter())
         self.cpu.append(time.thread_time())
 
@@ -130,24 +140,32 @@ def run_framework(cfg, clock: Clock) -> dict:
 
 def run_bare(cfg, clock: Clock, seed_offset: int = 0) -> dict:
     """The bare loop: same model, loss, optimizer, schedule and clip; batches indexed from the
-    same token array; torch DDP when launched by torchrun with WORLD_SIZE > 1."""
+    same token array; torch DDP when launched by torchrun with WORLD_SIZE > 1; on the GPU the
+    framework would pick (NCCL), else the CPU (gloo)."""
     import torch
     import torch.distributed as dist
     from framework.data import build_datasets
+    from framework.distributed import select_device
     from framework.model import GPT, GPTConfig, lm_loss
-    from framework.optim import build_optimizer, lr_at
+    from framework.optim import build_optimizer, lr_at, precision
     world = int(os.environ.get("WORLD_SIZE", 1))
+    cuda = torch.cuda.is_available()
+    device = select_device(int(os.environ.get("LOCAL_RANK", 0)), cuda, torch.cuda.device_count() if cuda else 0)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     if world > 1:
-        dist.init_process_group("gloo")
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     rank = dist.get_rank() if world > 1 else 0
     bundle = build_datasets(cfg)
     cfg = dataclasses.replace(cfg, vocab_size=bundle.vocab_size)
     data = torch.from_numpy(bundle.train.tokens.astype("int64"))  # the framework's train tokens
     torch.manual_seed(cfg.seed)
-    raw = GPT(GPTConfig.from_train_config(cfg))
-    model = torch.nn.parallel.DistributedDataParallel(raw) if world > 1 else raw
+    raw = GPT(GPTConfig.from_train_config(cfg)).to(device)
+    ids = [device.index] if device.type == "cuda" else None
+    model = torch.nn.parallel.DistributedDataParallel(raw, device_ids=ids) if world > 1 else raw
     opt = build_optimizer(raw, lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
                           betas=(cfg.beta1, cfg.beta2))
+    amp, amp_dtype, scaler = precision(cfg, device)  # the framework's autocast and GradScaler
     gen = torch.Generator().manual_seed(cfg.seed + 1 + rank + 100 * seed_offset)
     offsets = torch.arange(cfg.seq_len + 1)
     B, T = cfg.batch_size, cfg.seq_len
@@ -158,11 +176,14 @@ def run_bare(cfg, clock: Clock, seed_offset: int = 0) -> dict:
         for group in opt.param_groups:
             group["lr"] = lr
         ix = torch.randint(len(data) - T - 1, (B,), generator=gen)
-        rows = data[ix[:, None] + offsets]
-        loss = lm_loss(model(rows[:, :-1]), rows[:, 1:])
-        loss.backward()
+        rows = data[ix[:, None] + offsets].to(device, non_blocking=True)
+        with torch.autocast(device.type, dtype=amp_dtype, enabled=amp):
+            loss = lm_loss(model(rows[:, :-1]), rows[:, 1:])
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
         torch.nn.utils.clip_grad_norm_(raw.parameters(), cfg.grad_clip)
-        opt.step()
+        scaler.step(opt)
+        scaler.update()
         opt.zero_grad(set_to_none=True)
         clock.tick()
         if (step + 1) % cfg.log_interval == 0 and rank == 0:
@@ -512,7 +533,7 @@ def orchestrate_compile(args) -> int:
     busy_before = busy_fraction()
     print(f"torch {torch.__version__}; warm-up {args.warmup} steps, timed {args.steps} steps, {args.repeats} "
           f"repeat(s); CPU busy before start {busy_before:.0%}", flush=True)
-    variants = {f"{kind} {n} process{'es' if n > 1 else ''}": (n, overrides) for n in (1, 2)
+    variants = {f"{kind} {n} process{'es' if n > 1 else ''}": (n, overrides) for n in (1, 2)[:args.max_procs]
                 for kind, overrides in (("eager", {}), ("compiled", {"compile": True}))}
     runs: dict[str, list[dict]] = {k: [] for k in variants}
     with tempfile.TemporaryDirectory(prefix="bench_compile_") as tmpdir:
@@ -563,6 +584,8 @@ def main() -> int:
     p.add_argument("--comm-hooks", action="store_true",
                    help="compare DDP communication hooks and bucket settings (see above)")
     p.add_argument("--compile", action="store_true", help="compare eager and compile=true at 1 and 2 processes")
+    p.add_argument("--max-procs", type=int, choices=(1, 2), default=2,
+                   help="with --compile: 1 = the 1-process variants only (one GPU cannot hold 2 NCCL ranks)")
     p.add_argument("--cold-cache", action="store_true",
                    help="with --compile: each run compiles into a fresh inductor cache (a first run's cost)")
     args = p.parse_args()

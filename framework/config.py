@@ -201,7 +201,7 @@ class TrainConfig:
 
     # --- distributed -------------------------------------------------------------------------
     backend: Literal["auto", "gloo", "nccl"] = "auto"
-    """Process-group backend: auto = nccl with CUDA, gloo otherwise."""
+    """Process-group backend: auto = nccl with CUDA, else gloo; nccl under torchrun makes a group even for 1 process."""
     timeout_s: float = bounded(600.0, lo=1.0, hi=86400.0)
     """Timeout in seconds for every collective (and, unless init_timeout_s is set, process-group init)."""
     init_timeout_s: float = bounded(0.0, lo=0.0, hi=86400.0)

@@ -91,6 +91,11 @@ def select_device(local_rank: int, cuda_available: bool, device_count: int) -> t
     return torch.device("cuda", local_rank % device_count) if cuda_available and device_count else torch.device("cpu")
 
 
+# Names torch also reads for the same setting (the flight recorder's older and newer names).
+NCCL_ALIASES = {"TORCH_NCCL_TRACE_BUFFER_SIZE": ("TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_FR_BUFFER_SIZE"),
+                "TORCH_FR_DUMP_TEMP_FILE": ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")}
+
+
 def nccl_environment(log_dir: str, environ: dict[str, str]) -> dict[str, str]:
     """What torchtitan sets for NCCL, less what the user set: asynchronous error handling (a
     failed or timed-out collective tears the process down instead of hanging in it), and the
@@ -98,7 +103,17 @@ def nccl_environment(log_dir: str, environ: dict[str, str]) -> dict[str, str]:
     wanted = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "TORCH_NCCL_TRACE_BUFFER_SIZE": "20000",
               "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
               "TORCH_FR_DUMP_TEMP_FILE": os.path.join(os.path.abspath(log_dir), "nccl_trace_rank_")}
-    return {k: v for k, v in wanted.items() if k not in environ}
+    return {k: v for k, v in wanted.items()
+            if not any(name in environ for name in NCCL_ALIASES.get(k, (k,))) or torchrun_default(k, environ)}
+
+
+def torchrun_default(key: str, environ: dict[str, str]) -> bool:
+    """Whether ``environ[key]`` is torchrun's, not the user's: torchrun puts
+    TORCH_NCCL_ASYNC_ERROR_HANDLING=1 into every worker whose launcher environment lacks it, so
+    under torchrun a 1 there is taken for torchrun's (a user's 1 becomes 3 as well: both tear the
+    process down; 3 skips the communicator abort, which can itself hang)."""
+    return (key == "TORCH_NCCL_ASYNC_ERROR_HANDLING" and "TORCHELASTIC_RUN_ID" in environ
+            and environ.get(key) == "1")
 
 
 def set_steady_timeout(init_timeout_s: float, timeout_s: float) -> None:
@@ -113,6 +128,12 @@ def set_steady_timeout(init_timeout_s: float, timeout_s: float) -> None:
     _set_pg_timeout(datetime.timedelta(seconds=timeout_s), None)
     _steady = True
     log.info("collective timeout after the first step: %g s (init timeout %g s)", timeout_s, init_timeout_s)
+
+
+def one_rank_group(backend: str, environ: dict[str, str]) -> bool:
+    """Whether a single process builds a process group: only for an explicit backend=nccl under
+    torchrun, so one GPU exercises NCCL (DDP over a 1-rank group); auto and gloo run without one."""
+    return backend == "nccl" and "TORCHELASTIC_RUN_ID" in environ
 
 
 def choose_backend(requested: str, cuda: bool) -> str:
@@ -134,7 +155,7 @@ def setup(backend: str = "auto", timeout_s: float = 600.0, *, rank: int | None =
     if device.type == "cuda":
         torch.cuda.set_device(device)
 
-    if world_size == 1 and not dist.is_initialized():
+    if world_size == 1 and not dist.is_initialized() and not one_rank_group(backend, os.environ):
         if "TORCHELASTIC_RUN_ID" not in os.environ:
             log.info("no torchrun environment: running as a single process on %s", device)
         return DistEnv(0, 0, 1, 1, device, None)

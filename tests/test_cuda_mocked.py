@@ -106,6 +106,58 @@ def test_nccl_settings_are_in_place_before_the_process_group_starts(monkeypatch,
     assert "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in os.environ  # patch.dict undid what setup set
 
 
+@pytest.mark.parametrize("environ, expected", [
+    ({"TORCHELASTIC_RUN_ID": "x", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}, "3"),  # torchrun's default
+    ({"TORCHELASTIC_RUN_ID": "x", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}, None),  # the user's
+    ({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}, None),  # no torchrun: the user's
+])
+def test_torchrun_s_async_error_handling_default_is_replaced_but_a_user_s_value_is_kept(tmp_path, environ,
+                                                                                       expected):
+    assert distributed.nccl_environment(str(tmp_path), environ).get("TORCH_NCCL_ASYNC_ERROR_HANDLING") == expected
+
+
+def test_under_torchrun_a_worker_gets_async_error_handling_3(tmp_path):
+    """torchrun's agent itself puts TORCH_NCCL_ASYNC_ERROR_HANDLING=1 into its workers' environment."""
+    import subprocess
+    from tests.dist_helper import torchrun_cmd, worker_env
+    script = tmp_path / "show.py"
+    script.write_text("import os, sys\nfrom framework.distributed import nccl_environment\n"
+                      "sys.stdout.write(os.environ['TORCH_NCCL_ASYNC_ERROR_HANDLING'] + ' '\n"
+                      "                 + nccl_environment('logs', os.environ)['TORCH_NCCL_ASYNC_ERROR_HANDLING'])\n")
+    env = {k: v for k, v in worker_env().items() if k != "TORCH_NCCL_ASYNC_ERROR_HANDLING"}
+    out = subprocess.run(torchrun_cmd(script, [], nproc=1), env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "1 3"
+
+
+@pytest.mark.parametrize("user", [{"TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/mine/fr_"}, {"TORCH_FR_BUFFER_SIZE": "7"}])
+def test_the_flight_recorder_s_other_names_count_as_set_by_the_user(tmp_path, user):
+    got = distributed.nccl_environment(str(tmp_path), user)
+    assert not {"TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"} <= {*got, *user}
+    assert not {"TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_FR_BUFFER_SIZE"} <= {*got, *user}
+    assert got["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"
+
+
+@pytest.mark.parametrize("backend, torchrun, group", [("nccl", True, True), ("auto", True, False),
+                                                     ("gloo", True, False), ("nccl", False, False)])
+def test_one_process_builds_an_nccl_group_only_when_nccl_is_asked_for_under_torchrun(monkeypatch, tmp_path,
+                                                                                     backend, torchrun, group):
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    if torchrun:
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", "gpu_check")
+    monkeypatch.setenv("MASTER_PORT", "29999")
+    with mock.patch.dict(os.environ), mock.patch("torch.cuda.is_available", return_value=True), \
+            mock.patch("torch.cuda.device_count", return_value=1), mock.patch("torch.cuda.set_device"), \
+            mock.patch("torch.distributed.init_process_group") as init, \
+            mock.patch("torch.distributed.is_initialized", return_value=False):
+        env = distributed.setup(backend, rank=0, world_size=1, log_dir=str(tmp_path))
+        nccl_env = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")
+    assert env.distributed is group and init.called is group
+    if group:
+        assert init.call_args.kwargs["backend"] == "nccl" and init.call_args.kwargs["world_size"] == 1
+        assert nccl_env == "3"
+
+
 def test_the_steady_timeout_replaces_the_init_timeout_once(monkeypatch):
     monkeypatch.setattr(distributed, "_steady", False)
     with mock.patch("torch.distributed.is_initialized", return_value=True), \
@@ -115,25 +167,21 @@ def test_the_steady_timeout_replaces_the_init_timeout_once(monkeypatch):
     set_timeout.assert_called_once_with(datetime.timedelta(seconds=300), None)
 
 
-def test_gpu_check_without_a_gpu_says_so_in_one_line_and_exits_0():
-    import subprocess
-    import sys
-    from tests.dist_helper import ROOT
-    out = subprocess.run([sys.executable, "bench/gpu_check.py"], cwd=ROOT, capture_output=True, text=True,
-                         env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.splitlines() == [out.stdout.strip()] and "no CUDA GPU visible" in out.stdout
-    assert out.stderr == ""
-
-
-def test_gpu_check_plans_every_row_and_the_second_nccl_row_only_with_two_gpus():
-    import importlib.util
-    from tests.dist_helper import ROOT
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "bench" / "gpu_check.py")
-    gpu_check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gpu_check)
-    assert list(gpu_check.checks(1)) == ["nccl_1", "bf16", "fp16", "scaler_overflow", "oom_halving", "memory",
-                                         "compile", "throughput"]
-    assert "nccl_2" in gpu_check.checks(2)
-    assert gpu_check.loss_falls({"first_train_loss": 5.5, "final_train_loss": 2.0, "tokens_per_sec": 1})["ok"]
-    assert not gpu_check.loss_falls({"first_train_loss": 5.5, "final_train_loss": 5.3, "tokens_per_sec": 1})["ok"]
+def test_a_one_rank_group_trains_through_ddp_and_switches_to_the_steady_timeout(tmp_path):
+    """What backend=nccl at one process builds, on gloo: DDP over a 1-rank group, the init timeout
+    replaced by timeout_s after the first step."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+    from framework.trainer import DDPTrainer
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        trainer = DDPTrainer({"vocab_size": 32, "hidden_size": 32, "num_layers": 1, "num_heads": 2, "seq_len": 16,
+                              "dataset_size": 64, "batch_size": 8, "max_steps": 4, "eval_interval": 0,
+                              "num_workers": 0, "tensorboard": False, "export_dir": "none", "resume": "none",
+                              "init_timeout_s": 900, "timeout_s": 60, "log_dir": str(tmp_path / "logs"),
+                              "checkpoint_dir": str(tmp_path / "ck")})
+        assert trainer.env.distributed and isinstance(trainer.model, DistributedDataParallel)
+        assert trainer.train()["steps"] == 4
+    finally:
+        dist.destroy_process_group()
+    assert "collective timeout after the first step: 60 s (init timeout 900 s)" in trainer.log_path.read_text()

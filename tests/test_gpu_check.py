@@ -1,0 +1,102 @@
+"""bench/gpu_check.py on CPU: the one line without a GPU, the rows it plans, a row whose config
+keys are missing, a failing row, and two real rows on CPU: the bf16 training run (through the
+same torchrun launch and summary it uses on a GPU) and the throughput bench."""
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.dist_helper import ROOT
+
+
+@pytest.fixture(scope="module")
+def gpu_check():
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "bench" / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_check"] = module  # its dataclass looks its module up there
+    spec.loader.exec_module(module)
+    yield module
+    del sys.modules["gpu_check"]
+
+
+def test_without_a_gpu_it_says_so_in_one_line_and_exits_0():
+    out = subprocess.run([sys.executable, "bench/gpu_check.py"], cwd=ROOT, capture_output=True, text=True,
+                         env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == [out.stdout.strip()] and "no CUDA GPU visible" in out.stdout
+    assert out.stderr == ""
+
+
+def test_it_plans_every_row_and_the_second_nccl_row_only_with_two_gpus(gpu_check):
+    assert list(gpu_check.checks(1)) == ["nccl_1", "bf16", "fp16", "scaler_overflow", "oom_halving", "memory",
+                                         "comm_hook", "compile", "throughput"]
+    assert "nccl_2" in gpu_check.checks(2)
+    assert gpu_check.missing_keys(tuple(k for row in gpu_check.checks(2).values() for k in row.keys)) == []
+    assert gpu_check.loss_falls({"first_train_loss": 5.5, "final_train_loss": 2.0, "tokens_per_sec": 1})["ok"]
+    assert not gpu_check.loss_falls({"first_train_loss": 5.5, "final_train_loss": 5.3, "tokens_per_sec": 1})["ok"]
+
+
+def test_a_row_whose_config_key_this_version_lacks_says_so(gpu_check, tmp_path, capsys):
+    def never_runs(tmp):
+        raise AssertionError("a row without its config keys must not run")
+    result = gpu_check.run_row("future", gpu_check.Row(never_runs, ("compile", "no_such_key")), tmp_path)
+    assert result["ok"] is None
+    assert result["detail"] == "not available in this version (no config key no_such_key)"
+    assert capsys.readouterr().out.split()[:2] == ["future", "n/a"]
+
+
+def test_a_failing_row_is_a_failed_row_and_the_others_still_run(gpu_check, tmp_path, capsys):
+    def broken(tmp):
+        raise RuntimeError("exit 1: boom")
+    result = gpu_check.run_row("broken", gpu_check.Row(broken), tmp_path)
+    assert result["ok"] is False and result["detail"] == "RuntimeError: exit 1: boom"
+    assert capsys.readouterr().out.split()[:2] == ["broken", "FAILED"]
+
+
+def test_the_bf16_row_trains_on_cpu_through_torchrun(gpu_check, tmp_path, monkeypatch):
+    monkeypatch.setattr(gpu_check, "TINY", {**gpu_check.TINY, "hidden_size": 32, "num_layers": 1, "num_heads": 2,
+                                            "seq_len": 32, "dataset_size": 512, "batch_size": 8, "max_steps": 40})
+    row = gpu_check.check_amp(tmp_path, "bf16")
+    assert row["ok"], row["detail"]
+    assert "amp=on (bf16)" in (tmp_path / "bf16" / "logs" / "rank_0.log").read_text()
+
+
+def test_the_throughput_row_runs_the_bench_and_reads_its_json(gpu_check, tmp_path):
+    row = gpu_check.check_throughput(tmp_path)
+    assert row["ok"] and row["detail"].startswith("a/b = "), row["detail"]
+    assert row["result"]["variants_run"] == "ab"
+
+
+def test_the_oom_row_limits_memory_to_8_samples_from_two_probes(gpu_check, tmp_path, monkeypatch):
+    """The row's arithmetic with CUDA and the trainer faked: probes at 2 and 4 samples (100 MB
+    fixed, 10 MB a sample) give a limit that holds 8 samples and not 16; the row passes only when
+    the trainer ends with a smaller micro-batch times accumulation = 32."""
+    import torch
+    from framework import trainer as trainer_module
+    from unittest import mock
+    made, fraction = [], []
+
+    class FakeTrainer:
+        def __init__(self, cfg):
+            made.append(cfg)
+            self.sampler = mock.Mock(batch_size=cfg["batch_size"], accumulation=1)
+
+        def train(self):
+            if self.sampler.batch_size == 32:
+                self.sampler.batch_size, self.sampler.accumulation = 8, 4
+            return {"steps": 3}
+    monkeypatch.setattr(trainer_module, "DDPTrainer", FakeTrainer)
+    mb = 2**20
+    peak = mock.Mock(side_effect=lambda: (100 + 10 * made[-1]["batch_size"]) * mb)
+    with mock.patch.multiple(torch.cuda, empty_cache=mock.DEFAULT, reset_peak_memory_stats=mock.DEFAULT,
+                             memory_allocated=mock.Mock(return_value=0), max_memory_allocated=peak,
+                             memory_reserved=mock.Mock(return_value=0),
+                             get_device_properties=mock.Mock(return_value=mock.Mock(total_memory=1000 * mb)),
+                             set_per_process_memory_fraction=mock.Mock(side_effect=fraction.append)):
+        row = gpu_check.check_oom_halving(tmp_path)
+    assert [cfg["batch_size"] for cfg in made] == [2, 4, 32] and made[2]["oom_recovery"] == "true"
+    assert 180 * mb < fraction[0] * 1000 * mb < 260 * mb and fraction[1] == 1.0  # 8 samples fit, 16 do not
+    assert row["ok"] and "32 -> 8 x 4" in row["detail"], row["detail"]
