@@ -5,7 +5,8 @@ boundaries and each bucket's all-reduce still overlaps the rest of the backward.
 The checkpoint, the export and the model fingerprint use the unwrapped, uncompiled model, so a
 compiled run's checkpoint loads into an uncompiled run and back. Evaluation runs the eager model.
 A micro-batch halved after an out-of-memory error changes the input shape: Dynamo recompiles once
-(and marks the batch dimension dynamic from then on).
+(and marks the batch dimension dynamic from then on). An injected OOM (fault_inject oom@) adds a
+forward hook that an already compiled graph would not see, so that one micro-step runs eagerly.
 """
 
 from __future__ import annotations
@@ -31,3 +32,8 @@ def compile_model(model: torch.nn.Module, cfg) -> torch.nn.Module:
 def is_ddp(model: torch.nn.Module) -> bool:
     """Whether ``model`` is DDP, compiled or not."""
     return isinstance(getattr(model, "_orig_mod", model), DDP)
+
+
+def uncompiled(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` without its torch.compile wrapper (DDP stays), for a micro-step that must run eagerly."""
+    return getattr(model, "_orig_mod", model)

@@ -70,6 +70,7 @@ class FaultPlan:
         self.restart_count = restart_count
         self.faults = parse(spec) if spec else []
         self.fired: set[Fault] = set()
+        self.eager_now = False  # an injected OOM hook is on for the current micro-step
 
     def due(self, kind: str, step: int, micro: int | None = None, last_micro: int = 0) -> bool:
         """True once for each fault of ``kind`` planned for ``step`` (and micro-step) on this rank
@@ -108,6 +109,8 @@ class FaultPlan:
         ``on_loss(loss)``, to be called between forward and backward."""
         hook = middle_module(model).register_forward_hook(_raise_oom_in_backward) if (
             self.faults and self.due("oom", step, micro, last_micro)) else None
+        # A compiled graph does not see a hook added after compilation: this micro-step runs eagerly.
+        self.eager_now = hook is not None
         if self.faults and micro == 0:
             delay = sum(f.ms for f in self.faults if f.kind == "slow" and f.step <= step and self._mine(f))
             time.sleep(delay / 1000)

@@ -18,7 +18,7 @@ import torch
 
 from . import ddp_policy, markers
 from .batches import batch_loss, to_device
-from .compiling import is_ddp
+from .compiling import is_ddp, uncompiled
 from .control import Agreement, agree
 from .markers import FatalError
 from .memory import is_oom
@@ -201,7 +201,8 @@ class TrainStep:
         with self.faults.micro_step(step, i, n - 1, self.raw_model, self.stream.kill_a_worker) as on_loss:
             self.timer.lap("forward_backward")  # before DDP's buffer broadcast (off_the_clock_buffer_broadcast)
             with self.autocast():
-                loss = batch_loss(self.model, batch, self.loss_fn) / n
+                loss = batch_loss(uncompiled(self.model) if self.faults.eager_now else self.model, batch,
+                                  self.loss_fn) / n
             on_loss(loss)
             self.timer.lap("forward_backward")
             self.scaler.scale(loss).backward()

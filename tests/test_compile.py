@@ -51,3 +51,26 @@ def test_inductor_without_a_cpp_compiler_is_a_one_line_error(monkeypatch):
     assert err.value.problems == ["compile_backend='inductor': needs a C++ compiler (g++, c++ or clang++ on PATH, "
                                   "or CXX); allowed without one: aot_eager, eager"]
     assert resolve_config({"compile": True, "compile_backend": "aot_eager"}).compile
+
+
+def test_injected_oom_under_compile_halves_the_micro_batch_and_matches_eager(tmp_path, caplog):
+    """The OOM fault's forward hook is added after compilation, which a compiled graph would not see
+    (the fault would silently not fire); that micro-step runs eagerly, the micro-batch is halved and
+    Dynamo recompiles for the new shape (automatic dynamic shapes)."""
+    import torch
+    import torch._dynamo
+
+    from framework.trainer import DDPTrainer
+    from tests.test_trainer import tiny
+
+    torch._dynamo.reset()
+    with caplog.at_level("WARNING"):
+        DDPTrainer(tiny(tmp_path, max_steps=4, oom_recovery="true", fault_inject="oom@step=1", compile=True,
+                        compile_backend="aot_eager", checkpoint_dir=str(tmp_path / "a"))).train()
+    assert "out of memory in micro-step" in caplog.text and "micro-batch 8 -> 4" in caplog.text
+    DDPTrainer(tiny(tmp_path, max_steps=4, batch_size=4, gradient_accumulation_steps=2,
+                    checkpoint_dir=str(tmp_path / "b"))).train()
+    a = torch.load(tmp_path / "a" / "final_model.pt", weights_only=True)
+    b = torch.load(tmp_path / "b" / "final_model.pt", weights_only=True)
+    assert list(a) == list(b)  # plain names, no _orig_mod. prefix
+    assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-5
