@@ -100,3 +100,29 @@ def test_the_oom_row_limits_memory_to_8_samples_from_two_probes(gpu_check, tmp_p
     assert [cfg["batch_size"] for cfg in made] == [2, 4, 32] and made[2]["oom_recovery"] == "true"
     assert 180 * mb < fraction[0] * 1000 * mb < 260 * mb and fraction[1] == 1.0  # 8 samples fit, 16 do not
     assert row["ok"] and "32 -> 8 x 4" in row["detail"], row["detail"]
+
+
+def test_with_a_gpu_faked_it_prints_a_row_each_and_writes_the_json(gpu_check, tmp_path, monkeypatch, capsys):
+    """main()'s GPU path with CUDA faked and the rows replaced: every row in the table and the
+    JSON (a missing key's row as n/a), the total time, and exit 1 only because a row failed."""
+    import json
+    import torch
+    from unittest import mock
+    rows = {"good": gpu_check.Row(lambda tmp: {"ok": True, "detail": "fine"}),
+            "future": gpu_check.Row(lambda tmp: {"ok": True, "detail": "never"}, ("no_such_key",)),
+            "bad": gpu_check.Row(lambda tmp: {"ok": False, "detail": "loss 5.5 -> 5.4"})}
+    monkeypatch.setattr(gpu_check, "checks", lambda gpus: dict(rows))
+    monkeypatch.setattr(gpu_check, "RESULTS", tmp_path / "gpu_check.json")
+    monkeypatch.setattr(sys, "argv", ["gpu_check.py"])
+    with mock.patch.multiple(torch.cuda, is_available=mock.Mock(return_value=True),
+                             device_count=mock.Mock(return_value=1), get_device_name=mock.Mock(return_value="Fake")):
+        assert gpu_check.main() == 1
+        lines = capsys.readouterr().out.splitlines()
+        del rows["bad"]
+        monkeypatch.setattr(sys, "argv", ["gpu_check.py", "--only", "good,future"])
+        assert gpu_check.main() == 0
+    assert [line.split()[:2] for line in lines[:3]] == [["good", "ok"], ["future", "n/a"], ["bad", "FAILED"]]
+    assert lines[3].startswith("total ") and lines[3].endswith(f"wrote {tmp_path / 'gpu_check.json'}")
+    out = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert out["device"] == "Fake" and list(out["checks"]) == ["good", "future"] and out["total_seconds"] >= 0
+    assert out["checks"]["future"]["ok"] is None and "no_such_key" in out["checks"]["future"]["detail"]
