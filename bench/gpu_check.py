@@ -132,15 +132,18 @@ def run_script(*args: str, timeout: float) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
-def check_memory(tmp: Path) -> dict:
+def check_memory(tmp: Path, *extra: str) -> dict:
+    """bench/memory.py's GPT table (``extra``: more of its flags, e.g. --quick in the CPU test)."""
     out = tmp / "memory.json"
-    proc = run_script("bench/memory.py", "--model", "gpt", "--timing-rounds", "0", "--out", str(out), timeout=900)
+    proc = run_script("bench/memory.py", "--model", "gpt", "--timing-rounds", "0", "--out", str(out), *extra,
+                      timeout=900)
     if proc.returncode != 0:
         raise RuntimeError(proc.stdout[-1500:] + proc.stderr[-1500:])
     peaks = {r["mode"]: r["cuda_peak_bytes"] for r in json.loads(out.read_text())["modes"]}
-    ok = all(peaks.values()) and peaks["non_reentrant"] < peaks["off"]
-    return {"ok": ok, "detail": ", ".join(f"{m} {p / 2**20:.0f} MiB" for m, p in peaks.items() if p),
-            "peaks_bytes": peaks}
+    if missing := [m for m, p in peaks.items() if not p]:
+        return {"ok": False, "detail": f"no torch.cuda peak recorded for {', '.join(missing)}", "peaks_bytes": peaks}
+    return {"ok": peaks["non_reentrant"] < peaks["off"],
+            "detail": ", ".join(f"{m} {p / 2**20:.0f} MiB" for m, p in peaks.items()), "peaks_bytes": peaks}
 
 
 def check_compile(tmp: Path, gpus: int) -> dict:

@@ -126,3 +126,30 @@ def test_with_a_gpu_faked_it_prints_a_row_each_and_writes_the_json(gpu_check, tm
     out = json.loads((tmp_path / "gpu_check.json").read_text())
     assert out["device"] == "Fake" and list(out["checks"]) == ["good", "future"] and out["total_seconds"] >= 0
     assert out["checks"]["future"]["ok"] is None and "no_such_key" in out["checks"]["future"]["detail"]
+
+
+def test_the_memory_row_runs_the_memory_bench_and_reads_every_mode(gpu_check, tmp_path):
+    """The row's command and its reading of bench/memory.py's JSON, on CPU (--quick): every memory
+    mode is read, and with no torch.cuda peak to report the row fails and says which are missing."""
+    row = gpu_check.check_memory(tmp_path, "--quick")
+    assert set(row["peaks_bytes"]) == {"off", "non_reentrant", "reentrant", "offload", "tiled8", "nr+tiled8"}
+    assert row["ok"] is False and row["detail"].startswith("no torch.cuda peak recorded for off, non_reentrant")
+
+
+@pytest.mark.parametrize("non_reentrant_mib, ok", [(40, True), (100, False)])
+def test_the_memory_row_passes_only_when_checkpointing_lowers_the_cuda_peak(gpu_check, tmp_path, monkeypatch,
+                                                                           non_reentrant_mib, ok):
+    import json
+    import subprocess as sp
+    from pathlib import Path
+    mib = {"off": 100, "non_reentrant": non_reentrant_mib, "offload": 30, "tiled8": 70}
+
+    def fake_bench(*args, timeout):
+        out = args[args.index("--out") + 1]
+        modes = [{"mode": m, "cuda_peak_bytes": v * 2**20} for m, v in mib.items()]
+        Path(out).write_text(json.dumps({"modes": modes}))
+        return sp.CompletedProcess(args, 0, "", "")
+    monkeypatch.setattr(gpu_check, "run_script", fake_bench)
+    row = gpu_check.check_memory(tmp_path)
+    assert row["ok"] is ok and row["detail"] == f"off 100 MiB, non_reentrant {non_reentrant_mib} MiB, " \
+                                                "offload 30 MiB, tiled8 70 MiB"
