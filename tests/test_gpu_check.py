@@ -153,3 +153,27 @@ def test_the_memory_row_passes_only_when_checkpointing_lowers_the_cuda_peak(gpu_
     row = gpu_check.check_memory(tmp_path)
     assert row["ok"] is ok and row["detail"] == f"off 100 MiB, non_reentrant {non_reentrant_mib} MiB, " \
                                                 "offload 30 MiB, tiled8 70 MiB"
+
+
+def test_the_scaler_overflow_row_on_cpu_with_an_enabled_grad_scaler(gpu_check, tmp_path, monkeypatch):
+    """The row itself, in process on CPU: fp16 autocast cannot run here, so the trainer gets fp32
+    with an enabled CPU GradScaler (what fp16 gives it). The injected NaN gradient at step 20 is
+    the scaler's to skip: every step done, none counted as non-finite, the saved scale lowered."""
+    import torch
+    from framework import trainer as trainer_module
+    monkeypatch.setattr(trainer_module, "precision",
+                        lambda cfg, device: (False, torch.float32, torch.amp.GradScaler("cpu", enabled=True)))
+    small = {**gpu_check.TINY, "hidden_size": 32, "num_layers": 1, "num_heads": 2, "seq_len": 32,
+             "dataset_size": 512, "batch_size": 8, "max_steps": 30, "save_interval": 10}
+
+    def in_process(tmp, name, nproc=1, **overrides):
+        overrides = {k: v for k, v in overrides.items() if k not in ("use_amp", "amp_dtype")}
+        run = tmp / name
+        summary = trainer_module.DDPTrainer({**small, **overrides, "log_dir": str(run / "logs"),
+                                             "checkpoint_dir": str(run / "ck")}).train()
+        return {**summary, "log": (run / "logs" / "rank_0.log").read_text()}
+    monkeypatch.setattr(gpu_check, "TINY", small)
+    monkeypatch.setattr(gpu_check, "train", in_process)
+    row = gpu_check.check_scaler_overflow(tmp_path)
+    assert row["ok"], row["detail"]
+    assert row["detail"].startswith("skipped_steps 0, 30 steps, final GradScaler scale 32768")
