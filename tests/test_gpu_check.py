@@ -177,3 +177,26 @@ def test_the_scaler_overflow_row_on_cpu_with_an_enabled_grad_scaler(gpu_check, t
     row = gpu_check.check_scaler_overflow(tmp_path)
     assert row["ok"], row["detail"]
     assert row["detail"].startswith("skipped_steps 0, 30 steps, final GradScaler scale 32768")
+
+
+def test_the_compile_row_asks_for_one_process_per_gpu_and_reads_the_paired_ratio(gpu_check, tmp_path, monkeypatch):
+    import json
+    import subprocess as sp
+    from pathlib import Path
+    commands = []
+
+    def fake_bench(*args, timeout):
+        commands.append(args)
+        rows = [{"variant": "eager 1 process", "median_tokens_per_sec": 1000.0, "vs_eager_paired": 1.0,
+                 "median_first_step_s": 1.0},
+                {"variant": "compiled 1 process", "median_tokens_per_sec": 1300.0, "vs_eager_paired": 1.3,
+                 "median_first_step_s": 42.0}]
+        Path(args[args.index("--out") + 1]).write_text(json.dumps({"variants": rows}))
+        return sp.CompletedProcess(args, 0, "", "")
+    monkeypatch.setattr(gpu_check, "run_script", fake_bench)
+    row = gpu_check.check_compile(tmp_path, gpus=1)
+    assert commands[0][:3] == ("bench/throughput.py", "--compile", "--cold-cache")
+    assert commands[0][commands[0].index("--max-procs") + 1] == "1"
+    assert row["ok"] and row["detail"] == "compiled/eager 1.300 at 1 process after 42 s of compilation"
+    gpu_check.check_compile(tmp_path, gpus=4)
+    assert commands[1][commands[1].index("--max-procs") + 1] == "2"
