@@ -39,6 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 RESULTS = ROOT / "bench" / "results" / "gpu_check.json"
+BUDGET_S = 600  # the whole check on one GPU
 TINY = dict(vocab_size=256, hidden_size=256, num_layers=4, num_heads=4, seq_len=256, dataset_size=4096, batch_size=16,
             dropout=0.0, max_steps=60, log_interval=10, eval_interval=0, eval_steps=2, target_loss=0.0,
             learning_rate=3e-3, warmup_steps=5, num_workers=0, resume="none", export_dir="none")
@@ -131,15 +132,18 @@ def run_script(*args: str, timeout: float) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
-def check_memory(tmp: Path) -> dict:
+def check_memory(tmp: Path, *extra: str) -> dict:
+    """bench/memory.py's GPT table (``extra``: more of its flags, e.g. --quick in the CPU test)."""
     out = tmp / "memory.json"
-    proc = run_script("bench/memory.py", "--model", "gpt", "--timing-rounds", "0", "--out", str(out), timeout=900)
+    proc = run_script("bench/memory.py", "--model", "gpt", "--timing-rounds", "0", "--out", str(out), *extra,
+                      timeout=900)
     if proc.returncode != 0:
         raise RuntimeError(proc.stdout[-1500:] + proc.stderr[-1500:])
     peaks = {r["mode"]: r["cuda_peak_bytes"] for r in json.loads(out.read_text())["modes"]}
-    ok = all(peaks.values()) and peaks["non_reentrant"] < peaks["off"]
-    return {"ok": ok, "detail": ", ".join(f"{m} {p / 2**20:.0f} MiB" for m, p in peaks.items() if p),
-            "peaks_bytes": peaks}
+    if missing := [m for m, p in peaks.items() if not p]:
+        return {"ok": False, "detail": f"no torch.cuda peak recorded for {', '.join(missing)}", "peaks_bytes": peaks}
+    return {"ok": peaks["non_reentrant"] < peaks["off"],
+            "detail": ", ".join(f"{m} {p / 2**20:.0f} MiB" for m, p in peaks.items()), "peaks_bytes": peaks}
 
 
 def check_compile(tmp: Path, gpus: int) -> dict:
@@ -223,12 +227,15 @@ def main() -> int:
     selected = checks(gpus)
     if args.only:
         selected = {k: v for k, v in selected.items() if k in args.only.split(",")}
+    start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
         results = {name: run_row(name, row, Path(tmp)) for name, row in selected.items()}
+    total = time.perf_counter() - start
     out = {"device": torch.cuda.get_device_name(0), "gpus": gpus, "torch": torch.__version__,
-           "cuda": torch.version.cuda, "checks": results}
+           "cuda": torch.version.cuda, "total_seconds": total, "checks": results}
     RESULTS.write_text(json.dumps(out, indent=2, default=str) + "\n")
-    print(f"wrote {RESULTS}")
+    over = f" (over the {BUDGET_S} s target: report it)" if total > BUDGET_S else ""
+    print(f"total {total:.0f} s{over}; wrote {RESULTS}")
     return 0 if all(r["ok"] is not False for r in results.values()) else 1
 
 

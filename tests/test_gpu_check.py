@@ -100,3 +100,103 @@ def test_the_oom_row_limits_memory_to_8_samples_from_two_probes(gpu_check, tmp_p
     assert [cfg["batch_size"] for cfg in made] == [2, 4, 32] and made[2]["oom_recovery"] == "true"
     assert 180 * mb < fraction[0] * 1000 * mb < 260 * mb and fraction[1] == 1.0  # 8 samples fit, 16 do not
     assert row["ok"] and "32 -> 8 x 4" in row["detail"], row["detail"]
+
+
+def test_with_a_gpu_faked_it_prints_a_row_each_and_writes_the_json(gpu_check, tmp_path, monkeypatch, capsys):
+    """main()'s GPU path with CUDA faked and the rows replaced: every row in the table and the
+    JSON (a missing key's row as n/a), the total time, and exit 1 only because a row failed."""
+    import json
+    import torch
+    from unittest import mock
+    rows = {"good": gpu_check.Row(lambda tmp: {"ok": True, "detail": "fine"}),
+            "future": gpu_check.Row(lambda tmp: {"ok": True, "detail": "never"}, ("no_such_key",)),
+            "bad": gpu_check.Row(lambda tmp: {"ok": False, "detail": "loss 5.5 -> 5.4"})}
+    monkeypatch.setattr(gpu_check, "checks", lambda gpus: dict(rows))
+    monkeypatch.setattr(gpu_check, "RESULTS", tmp_path / "gpu_check.json")
+    monkeypatch.setattr(sys, "argv", ["gpu_check.py"])
+    with mock.patch.multiple(torch.cuda, is_available=mock.Mock(return_value=True),
+                             device_count=mock.Mock(return_value=1), get_device_name=mock.Mock(return_value="Fake")):
+        assert gpu_check.main() == 1
+        lines = capsys.readouterr().out.splitlines()
+        del rows["bad"]
+        monkeypatch.setattr(sys, "argv", ["gpu_check.py", "--only", "good,future"])
+        assert gpu_check.main() == 0
+    assert [line.split()[:2] for line in lines[:3]] == [["good", "ok"], ["future", "n/a"], ["bad", "FAILED"]]
+    assert lines[3].startswith("total ") and lines[3].endswith(f"wrote {tmp_path / 'gpu_check.json'}")
+    out = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert out["device"] == "Fake" and list(out["checks"]) == ["good", "future"] and out["total_seconds"] >= 0
+    assert out["checks"]["future"]["ok"] is None and "no_such_key" in out["checks"]["future"]["detail"]
+
+
+def test_the_memory_row_runs_the_memory_bench_and_reads_every_mode(gpu_check, tmp_path):
+    """The row's command and its reading of bench/memory.py's JSON, on CPU (--quick): every memory
+    mode is read, and with no torch.cuda peak to report the row fails and says which are missing."""
+    row = gpu_check.check_memory(tmp_path, "--quick")
+    assert set(row["peaks_bytes"]) == {"off", "non_reentrant", "reentrant", "offload", "tiled8", "nr+tiled8"}
+    assert row["ok"] is False and row["detail"].startswith("no torch.cuda peak recorded for off, non_reentrant")
+
+
+@pytest.mark.parametrize("non_reentrant_mib, ok", [(40, True), (100, False)])
+def test_the_memory_row_passes_only_when_checkpointing_lowers_the_cuda_peak(gpu_check, tmp_path, monkeypatch,
+                                                                           non_reentrant_mib, ok):
+    import json
+    import subprocess as sp
+    from pathlib import Path
+    mib = {"off": 100, "non_reentrant": non_reentrant_mib, "offload": 30, "tiled8": 70}
+
+    def fake_bench(*args, timeout):
+        out = args[args.index("--out") + 1]
+        modes = [{"mode": m, "cuda_peak_bytes": v * 2**20} for m, v in mib.items()]
+        Path(out).write_text(json.dumps({"modes": modes}))
+        return sp.CompletedProcess(args, 0, "", "")
+    monkeypatch.setattr(gpu_check, "run_script", fake_bench)
+    row = gpu_check.check_memory(tmp_path)
+    assert row["ok"] is ok and row["detail"] == f"off 100 MiB, non_reentrant {non_reentrant_mib} MiB, " \
+                                                "offload 30 MiB, tiled8 70 MiB"
+
+
+def test_the_scaler_overflow_row_on_cpu_with_an_enabled_grad_scaler(gpu_check, tmp_path, monkeypatch):
+    """The row itself, in process on CPU: fp16 autocast cannot run here, so the trainer gets fp32
+    with an enabled CPU GradScaler (what fp16 gives it). The injected NaN gradient at step 20 is
+    the scaler's to skip: every step done, none counted as non-finite, the saved scale lowered."""
+    import torch
+    from framework import trainer as trainer_module
+    monkeypatch.setattr(trainer_module, "precision",
+                        lambda cfg, device: (False, torch.float32, torch.amp.GradScaler("cpu", enabled=True)))
+    small = {**gpu_check.TINY, "hidden_size": 32, "num_layers": 1, "num_heads": 2, "seq_len": 32,
+             "dataset_size": 512, "batch_size": 8, "max_steps": 30, "save_interval": 10}
+
+    def in_process(tmp, name, nproc=1, **overrides):
+        overrides = {k: v for k, v in overrides.items() if k not in ("use_amp", "amp_dtype")}
+        run = tmp / name
+        summary = trainer_module.DDPTrainer({**small, **overrides, "log_dir": str(run / "logs"),
+                                             "checkpoint_dir": str(run / "ck")}).train()
+        return {**summary, "log": (run / "logs" / "rank_0.log").read_text()}
+    monkeypatch.setattr(gpu_check, "TINY", small)
+    monkeypatch.setattr(gpu_check, "train", in_process)
+    row = gpu_check.check_scaler_overflow(tmp_path)
+    assert row["ok"], row["detail"]
+    assert row["detail"].startswith("skipped_steps 0, 30 steps, final GradScaler scale 32768")
+
+
+def test_the_compile_row_asks_for_one_process_per_gpu_and_reads_the_paired_ratio(gpu_check, tmp_path, monkeypatch):
+    import json
+    import subprocess as sp
+    from pathlib import Path
+    commands = []
+
+    def fake_bench(*args, timeout):
+        commands.append(args)
+        rows = [{"variant": "eager 1 process", "median_tokens_per_sec": 1000.0, "vs_eager_paired": 1.0,
+                 "median_first_step_s": 1.0},
+                {"variant": "compiled 1 process", "median_tokens_per_sec": 1300.0, "vs_eager_paired": 1.3,
+                 "median_first_step_s": 42.0}]
+        Path(args[args.index("--out") + 1]).write_text(json.dumps({"variants": rows}))
+        return sp.CompletedProcess(args, 0, "", "")
+    monkeypatch.setattr(gpu_check, "run_script", fake_bench)
+    row = gpu_check.check_compile(tmp_path, gpus=1)
+    assert commands[0][:3] == ("bench/throughput.py", "--compile", "--cold-cache")
+    assert commands[0][commands[0].index("--max-procs") + 1] == "1"
+    assert row["ok"] and row["detail"] == "compiled/eager 1.300 at 1 process after 42 s of compilation"
+    gpu_check.check_compile(tmp_path, gpus=4)
+    assert commands[1][commands[1].index("--max-procs") + 1] == "2"

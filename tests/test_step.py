@@ -104,3 +104,23 @@ def test_a_non_finite_loss_counts_against_the_budget_with_a_grad_scaler(tmp_path
     with pytest.raises(markers.FatalError, match="more than max_errors_per_epoch=1"):
         trainer.steps.optimizer_step(torch.tensor(float("nan")), 1)
     trainer.close()
+
+
+def test_a_grad_scaler_overflow_is_skipped_by_the_scaler_and_not_counted_as_non_finite(tmp_path):
+    """gpu_check's scaler_overflow row on CPU: a finite loss with an inf gradient (what fp16 overflow
+    gives) is the GradScaler's to skip; it lowers its scale and the skip budget is untouched."""
+    trainer = tiny_run(tmp_path, torch.nn.Linear(4, 1), max_errors_per_epoch=0)
+    trainer.steps.scaler = trainer.scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, enabled=True)
+    before = [p.detach().clone() for p in trainer.raw_model.parameters()]
+    trainer.optimizer.zero_grad()
+    loss = trainer.raw_model(torch.ones(1, 4)).sum()
+    trainer.scaler.scale(loss).backward()
+    trainer.raw_model.weight.grad.view(-1)[0] = float("inf")
+    agreed, _, grad_norm = trainer.steps.optimizer_step(loss.detach(), 0)
+    assert not agreed.nonfinite and trainer.skipped_this_epoch == [] and not torch.isfinite(grad_norm)
+    assert trainer.scaler.get_scale() == 512.0
+    assert all(torch.equal(a, b) for a, b in zip(before, trainer.raw_model.parameters(), strict=True))
+    trainer.scaler.scale(trainer.raw_model(torch.ones(1, 4)).sum()).backward()
+    trainer.steps.optimizer_step(torch.tensor(1.0), 1)  # a finite step: the scaler steps the optimizer
+    assert not all(torch.equal(a, b) for a, b in zip(before, trainer.raw_model.parameters(), strict=True))
+    trainer.close()
