@@ -190,7 +190,7 @@ class ResumableDistributedSampler(torch.utils.data.Sampler[list[int]]):
         return max(0, (self.epoch_samples - self.consumed) // self.global_batch)
 
     def permutation(self, epoch: int) -> torch.Tensor:
-        key = (epoch, len(self.excluded))
+        key = (epoch, len(self.excluded))  # exclude() clears the cache whenever the set changes
         if self._perm is None or self._perm[0] != key:
             seed = int(np.random.SeedSequence([self.seed, epoch]).generate_state(1, np.uint64)[0] >> 1)
             perm = torch.randperm(self.num_samples, generator=torch.Generator().manual_seed(seed))
@@ -204,11 +204,14 @@ class ResumableDistributedSampler(torch.utils.data.Sampler[list[int]]):
     def exclude(self, indices) -> None:
         """Drop these samples from every epoch's permutation. Those of the current epoch that are
         still to come shift forward; the committed prefix is unchanged as long as no excluded
-        sample lies in it (a rollback excludes only samples after its checkpoint)."""
+        sample lies in it (a rollback excludes only samples after its checkpoint, which is of the
+        same epoch: see Checkpointer.roll_back)."""
         bad = sorted(i for i in indices if not 0 <= i < self.num_samples)
         if bad:
             raise ValueError(f"sample indices {bad[:5]} are outside the training set of {self.num_samples} samples")
-        self.excluded = frozenset(self.excluded | set(indices))
+        excluded = frozenset(self.excluded | set(indices))
+        if excluded != self.excluded:
+            self.excluded, self._perm = excluded, None
 
     def last_step_samples(self) -> list[int]:
         """The global sample indices of the last committed step (every rank computes the same)."""

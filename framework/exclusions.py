@@ -33,8 +33,12 @@ def read_recorded(directory: str | Path) -> dict | None:
     path = Path(directory) / FILE
     if not path.is_file():
         return None
-    data = json.loads(path.read_text())
-    return {"samples": read(path), "rollbacks": list(data.get("rollbacks", []))}
+    try:
+        data = json.loads(path.read_text())
+        return {"samples": read(path), "rollbacks": list(data.get("rollbacks", []))}
+    except (ValueError, OSError, AttributeError) as err:
+        raise ValueError(f"{path}: {err}; it holds the samples a loss-spike rollback excluded: fix it (a JSON "
+                         f"list of sample indices) or delete it to train on them again") from None
 
 
 def record(directory: str | Path, samples: list[int], rollbacks: list[dict]) -> None:

@@ -65,10 +65,16 @@ def record_error(directory: str | Path, rank: int, err: BaseException) -> None:
 def note_restart(directory: str | Path, resumed_step: int, limit: int) -> str | None:
     """Count the restarts in a row that resumed from ``resumed_step`` (RESTARTS.json); the
     message of the FATAL stop once there are more than ``limit`` of them, else None."""
-    text = read(directory, RESTARTS)
-    last = json.loads(text) if text is not None else {"step": -1, "count": 0}
-    count = last["count"] + 1 if last["step"] == resumed_step else 1
-    write(directory, RESTARTS, json.dumps({"step": resumed_step, "count": count}))
+    try:
+        last = json.loads(read(directory, RESTARTS) or '{"step": -1, "count": 0}')
+        count = int(last["count"]) + 1 if last["step"] == resumed_step else 1
+    except (ValueError, KeyError, TypeError) as err:
+        log.warning("%s is unreadable (%s): counting restarts afresh", Path(directory) / RESTARTS, err)
+        count = 1
+    try:
+        write(directory, RESTARTS, json.dumps({"step": resumed_step, "count": count}))
+    except OSError as err:  # the run goes on; only the count is lost
+        log.error("cannot record the restart in %s: %s", Path(directory) / RESTARTS, err)
     if count <= limit:
         return None
     error = read(directory, LAST_ERROR) or "none recorded (killed by a signal? see the rank logs)"

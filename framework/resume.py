@@ -272,9 +272,15 @@ class Checkpointer:
 
     def roll_back(self, before: int) -> int | None:
         """Restore, in-process, the newest valid checkpoint of a step before ``before`` (every
-        rank calls this); returns its step, or None when there is none."""
+        rank calls this); returns its step, or None when there is none in the current epoch.
+        One of an earlier epoch is not used: the spike's samples, dropped from every epoch's
+        permutation, may lie in that epoch's committed part, which would shift."""
         state = self.load(before=before)
-        if state is None:
+        epoch = self.components["sampler"].epoch
+        if state is None or int(state["sampler"]["epoch"]) != epoch:
+            if state is not None:
+                log.warning("the newest checkpoint before step %d is of epoch %s, not of the current epoch %d: "
+                            "a rollback stays within an epoch", before, state["sampler"]["epoch"], epoch)
             return None
         self.restore(state)
         step = self.components["trainer"].step

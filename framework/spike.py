@@ -77,9 +77,15 @@ class SpikeGuard:
     def adopt_recorded(self) -> None:
         """A resumed run also excludes what a rollback recorded in checkpoint_dir after the
         checkpoint it resumes from was written."""
-        recorded = exclusions.read_recorded(self.checkpoint_dir)
+        try:
+            recorded = exclusions.read_recorded(self.checkpoint_dir)
+        except ValueError as err:
+            raise FatalError(str(err)) from None
         if recorded is not None:
             self._merge(recorded["samples"], recorded["rollbacks"])
+            restored = [int(r["restored_step"]) for r in recorded["rollbacks"]]
+            if restored and (self.cooldown_from is None or max(restored) > self.cooldown_from):
+                self.cooldown_from = max(restored)  # the cooldown of a rollback after this checkpoint
 
     def observe(self, step: int, loss: float, *, skipped: bool) -> Spike | None:
         """Record the loss of ``step``; returns a spike to roll back (mode rollback only)."""

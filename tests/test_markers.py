@@ -85,3 +85,10 @@ def test_restarts_count_only_while_they_resume_from_the_same_step(tmp_path):
     assert markers.note_restart(tmp_path, 16, limit=2).endswith("the last error: rank 1: RuntimeError: boom")
     markers.check_at_start(tmp_path, restart_count=0, is_main=True)  # a fresh launch forgets them
     assert markers.note_restart(tmp_path, 16, limit=2) is None
+
+
+def test_a_damaged_restart_count_starts_afresh(tmp_path):
+    from framework import markers
+    (tmp_path / markers.RESTARTS).write_text("{not json")
+    assert markers.note_restart(tmp_path, 8, limit=1) is None
+    assert markers.note_restart(tmp_path, 8, limit=1).startswith("2 restarts in a row resumed from step 8")

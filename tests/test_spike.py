@@ -181,3 +181,30 @@ def test_the_cooldown_lowers_the_rate_after_the_rollback(spikes):
 def test_a_clean_run_has_no_false_positive(spikes):
     got = case(spikes, "clean")["summary"]
     assert got["loss_spikes"] == 0 and got["max_loss_z"] < BASE["spike_threshold"]
+
+
+def test_a_restart_after_a_rollback_keeps_its_lr_cooldown(tmp_path):
+    g = guard(tmp_path, spike_warmup=3, spike_lr_cooldown=3)
+    spike = feed(g, [2.0, 1.9, 1.8, 1.7, 9.0])[-1]
+    g.roll_back(spike, restored_step=4)
+    fresh = guard(tmp_path, spike_lr_cooldown=3)  # the restarted run, resumed from the checkpoint of step 4
+    fresh.adopt_recorded()
+    assert [fresh.lr_factor(s) for s in (4, 5, 6, 7)] == [0.25, 0.5, 0.75, 1.0]
+
+
+def test_a_damaged_exclusions_file_is_a_fatal_error_naming_it(tmp_path):
+    (tmp_path / exclusions.FILE).write_text('{"samples": [1, 2')
+    with pytest.raises(FatalError, match=rf"{exclusions.FILE}: .*fix it \(a JSON list of sample indices\) or delete"):
+        guard(tmp_path).adopt_recorded()
+
+
+def test_a_rollback_stays_within_its_epoch(tmp_path):
+    from framework.trainer import DDPTrainer
+    # 4 steps per epoch (16 samples, batch 4); checkpoints at steps 3 (epoch 0) and 6 (epoch 1).
+    cfg = {**BASE, "dataset_size": 16, "max_steps": 6, "save_every_steps": 3, "spike_guard": "rollback",
+           "record_samples": False, "log_dir": str(tmp_path / "logs"), "checkpoint_dir": str(tmp_path / "ck")}
+    trainer = DDPTrainer(cfg, rank=0, world_size=1)
+    trainer.train()
+    assert trainer.sampler.epoch == 1
+    assert trainer.checkpoints.roll_back(before=6) is None  # the newest before it is of epoch 0
+    assert trainer.checkpoints.roll_back(before=7) == 6 and trainer.step == 6
