@@ -22,12 +22,10 @@ Prints a table and writes bench/results/peers.json.
 from __future__ import annotations
 
 import argparse
-import atexit
 import importlib.util
 import json
 import os
 import re
-import signal
 import statistics
 import subprocess
 import sys
@@ -189,9 +187,7 @@ def launch(kind: str, nproc: int, tmp: Path, name: str, args) -> dict:
 
 
 def orchestrate(args) -> int:
-    atexit.register(throughput.kill_children)
-    signal.signal(signal.SIGTERM, throughput._on_signal)
-    signal.signal(signal.SIGINT, throughput._on_signal)
+    throughput.clean_up_children_on_exit()
     import torch
     missing = {k for k, module in OPTIONAL.items() if importlib.util.find_spec(module) is None}
     peers = [p for p in PEERS if p not in missing]
@@ -224,8 +220,7 @@ def orchestrate(args) -> int:
     out = {"description": "DDPTrainer vs Lightning, Accelerate and a bare loop; see bench/peers.py docstring",
            "torch": torch.__version__, "not_installed": sorted(missing), "cpu_busy_before_start": busy_before,
            "warmup_steps": args.warmup, "timed_steps": args.steps, "repeats": args.repeats, "variants": rows}
-    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
-    print(f"\nwrote {args.out}")
+    throughput.write_results(args.out, out)
     return 0
 
 

@@ -250,6 +250,23 @@ def _on_signal(signum, frame):
     sys.exit(128 + signum)
 
 
+def clean_up_children_on_exit() -> None:
+    """Whatever ends the orchestrator (return, exception, SIGTERM, Ctrl-C) ends its children too."""
+    atexit.register(kill_children)
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
+
+
+def write_results(path: str | Path, out: dict) -> None:
+    """Write ``out`` as JSON to ``path`` atomically (a temp file renamed over it)."""
+    dest = Path(path)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp_path = dest.with_name(dest.name + ".tmp")
+    tmp_path.write_text(json.dumps(out, indent=2) + "\n")
+    os.replace(tmp_path, dest)
+    print(f"\nwrote {dest}")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -360,9 +377,7 @@ def git_state() -> dict:
 
 
 def orchestrate(args) -> int:
-    atexit.register(kill_children)
-    signal.signal(signal.SIGTERM, _on_signal)
-    signal.signal(signal.SIGINT, _on_signal)
+    clean_up_children_on_exit()
     import torch
     cores = len(os.sched_getaffinity(0))
     load_before = os.getloadavg()
@@ -435,20 +450,13 @@ def orchestrate(args) -> int:
         "ratios": ratios,
         "targets_met": {name: ratios[name] >= t for name, t in targets.items() if name in ratios},
     }
-    dest = Path(args.out)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp_path = dest.with_name(dest.name + ".tmp")
-    tmp_path.write_text(json.dumps(out, indent=2) + "\n")
-    os.replace(tmp_path, dest)
-    print(f"\nwrote {dest}")
+    write_results(args.out, out)
     return 0
 
 
 def orchestrate_comm_hooks(args) -> int:
     """(c) under each of COMM_SETTINGS, with (a), (b) and (e), round-robin in every repeat."""
-    atexit.register(kill_children)
-    signal.signal(signal.SIGTERM, _on_signal)
-    signal.signal(signal.SIGINT, _on_signal)
+    clean_up_children_on_exit()
     import torch
     load_before, busy_before = os.getloadavg(), busy_fraction()
     print(f"torch {torch.__version__}, {len(os.sched_getaffinity(0))} cores; warm-up {args.warmup} steps, timed "
@@ -515,20 +523,13 @@ def orchestrate_comm_hooks(args) -> int:
            "e_median_tokens_per_sec": med["e"], "ceiling_e_over_b": ceiling,
            "runs": {k: runs[k] for k in ("a", "b", "e")}, "settings": rows, "best": best["setting"],
            "best_vs_plain_paired": best["vs_plain_paired"], "spread": spread}
-    dest = Path(args.out)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp_path = dest.with_name(dest.name + ".tmp")
-    tmp_path.write_text(json.dumps(out, indent=2) + "\n")
-    os.replace(tmp_path, dest)
-    print(f"\nwrote {dest}")
+    write_results(args.out, out)
     return 0
 
 
 def orchestrate_compile(args) -> int:
     """(a) and (c), eager and compiled (inductor), interleaved in every repeat."""
-    atexit.register(kill_children)
-    signal.signal(signal.SIGTERM, _on_signal)
-    signal.signal(signal.SIGINT, _on_signal)
+    clean_up_children_on_exit()
     import torch
     busy_before = busy_fraction()
     print(f"torch {torch.__version__}; warm-up {args.warmup} steps, timed {args.steps} steps, {args.repeats} "
@@ -558,10 +559,7 @@ def orchestrate_compile(args) -> int:
                           "compilation; see bench/throughput.py docstring",
            "torch": torch.__version__, "git": git_state(), "cpu_busy_before_start": busy_before,
            "warmup_steps": args.warmup, "timed_steps": args.steps, "repeats": args.repeats, "variants": rows}
-    dest = Path(args.out)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    dest.write_text(json.dumps(out, indent=2) + "\n")
-    print(f"\nwrote {dest}")
+    write_results(args.out, out)
     return 0
 
 

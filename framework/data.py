@@ -170,7 +170,7 @@ class ResumableDistributedSampler(torch.utils.data.Sampler[list[int]]):
         self.epoch = 0
         self.consumed = 0
         self.excluded: frozenset[int] = frozenset()
-        self._perm: tuple[tuple[int, int], torch.Tensor] | None = None  # (epoch, len(excluded)) -> permutation
+        self._perm: tuple[int, torch.Tensor] | None = None  # (epoch, its permutation); exclude() clears it
         # What __iter__ handed out and the trainer has not yet committed, oldest first.
         self.delivered: collections.deque[list[int]] = collections.deque()
 
@@ -190,15 +190,14 @@ class ResumableDistributedSampler(torch.utils.data.Sampler[list[int]]):
         return max(0, (self.epoch_samples - self.consumed) // self.global_batch)
 
     def permutation(self, epoch: int) -> torch.Tensor:
-        key = (epoch, len(self.excluded))  # exclude() clears the cache whenever the set changes
-        if self._perm is None or self._perm[0] != key:
+        if self._perm is None or self._perm[0] != epoch:
             seed = int(np.random.SeedSequence([self.seed, epoch]).generate_state(1, np.uint64)[0] >> 1)
             perm = torch.randperm(self.num_samples, generator=torch.Generator().manual_seed(seed))
             if self.excluded:
                 keep = torch.ones(self.num_samples, dtype=torch.bool)
                 keep[torch.tensor(sorted(self.excluded))] = False
                 perm = perm[keep[perm]]
-            self._perm = (key, perm)
+            self._perm = (epoch, perm)
         return self._perm[1]
 
     def exclude(self, indices) -> None:

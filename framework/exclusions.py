@@ -22,6 +22,10 @@ def read(path: str | Path) -> list[int]:
         raise ValueError("file not found") from None
     except (OSError, json.JSONDecodeError) as err:
         raise ValueError(f"unreadable: {err}") from None
+    return _samples(data)
+
+
+def _samples(data) -> list[int]:
     samples = data.get("samples") if isinstance(data, dict) else data
     if not isinstance(samples, list) or not all(isinstance(i, int) and i >= 0 for i in samples):
         raise ValueError('allowed: a JSON list of sample indices (integers >= 0), or {"samples": [...]}')
@@ -35,7 +39,7 @@ def read_recorded(directory: str | Path) -> dict | None:
         return None
     try:
         data = json.loads(path.read_text())
-        return {"samples": read(path), "rollbacks": list(data.get("rollbacks", []))}
+        return {"samples": _samples(data), "rollbacks": list(data.get("rollbacks", []))}
     except (ValueError, OSError, AttributeError) as err:
         raise ValueError(f"{path}: {err}; it holds the samples a loss-spike rollback excluded: fix it (a JSON "
                          f"list of sample indices) or delete it to train on them again") from None

@@ -98,12 +98,11 @@ def check_at_start(directory: str | Path, *, restart_count: int, is_main: bool) 
     """A restarted group stops at once on an earlier incarnation's FATAL marker. A fresh launch
     (restart count 0) clears it, and the micro-batch an earlier launch recorded: the user's
     configuration decides again."""
-    if restart_count == 0 and is_main and read(directory, MICRO_BATCH) is not None:
-        log.warning("clearing %s of an earlier launch", MICRO_BATCH)
-        clear(directory, MICRO_BATCH)
     if restart_count == 0 and is_main:
-        clear(directory, RESTARTS)
-        clear(directory, LAST_ERROR)
+        if read(directory, MICRO_BATCH) is not None:
+            log.warning("clearing %s of an earlier launch", MICRO_BATCH)
+        for name in (MICRO_BATCH, RESTARTS, LAST_ERROR):
+            clear(directory, name)
     message = read(directory, FATAL)
     if message is None:
         return

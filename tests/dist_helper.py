@@ -165,6 +165,20 @@ def finish_worker(out_dir: Path, rank: int, result: dict) -> None:
     exit_worker()
 
 
+def run_cases(cases: dict[str, dict], run_case) -> None:
+    """A case-looping worker's whole life under torchrun: join a gloo group, run
+    ``run_case(name, overrides, out_dir)`` for each case (its error recorded, the ranks meeting
+    after each), write this rank's results and exit."""
+    import torch.distributed as dist
+    out_dir = register_worker()
+    dist.init_process_group("gloo")
+    results = {}
+    for name, overrides in cases.items():
+        results[name] = recorded(run_case, name, overrides, out_dir)
+        dist.barrier()
+    finish_worker(out_dir, dist.get_rank(), {"cases": results})
+
+
 def exit_worker(code: int = 0) -> None:
     """End a worker without the interpreter's finalisation, after its result is written: with
     gloo, torch 2.13 occasionally aborts there ("terminate called without an active exception")."""

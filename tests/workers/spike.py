@@ -6,9 +6,8 @@ from __future__ import annotations
 import os
 import traceback
 
-import torch.distributed as dist
 
-from tests.dist_helper import finish_worker, recorded, register_worker
+from tests.dist_helper import run_cases
 
 # The spike: rank 1's first micro-batch of step 30 gets random targets. At this size a clean run's
 # largest z-score is about 4, the spike's about 14 (the test's threshold is 8; the default 6 is
@@ -47,16 +46,6 @@ def run_case(name, overrides, out_dir):
     return out
 
 
-def main():
-    out_dir = register_worker()
-    dist.init_process_group("gloo")
-    results = {}
-    for name, overrides in CASES.items():
-        results[name] = recorded(run_case, name, overrides, out_dir)
-        dist.barrier()
-    finish_worker(out_dir, dist.get_rank(), {"cases": results})
-
-
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    main()
+    run_cases(CASES, run_case)

@@ -7,9 +7,8 @@ import os
 import traceback
 
 import torch
-import torch.distributed as dist
 
-from tests.dist_helper import finish_worker, recorded, register_worker
+from tests.dist_helper import run_cases
 
 BASE = dict(vocab_size=32, hidden_size=32, num_layers=2, num_heads=2, seq_len=16, dataset_size=4096,
             batch_size=4, dropout=0.0, num_workers=0, tensorboard=False, eval_interval=0, eval_steps=2,
@@ -49,16 +48,6 @@ def run_case(name, overrides, out_dir):
     return out
 
 
-def main():
-    out_dir = register_worker()
-    dist.init_process_group("gloo")
-    results = {}
-    for name, overrides in CASES.items():
-        results[name] = recorded(run_case, name, overrides, out_dir)
-        dist.barrier()
-    finish_worker(out_dir, dist.get_rank(), {"cases": results})
-
-
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    main()
+    run_cases(CASES, run_case)
