@@ -87,6 +87,7 @@ def test_straggler_action_fatal_stops_every_rank_naming_the_rank(stragglers):
 
 def test_a_clean_run_names_nobody(stragglers):
     assert case(stragglers, "clean")["summary"]["steps"] == 200
+    assert "step 200 straggler scores" in (stragglers[0] / "clean" / "logs" / "rank_0.log").read_text()  # scored
     for rank in (0, 1):
         assert "straggler: rank" not in (stragglers[0] / "clean" / "logs" / f"rank_{rank}.log").read_text()
 
