@@ -23,12 +23,31 @@ import logging
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
 
 log = logging.getLogger(__name__)
 
-_COMPRESS = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}
+
+
+def compress_hook(dtype: torch.dtype):
+    """A DDP hook that all-reduces each bucket in ``dtype``, averaged, then cast back in place:
+    torch's fp16/bf16 compress hooks without their NCCL-only check for bf16, since gloo sums bf16
+    as well (torch 2.13's ``bf16_compress_hook`` raises TypeError on gloo)."""
+    def hook(process_group, bucket):  # unannotated: DDP rejects this module's string annotations
+        group = process_group if process_group is not None else dist.group.WORLD
+        buffer = bucket.buffer()
+        compressed = buffer.to(dtype).div_(group.size())
+
+        def decompress(fut: torch.futures.Future) -> torch.Tensor:
+            return buffer.copy_(fut.value()[0])
+
+        return dist.all_reduce(compressed, group=group, async_op=True).get_future().then(decompress)
+
+    hook.__name__ = f"{dtype}_compress_hook".replace("torch.", "")
+    return hook
+
+
+_COMPRESS = {"fp16": compress_hook(torch.float16), "bf16": compress_hook(torch.bfloat16)}
 
 
 def capture_powersgd(state: PowerSGDState) -> dict:

@@ -27,7 +27,7 @@ def final_evaluation_and_save(trainer, steps: StepLog) -> bool:
     preempted = agree(loss=torch.zeros((), device=env.device), world_size=env.world_size,
                       distributed=env.distributed, preempt=trainer.preemption.requested is not None).preempt
     if not preempted:
-        with trainer.watchdog.phase("evaluation", scale=cfg.eval_steps):
+        with trainer.watchdog.phase("evaluation", scale=trainer.evaluator.batches):
             trainer.evaluate_and_record(steps)
     with trainer.watchdog.phase("checkpoint save", scale=10):
         if preempted:

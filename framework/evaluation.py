@@ -41,16 +41,24 @@ class Evaluator:
     def __init__(self, model: torch.nn.Module, dataset, loss_fn, *, cfg, env, autocast, sampler):
         self.model, self.dataset, self.loss_fn = model, dataset, loss_fn
         self.interval = cfg.eval_interval
-        self.limit = cfg.eval_steps * cfg.batch_size
+        whole = len(dataset) if dataset is not None else 0
+        self.limit = cfg.eval_steps * cfg.batch_size if cfg.eval_steps else whole
         self.sampler = sampler  # its micro-batch, which an out-of-memory error may have halved
         self.env, self.autocast = env, autocast
 
     def should_run(self, step: int) -> bool:
         return bool(self.interval) and step % self.interval == 0
 
+    @property
+    def batches(self) -> int:
+        """This rank's batches per evaluation (the watchdog's first deadline is scaled by it)."""
+        size = len(self.dataset) if self.dataset is not None else 0
+        per_rank = -(-min(size, self.limit) // self.env.world_size)
+        return max(1, -(-per_rank // self.sampler.batch_size))
+
     def run(self, step: int) -> float | None:
-        """Mean validation loss over the first ``eval_steps * batch_size`` validation samples,
-        exact for any world size; the model is put back in the mode it was in."""
+        """Mean validation loss over the first ``eval_steps * batch_size`` validation samples (all
+        of them when eval_steps is 0), exact for any world size; the model is put back in the mode it was in."""
         log.info("evaluating at step %d", step)
         was_training = self.model.training
         self.model.eval()

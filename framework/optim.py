@@ -81,23 +81,28 @@ def optimizer_and_schedule(cfg, model: torch.nn.Module, optimizer=None, lr_sched
     ``lr_scheduler`` (a factory ``optimizer -> LRScheduler``), if any."""
     if optimizer is None and lr_scheduler is None:
         built = build_optimizer(model, lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
-                                betas=(cfg.beta1, cfg.beta2))
+                                betas=(cfg.beta1, cfg.beta2), impl=cfg.optimizer_impl)
         return built, LRSchedule(lr=cfg.learning_rate, warmup_steps=cfg.warmup_steps, total_steps=0,
                                  min_lr=cfg.min_lr)
     if optimizer is None:
         optimizer = build_optimizer(model, lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
-                                    betas=(cfg.beta1, cfg.beta2))
+                                    betas=(cfg.beta1, cfg.beta2), impl=cfg.optimizer_impl)
     elif not isinstance(optimizer, torch.optim.Optimizer):
         optimizer = optimizer([p for p in model.parameters() if p.requires_grad])
     return optimizer, UserSchedule(lr_scheduler(optimizer) if lr_scheduler is not None else None)
 
 
 def build_optimizer(model: torch.nn.Module, *, lr: float, weight_decay: float,
-                    betas: tuple[float, float] = (0.9, 0.95)) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices (dim >= 2) only; biases and norms are not decayed."""
+                    betas: tuple[float, float] = (0.9, 0.95), impl: str = "foreach") -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices (dim >= 2) only; biases and norms are not decayed.
+    ``impl``: fused (one kernel over every parameter), foreach (one kernel per op over a list),
+    for_loop, or auto = fused where every parameter is a floating CPU or CUDA tensor."""
     params = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=lr, betas=betas)
+    if impl == "auto":
+        impl = "fused" if all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params) else "foreach"
+    kernels = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for_loop": {"foreach": False}}[impl]
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, **kernels)

@@ -285,7 +285,7 @@ class DDPTrainer:
             with self.watchdog.phase("checkpoint save", scale=10):
                 self.checkpoints.maybe_save(self.step, self.sampler.epoch, epoch_ended)
         if self.evaluator.should_run(self.step):
-            with steps.paused(), self.watchdog.phase("evaluation", scale=self.cfg.eval_steps):
+            with steps.paused(), self.watchdog.phase("evaluation", scale=self.evaluator.batches):
                 self.evaluate_and_record(steps)
 
     def evaluate_and_record(self, steps: StepLog) -> None:

@@ -152,3 +152,18 @@ def test_doctor_through_the_launcher(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.count("training would be safe") == 1  # printed by rank 0 only
     assert "chosen: static_graph=False, find_unused_parameters=False" in proc.stdout
+
+
+def test_eval_steps_zero_evaluates_the_whole_validation_split(tmp_path):
+    def val_loss(eval_steps):
+        trainer = DDPTrainer(tiny(tmp_path, eval_steps=eval_steps))
+        try:
+            return trainer.evaluate(), trainer.evaluator.batches, len(trainer.val_dataset)
+        finally:
+            trainer.close()
+
+    whole, batches, size = val_loss(0)
+    assert size > TINY["batch_size"] and batches == -(-size // TINY["batch_size"])
+    assert val_loss(size)[0] == whole  # more batches than the split holds
+    prefix = val_loss(1)
+    assert prefix[0] != whole and prefix[1] == 1

@@ -1,7 +1,8 @@
-"""Run under torchrun with 2 ranks: DDP communication hooks (ddp_comm_hook). fp16 gradients
-against fp32 ones after one step, PowerSGD's loss after N steps against plain all-reduce, PowerSGD
-saved and resumed (with and without its state), a non-finite step under PowerSGD, and the log line
-naming the hook. Every case's result goes into result_rank{r}.json for tests/test_comm_hooks.py."""
+"""Run under torchrun with 2 ranks: DDP communication hooks (ddp_comm_hook). fp16 and bf16
+gradients against fp32 ones after one step (and torch's own bf16 hook on gloo), PowerSGD's loss
+after N steps against plain all-reduce, PowerSGD saved and resumed (with and without its state),
+a non-finite step under PowerSGD, and the log line naming the hook. Every case's result goes
+into result_rank{r}.json for tests/test_comm_hooks.py."""
 
 from __future__ import annotations
 
@@ -39,15 +40,25 @@ def grads_after_one_step(name: str, overrides: dict, out_dir) -> dict[str, torch
     return grads
 
 
-def run_fp16_case(out_dir, rank: int) -> dict:
-    """fp16-compressed gradients against fp32 all-reduced ones, per tensor relative to its largest entry."""
+def run_compressed_case(name: str, out_dir, rank: int) -> dict:
+    """fp16- or bf16-compressed gradients against fp32 all-reduced ones, per tensor relative to its largest entry."""
     exact = grads_after_one_step("grad_none", {"ddp_comm_hook": "none"}, out_dir)
-    half = grads_after_one_step("grad_fp16", {"ddp_comm_hook": "fp16"}, out_dir)
+    half = grads_after_one_step(f"grad_{name}", {"ddp_comm_hook": name}, out_dir)
     rel = {n: ((half[n] - g).abs().max() / g.abs().max()).item() for n, g in exact.items() if g.abs().max() > 0}
     diff = {n: (half[n] - g).abs().max().item() for n, g in exact.items()}
-    log = (out_dir / "grad_fp16" / f"rank_{rank}.log").read_text()
+    log = (out_dir / f"grad_{name}" / f"rank_{rank}.log").read_text()
     return {"max_rel_diff": max(rel.values()), "worst_param": max(rel, key=rel.get), "max_abs_diff": max(diff.values()),
             "logged": [line.split("INFO ", 1)[-1] for line in log.splitlines() if "communication hook" in line]}
+
+
+def run_torch_bf16_hook_on_gloo() -> dict:
+    """Plain torch: its own bf16 hook on a gloo DDP model, one backward."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4))
+    model.register_comm_hook(None, default_hooks.bf16_compress_hook)
+    model(torch.randn(2, 4)).sum().backward()
+    return {"raised": None}
 
 
 def train(name: str, overrides: dict, out_dir, **kwargs) -> dict:
@@ -136,11 +147,12 @@ def main() -> None:
     out_dir = register_worker()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    results = {"fp16": recorded(run_fp16_case, out_dir, rank)}
+    results = {name: recorded(run_compressed_case, name, out_dir, rank) for name in ("fp16", "bf16")}
     results.update(run_powersgd_cases(out_dir, rank))
     results["nonfinite"] = run_nonfinite_case("nonfinite", out_dir, keep_finite=True)
     shutil.rmtree(out_dir / "nonfinite_unguarded", ignore_errors=True)
     results["nonfinite_unguarded"] = run_nonfinite_case("nonfinite_unguarded", out_dir, keep_finite=False)
+    results["torch_bf16_on_gloo"] = recorded(run_torch_bf16_hook_on_gloo)  # last: it leaves its DDP mid-backward
     finish_worker(out_dir, rank, {"cases": results})
 
 
