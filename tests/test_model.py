@@ -41,3 +41,28 @@ def test_shapes_loss_and_tied_weights():
 def test_too_long_sequence_is_rejected():
     with pytest.raises(ValueError, match="longer than seq_len=16"):
         make()(torch.zeros(1, 17, dtype=torch.long))
+
+
+@pytest.mark.parametrize("amp", [False, True])
+def test_attention_runs_in_fp32_on_cpu_even_under_bf16_autocast(amp, monkeypatch):
+    """torch 2.13's CPU flash attention is ~4x slower in bf16 (bench/attention.py): the built-in GPT
+    attends in fp32 there, and hands the next layer autocast's dtype back."""
+    import framework.model as model_module
+
+    seen = []
+    real = model_module.F.scaled_dot_product_attention
+
+    def spy(q, k, v, **kwargs):
+        seen.append((q.dtype, k.dtype, v.dtype, torch.is_autocast_enabled("cpu")))
+        return real(q, k, v, **kwargs)
+
+    monkeypatch.setattr(model_module.F, "scaled_dot_product_attention", spy)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=32, seq_len=16, hidden_size=32, num_layers=2, num_heads=2))
+    idx = torch.randint(0, 32, (3, 16))
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+        logits = model(idx)
+    assert seen == [(torch.float32,) * 3 + (False,)] * 2
+    assert logits.dtype == (torch.bfloat16 if amp else torch.float32)
+    if amp:  # bf16 autocast stays close to the fp32 model
+        torch.testing.assert_close(logits.float(), model(idx), atol=0.1, rtol=0.05)
