@@ -35,10 +35,11 @@ summary tokens_per_sec (which includes start-up and warm-up steps) is shown for 
 of this shared machine over both; the median of the repeats is reported. Results are printed as a
 table with the ratios a/b, c/d, c/a, d/b, e/b and written to bench/results/throughput.json.
 
---comm-hooks instead runs (c) once per DDP setting below, the settings round-robin within each
-repeat (b a e c1 c2 ... cN, repeated), and reports each setting's c/a (its scaling) against e/b
-(the ceiling) and its tokens/s against plain (c); written to bench/results/comm_hooks.json.
-PowerSGD starts compressing at iteration 2, before the timed window.
+--comm-hooks instead runs (c) once per setting in COMM_SETTINGS (plain DDP as the peers run it,
+the framework's fused AdamW, the compression hooks, bucket settings, bf16 autocast), the settings
+round-robin within each repeat (b a e c1 c2 ... cN, repeated), and reports each setting's c/a (its
+scaling; for the autocast settings it is a speed-up, not a scaling) against e/b (the ceiling) and
+its tokens/s against plain; written to bench/results/comm_hooks.json.
 
 --compile instead runs (a) and (c) eager and with compile=true (inductor), interleaved in every
 repeat, and reports tokens/s, the paired ratio to eager, the first step (which holds the
@@ -73,15 +74,19 @@ CONFIG = ROOT / "configs" / "nanogpt_shakespeare_char.toml"
 RESULTS = ROOT / "bench" / "results" / "throughput.json"
 COMM_RESULTS = ROOT / "bench" / "results" / "comm_hooks.json"
 COMPILE_RESULTS = ROOT / "bench" / "results" / "compile.json"
-# --comm-hooks: (c) under each of these DDP settings; "plain" is the framework's default.
+# --comm-hooks: (c) under each of these settings. "plain" is plain DDP as the peers run it: DDP's
+# defaults, fp32, torch's default AdamW (foreach); every other setting starts from the framework's
+# defaults (fused AdamW) and changes what its name says.
 COMM_SETTINGS = {
-    "plain": {},
-    "fp16": {"ddp_comm_hook": "fp16"},
-    "powersgd r1": {"ddp_comm_hook": "powersgd", "powersgd_rank": 1, "powersgd_start_iter": 2},
-    "powersgd r4": {"ddp_comm_hook": "powersgd", "powersgd_rank": 4, "powersgd_start_iter": 2},
+    "plain": {"optimizer_impl": "foreach"},
+    "fused AdamW (default)": {},
+    "fp16 hook": {"ddp_comm_hook": "fp16"},
+    "bf16 hook": {"ddp_comm_hook": "bf16"},
     "bucket 1 MiB": {"bucket_cap_mb": 1},
-    "bucket 4 MiB": {"bucket_cap_mb": 4},
     "grad as bucket view": {"gradient_as_bucket_view": True},
+    "bf16 hook+bucket view": {"ddp_comm_hook": "bf16", "gradient_as_bucket_view": True},
+    "bf16 autocast": {"use_amp": "true"},
+    "bf16 autocast+bf16 hook": {"use_amp": "true", "ddp_comm_hook": "bf16"},
 }
 SCRIPT = Path(__file__).resolve()
 
@@ -508,11 +513,13 @@ def orchestrate_comm_hooks(args) -> int:
               f"{comm - overlap:>13.1f}  {buckets}")
     # The paired ratio decides: a repeat's settings ran back to back, so drift between repeats cancels.
     best = max(rows, key=lambda r: r["vs_plain_paired"])
+    best_fp32 = max((r for r in rows if r["overrides"].get("use_amp") != "true"), key=lambda r: r["vs_plain_paired"])
     spread = {k: (max(v) - min(v)) / statistics.median(v) for k, v in runs.items()}
     print(f"\nbest (paired): {best['setting']} at {best['vs_plain_paired']:.3f}x plain DDP (target >= 1.05: "
           f"{'met' if best['vs_plain_paired'] >= 1.05 else 'NOT met'}); its c/a {best['c_over_a']:.3f} against the "
           f"ceiling e/b {ceiling:.3f}; run-to-run spread (max - min) / median: {min(spread.values()):.0%} to "
           f"{max(spread.values()):.0%}")
+    print(f"best in fp32 (no autocast): {best_fp32['setting']} at {best_fp32['vs_plain_paired']:.3f}x plain DDP")
     out = {"description": "(c) DDPTrainer on 2 processes under DDP settings; tokens/s global over ranks; see "
                           "bench/throughput.py docstring",
            "torch": torch.__version__, "cores": len(os.sched_getaffinity(0)), "config": str(CONFIG.relative_to(ROOT)),
@@ -522,7 +529,8 @@ def orchestrate_comm_hooks(args) -> int:
            "a_median_tokens_per_sec": med["a"], "b_median_tokens_per_sec": med["b"],
            "e_median_tokens_per_sec": med["e"], "ceiling_e_over_b": ceiling,
            "runs": {k: runs[k] for k in ("a", "b", "e")}, "settings": rows, "best": best["setting"],
-           "best_vs_plain_paired": best["vs_plain_paired"], "spread": spread}
+           "best_vs_plain_paired": best["vs_plain_paired"], "best_fp32": best_fp32["setting"],
+           "best_fp32_vs_plain_paired": best_fp32["vs_plain_paired"], "spread": spread}
     write_results(args.out, out)
     return 0
 
@@ -581,6 +589,8 @@ def main() -> int:
     p.add_argument("--set", default="{}", help=argparse.SUPPRESS)
     p.add_argument("--comm-hooks", action="store_true",
                    help="compare DDP communication hooks and bucket settings (see above)")
+    p.add_argument("--settings", help="with --comm-hooks: a comma-separated subset of the settings (plain is "
+                   "always run)")
     p.add_argument("--compile", action="store_true", help="compare eager and compile=true at 1 and 2 processes")
     p.add_argument("--max-procs", type=int, choices=(1, 2), default=2,
                    help="with --compile: 1 = the 1-process variants only (one GPU cannot hold 2 NCCL ranks)")
@@ -595,6 +605,13 @@ def main() -> int:
         worker_main(args)
         return 0
     if args.comm_hooks:
+        if args.settings:
+            wanted = {"plain", *args.settings.split(",")}
+            if wanted - set(COMM_SETTINGS):
+                p.error(f"--settings: unknown {sorted(wanted - set(COMM_SETTINGS))}; "
+                        f"allowed: {', '.join(COMM_SETTINGS)}")
+            for name in set(COMM_SETTINGS) - wanted:
+                del COMM_SETTINGS[name]
         return orchestrate_comm_hooks(args)
     if args.compile:
         return orchestrate_compile(args)
