@@ -177,3 +177,30 @@ def test_two_nodes_stop_a_crash_after_every_restart_after_max_no_progress_restar
     assert "2 restarts in a row resumed from step 16" in marker and "fault injection: crash at step 20" in marker
     assert rank_log(tmp_path, 0).count("fault injection: crash at step 20 on rank 0") == 2
     assert not nodes[0].leftovers and not nodes[1].leftovers
+
+
+def test_two_nodes_roll_back_a_spike_and_name_a_slow_rank(tmp_path):
+    """The loss-spike rollback and the straggler scores across 2 nodes x 1 process: rank 1 (node 1)
+    gets random targets at step 30 and a 40 ms slower forward from step 5; the rolled-back run ends
+    as a 2-node run that excluded the same samples from the start."""
+    from tests.workers.spike import BASE as SPIKE
+
+    def run(name: str, **extra) -> Path:
+        run_dir = tmp_path / name
+        cfg = {**SPIKE, "straggler_interval": 5, "timeout_s": 40, "log_dir": str(run_dir / "logs"),
+               "checkpoint_dir": str(run_dir / "ck"), **extra}
+        assert_finished(finish_nodes(start_nodes(ROOT / "ddp_training.py", cli_args(cfg), run_dir, nnodes=2,
+                                                 rdzv_id=name, env={"LOGLEVEL": "INFO"}), TIMEOUT))
+        return run_dir
+
+    faulty = run("rollback", spike_guard="rollback", fault_inject="bad_data@step=30,rank=1;slow@step=5,rank=1,ms=40")
+    got = summary(faulty)
+    assert (got["loss_spikes"], got["rollbacks"], got["excluded_samples"], got["steps"]) == (1, 1, 8, 50)
+    for rank in (0, 1):
+        log = rank_log(faulty, rank)
+        assert "loss spike at step 31" in log and "rolled back to the checkpoint of step 30" in log, log[-3000:]
+        assert "straggler: rank 1 on host" in log and "the fastest rank in forward_backward" in log, log[-3000:]
+        assert "straggler: rank 0" not in log
+    clean = run("reference", spike_guard="rollback", exclude_samples=str(faulty / "ck" / "EXCLUDED_SAMPLES.json"))
+    assert summary(clean)["loss_spikes"] == 0
+    assert summary(clean)["model_sha256"] == got["model_sha256"]
