@@ -5,7 +5,7 @@ processes, in fresh processes, interleaved and repeated.
 
 Everything but the training loop comes from bench/throughput.py: the config
 (configs/nanogpt_shakespeare_char.toml, batch 12 per process, 1 thread per process, fp32 on CPU),
-the model (framework.model.GPT), AdamW with the framework's parameter groups and warmup/cosine
+the model (framework.model.GPT), AdamW with the framework's parameter groups, kernels and warmup/cosine
 schedule, clip 1.0, the end-of-step clock, the launch (torchrun, c10d on 127.0.0.1, gloo), and the
 steady-state tokens/s over the same window of steps. The bare loop, Lightning and Accelerate draw
 the same random windows of the same token array (the bare loop's generator); DDPTrainer reads its
@@ -69,7 +69,9 @@ def model_and_optimizer(cfg):
     cfg = dataclasses.replace(cfg, vocab_size=build_datasets(cfg).vocab_size)
     torch.manual_seed(cfg.seed)
     model = GPT(GPTConfig.from_train_config(cfg))
-    opt = build_optimizer(model, lr=cfg.learning_rate, weight_decay=cfg.weight_decay, betas=(cfg.beta1, cfg.beta2))
+    # The framework's AdamW kernels (optimizer_impl) for every peer: the comparison is of the loops.
+    opt = build_optimizer(model, lr=cfg.learning_rate, weight_decay=cfg.weight_decay, betas=(cfg.beta1, cfg.beta2),
+                          impl=cfg.optimizer_impl)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_at(
         step, lr=cfg.learning_rate, warmup_steps=cfg.warmup_steps, total_steps=cfg.max_steps,
         min_lr=cfg.min_lr) / cfg.learning_rate)

@@ -14,7 +14,7 @@ Variants, each in fresh processes:
   (a) DDPTrainer, 1 process                        (as users run it: logging, TensorBoard,
   (c) DDPTrainer, 2 processes under torchrun        per-step control all-reduce, default loader)
   (b) bare loop, 1 process                         (framework.model.GPT + lm_loss, the framework's
-  (d) bare loop in torch DDP (gloo), 2 processes    AdamW, clip 1.0, same LR schedule; batches
+  (d) bare loop in torch DDP (gloo), 2 processes    AdamW (fused), clip 1.0, same LR schedule; batches
                                                     indexed straight out of the same token array)
   (e) two copies of (b) at once, no communication: the 2-process ceiling of this machine
       (sum of their tokens/s over the time both were running).
@@ -169,7 +169,7 @@ def run_bare(cfg, clock: Clock, seed_offset: int = 0) -> dict:
     ids = [device.index] if device.type == "cuda" else None
     model = torch.nn.parallel.DistributedDataParallel(raw, device_ids=ids) if world > 1 else raw
     opt = build_optimizer(raw, lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
-                          betas=(cfg.beta1, cfg.beta2))
+                          betas=(cfg.beta1, cfg.beta2), impl=cfg.optimizer_impl)  # the framework's kernels
     amp, amp_dtype, scaler = precision(cfg, device)  # the framework's autocast and GradScaler
     gen = torch.Generator().manual_seed(cfg.seed + 1 + rank + 100 * seed_offset)
     offsets = torch.arange(cfg.seq_len + 1)
