@@ -117,7 +117,8 @@ APPLICABLE = {
     "corrupt_newest": ("mid_step", "eval", "ckpt_write", "final_save"),
 }
 SKIPPED = {
-    ("hang", "eval"): "fault_inject hangs a rank only at the start of a step; an evaluation runs between steps",
+    ("hang", "eval"): ("the campaign hangs a rank at the start of a step; a hang in the evaluation "
+                       "(hang@step=K,at=eval) is tested in tests/test_fault_tolerance.py"),
     ("hang", "final_save"): "fault_inject hangs at the start of a step; no step starts after the last one",
     ("nan", "eval"): "a NaN is injected into a step's gradients; an evaluation computes none",
     ("nan", "ckpt_write"): "a NaN is injected into a step's gradients; a checkpoint write computes none",

@@ -38,8 +38,8 @@ def validation_loss(model, dataset, loss_fn, *, limit: int, batch_size: int, ran
 class Evaluator:
     """The validation loss every ``eval_interval`` steps (0: only at the end), on every rank."""
 
-    def __init__(self, model: torch.nn.Module, dataset, loss_fn, *, cfg, env, autocast, sampler):
-        self.model, self.dataset, self.loss_fn = model, dataset, loss_fn
+    def __init__(self, model: torch.nn.Module, dataset, loss_fn, *, cfg, env, autocast, sampler, faults=None):
+        self.model, self.dataset, self.loss_fn, self.faults = model, dataset, loss_fn, faults
         self.interval = cfg.eval_interval
         whole = len(dataset) if dataset is not None else 0
         self.limit = cfg.eval_steps * cfg.batch_size if cfg.eval_steps else whole
@@ -63,6 +63,8 @@ class Evaluator:
         was_training = self.model.training
         self.model.eval()
         try:
+            if self.faults is not None:
+                self.faults.fire_process_faults(step, at="eval")
             return validation_loss(self.model, self.dataset, self.loss_fn, limit=self.limit,
                                    batch_size=self.sampler.batch_size, rank=self.env.rank,
                                    world_size=self.env.world_size, device=self.env.device, autocast=self.autocast,

@@ -4,7 +4,9 @@
 A fault fires once, at the given step, on the given rank (all ranks if none), and only in the
 first incarnation of the group (restart count 0) unless it says ``restart=N``, or ``restart=*``
 (in every incarnation: a failure that a restart cannot fix). ``slow@step=K,rank=R,ms=M`` is the
-exception: it delays every forward from step K on by M ms (a straggler).
+exception: it delays every forward from step K on by M ms (a straggler). The process faults
+(sigterm, sigkill, crash, hang) fire at the start of step K, or with ``at=eval`` at the start of
+the evaluation after K steps (the final one too).
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ log = logging.getLogger(__name__)
 
 KINDS = ("nan", "oom", "kill_worker", "hang", "sigterm", "sigkill", "ulp", "bad_data", "crash", "slow")
 ANY_RESTART = -1
+PROCESS_KINDS = ("sigterm", "sigkill", "crash", "hang")
+MOMENTS = ("step", "eval")
 
 
 @dataclass(frozen=True)
@@ -32,6 +36,7 @@ class Fault:
     restart: int = 0  # ANY_RESTART: every incarnation
     micro: int | None = None  # oom: the micro-step whose backward fails (default: the last)
     ms: int = 0  # slow: the delay added to each forward from ``step`` on
+    at: str = "step"  # process faults: "step" (the start of step K) or "eval" (the evaluation after K steps)
 
 
 def parse(spec: str) -> list[Fault]:
@@ -43,13 +48,21 @@ def parse(spec: str) -> list[Fault]:
         if kind not in KINDS:
             raise ValueError(f"fault {part!r}: unknown kind {kind!r}; allowed: {', '.join(KINDS)}")
         fields: dict[str, int] = {}
+        at = "step"
         for item in filter(None, (a.strip() for a in args.split(","))):
             key, eq, value = item.partition("=")
             if key == "restart" and value.strip() == "*":
                 fields[key] = ANY_RESTART
                 continue
+            if key == "at":
+                at = value.strip()
+                if at not in MOMENTS or (at != "step" and kind not in PROCESS_KINDS):
+                    raise ValueError(f"fault {part!r}: at={at!r}: allowed: at=step, or at=eval for "
+                                     f"{', '.join(PROCESS_KINDS)}")
+                continue
             if key not in ("step", "rank", "restart", "micro", "ms") or not eq or not value.strip().isdigit():
-                raise ValueError(f"fault {part!r}: {item!r} must be step=N, rank=N, restart=N|*, micro=N or ms=N")
+                raise ValueError(f"fault {part!r}: {item!r} must be step=N, rank=N, restart=N|*, micro=N, ms=N "
+                                 "or at=step|eval")
             fields[key] = int(value)
         if "step" not in fields:
             raise ValueError(f"fault {part!r}: needs step=N, e.g. {kind}@step=5")
@@ -57,7 +70,7 @@ def parse(spec: str) -> list[Fault]:
             raise ValueError(f"fault {part!r}: " + ("ms=N is for slow faults only" if "ms" in fields
                                                    else "needs ms=N, e.g. slow@step=5,rank=1,ms=40"))
         faults.append(Fault(kind, fields["step"], fields.get("rank"), fields.get("restart", 0), fields.get("micro"),
-                            fields.get("ms", 0)))
+                            fields.get("ms", 0), at))
     return faults
 
 
@@ -72,33 +85,36 @@ class FaultPlan:
         self.fired: set[Fault] = set()
         self.eager_now = False  # an injected OOM hook is on for the current micro-step
 
-    def due(self, kind: str, step: int, micro: int | None = None, last_micro: int = 0) -> bool:
-        """True once for each fault of ``kind`` planned for ``step`` (and micro-step) on this rank
-        and incarnation."""
+    def due(self, kind: str, step: int, micro: int | None = None, last_micro: int = 0, at: str = "step") -> bool:
+        """True once for each fault of ``kind`` planned for ``step`` (and micro-step, and moment) on
+        this rank and incarnation."""
         for fault in self.faults:
-            if (fault.kind == kind and fault.step == step and fault not in self.fired and self._mine(fault)
+            if (fault.kind == kind and fault.step == step and fault.at == at and fault not in self.fired
+                    and self._mine(fault)
                     and (micro is None or micro == (last_micro if fault.micro is None else fault.micro))):
                 self.fired.add(fault)
-                log.warning("fault injection: %s at step %d on rank %d", kind, step, self.rank)
+                log.warning("fault injection: %s at step %d on rank %d%s", kind, step, self.rank,
+                            "" if at == "step" else f" (during the {'evaluation' if at == 'eval' else at})")
                 return True
         return False
 
     def _mine(self, fault: Fault) -> bool:
         return fault.rank in (None, self.rank) and fault.restart in (ANY_RESTART, self.restart_count)
 
-    def fire_process_faults(self, step: int) -> None:
-        """The faults that act on the whole process, at the start of ``step``."""
+    def fire_process_faults(self, step: int, at: str = "step") -> None:
+        """The faults that act on the whole process, at the start of ``step``, or (``at="eval"``)
+        at the start of the evaluation after ``step`` steps."""
         if not self.faults:
             return
-        if self.due("sigterm", step):
+        if self.due("sigterm", step, at=at):
             os.kill(os.getpid(), signal.SIGTERM)
-        if self.due("sigkill", step):
+        if self.due("sigkill", step, at=at):
             for handler in logging.getLogger().handlers:
                 handler.flush()
             os.kill(os.getpid(), signal.SIGKILL)
-        if self.due("crash", step):
-            raise RuntimeError(f"fault injection: crash at step {step}")
-        if self.due("hang", step):
+        if self.due("crash", step, at=at):
+            raise RuntimeError(f"fault injection: crash at step {step}" + ("" if at == "step" else f" ({at})"))
+        if self.due("hang", step, at=at):
             # sleep(3) through ctypes.PyDLL keeps the GIL: no Python thread can run, only faulthandler.
             ctypes.PyDLL(None).sleep(10**6)
 

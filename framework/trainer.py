@@ -182,7 +182,7 @@ class DDPTrainer:
                                faults=self.faults, skips=self.skips, cfg=cfg, oom_recovery=self.oom_recovery,
                                lr_factor=self.spikes.lr_factor, timer=self.stragglers.timer)
         self.evaluator = Evaluator(self.raw_model, self.val_dataset, self.loss_fn, cfg=cfg, env=env,
-                                   autocast=self._autocast, sampler=self.sampler)
+                                   autocast=self._autocast, sampler=self.sampler, faults=self.faults)
         self.consistency = ConsistencyCheck(self.raw_model, interval=cfg.consistency_check_interval,
                                             device=env.device, distributed=env.distributed)
 

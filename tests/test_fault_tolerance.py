@@ -97,6 +97,29 @@ def test_kill_9_then_elastic_restart_resumes_bit_exact(reference, tmp_path, tria
     assert not run.leftovers
 
 
+@pytest.mark.parametrize(("fault", "resumed"), [
+    # Rank 1 raises at the start of the evaluation after step 32; rank 0 waits in its all-reduce.
+    ("crash@step=32,rank=1,at=eval", (24, 32)),
+    # Rank 0 hangs, holding the GIL, in the final evaluation: the watchdog's evaluation deadline ends
+    # it; the final save comes after that evaluation, so the restart resumes from step 40.
+    ("hang@step=48,rank=0,at=eval", (40,)),
+])
+def test_a_fault_during_evaluation_restarts_and_ends_as_uninterrupted(reference, tmp_path, fault, resumed):
+    run = train(tmp_path, torchrun_extra=["--max-restarts", "1"], fault_inject=fault, eval_interval=16,
+                step_timeout_s=5)
+    assert run.returncode == 0, run.output[-4000:]
+    kind, rank = fault.split("@")[0], int(fault.split("rank=")[1][0])
+    step = int(fault.split("step=")[1].split(",")[0])
+    assert f"fault injection: {kind} at step {step} on rank {rank} (during the evaluation)" in rank_log(tmp_path, rank)
+    assert any(f"resumed from step {s}" in rank_log(tmp_path) for s in resumed), rank_log(tmp_path)[-3000:]
+    if kind == "hang":  # the watchdog's faulthandler dump, naming where the evaluation hung
+        assert "Timeout (0:00:" in rank_log(tmp_path, 0) and "in fire_process_faults" in rank_log(tmp_path, 0)
+    result = summary(tmp_path)
+    assert result["steps"] == 48 and result["restarts"] == 1
+    assert result["model_sha256"] == reference  # evaluation draws no randomness: the same weights
+    assert not run.leftovers
+
+
 def test_sigterm_to_one_worker_saves_within_a_step_and_resumes(reference, tmp_path):
     run = train(tmp_path, fault_inject="sigterm@step=20,rank=1")
     assert run.returncode == 0, run.output[-4000:]

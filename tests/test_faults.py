@@ -62,7 +62,7 @@ def test_parse_good_specs():
 @pytest.mark.parametrize("spec, names", [
     ("boom@step=1", ["'boom@step=1'", "unknown kind 'boom'", "allowed: nan, oom, kill_worker, hang, sigterm"]),
     ("nan@step=1; explode@step=2", ["'explode@step=2'", "unknown kind 'explode'", "allowed:"]),
-    ("nan@step=x", ["'nan@step=x'", "'step=x'", "step=N, rank=N, restart=N|*, micro=N or ms=N"]),
+    ("nan@step=x", ["'nan@step=x'", "'step=x'", "step=N, rank=N, restart=N|*, micro=N, ms=N or at=step|eval"]),
     ("nan@step=-1", ["'step=-1'", "must be step=N"]),
     ("nan@when=3", ["'when=3'", "must be step=N"]),
     ("nan@step", ["'step'", "must be step=N"]),
@@ -74,6 +74,22 @@ def test_parse_rejects_bad_specs_naming_the_part(spec, names):
         parse(spec)
     for name in names:
         assert name in str(err.value)
+
+
+def test_process_faults_take_a_moment_and_others_refuse_one():
+    assert parse("crash@step=3,rank=1,at=eval") == [Fault("crash", 3, 1, at="eval")]
+    assert parse("hang@step=3,at=step") == [Fault("hang", 3)]
+    for spec in ("nan@step=3,at=eval", "crash@step=3,at=save"):
+        with pytest.raises(ValueError, match="allowed: at=step, or at=eval for sigterm, sigkill, crash, hang"):
+            parse(spec)
+
+
+def test_an_eval_fault_fires_in_the_evaluation_not_at_the_step():
+    plan = FaultPlan("crash@step=4,at=eval", rank=0, restart_count=0)
+    plan.fire_process_faults(4)  # the start of step 4: not its moment
+    with pytest.raises(RuntimeError, match=r"fault injection: crash at step 4 \(eval\)"):
+        plan.fire_process_faults(4, at="eval")
+    plan.fire_process_faults(4, at="eval")  # once
 
 
 # --- due -------------------------------------------------------------------------------------
