@@ -33,6 +33,7 @@ def final_evaluation_and_save(trainer, steps: StepLog) -> bool:
         if preempted:
             save_preempted(trainer)
         else:
+            trainer.faults.fire_process_faults(trainer.step, at="save")
             trainer.checkpoints.save_final(trainer.step)
     return preempted
 

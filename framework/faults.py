@@ -6,7 +6,8 @@ first incarnation of the group (restart count 0) unless it says ``restart=N``, o
 (in every incarnation: a failure that a restart cannot fix). ``slow@step=K,rank=R,ms=M`` is the
 exception: it delays every forward from step K on by M ms (a straggler). The process faults
 (sigterm, sigkill, crash, hang) fire at the start of step K, or with ``at=eval`` at the start of
-the evaluation after K steps (the final one too).
+the evaluation after K steps, or with ``at=save`` once the checkpoint of step K is handed to its
+background writer (the final save: before it is written); the final evaluation and save included.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ log = logging.getLogger(__name__)
 KINDS = ("nan", "oom", "kill_worker", "hang", "sigterm", "sigkill", "ulp", "bad_data", "crash", "slow")
 ANY_RESTART = -1
 PROCESS_KINDS = ("sigterm", "sigkill", "crash", "hang")
-MOMENTS = ("step", "eval")
+MOMENTS = ("step", "eval", "save")
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,7 @@ class Fault:
     restart: int = 0  # ANY_RESTART: every incarnation
     micro: int | None = None  # oom: the micro-step whose backward fails (default: the last)
     ms: int = 0  # slow: the delay added to each forward from ``step`` on
-    at: str = "step"  # process faults: "step" (the start of step K) or "eval" (the evaluation after K steps)
+    at: str = "step"  # process faults: the start of step K, or of the evaluation or the checkpoint save after it
 
 
 def parse(spec: str) -> list[Fault]:
@@ -57,12 +58,12 @@ def parse(spec: str) -> list[Fault]:
             if key == "at":
                 at = value.strip()
                 if at not in MOMENTS or (at != "step" and kind not in PROCESS_KINDS):
-                    raise ValueError(f"fault {part!r}: at={at!r}: allowed: at=step, or at=eval for "
+                    raise ValueError(f"fault {part!r}: at={at!r}: allowed: at=step, or at=eval|save for "
                                      f"{', '.join(PROCESS_KINDS)}")
                 continue
             if key not in ("step", "rank", "restart", "micro", "ms") or not eq or not value.strip().isdigit():
                 raise ValueError(f"fault {part!r}: {item!r} must be step=N, rank=N, restart=N|*, micro=N, ms=N "
-                                 "or at=step|eval")
+                                 "or at=step|eval|save")
             fields[key] = int(value)
         if "step" not in fields:
             raise ValueError(f"fault {part!r}: needs step=N, e.g. {kind}@step=5")
@@ -93,8 +94,8 @@ class FaultPlan:
                     and self._mine(fault)
                     and (micro is None or micro == (last_micro if fault.micro is None else fault.micro))):
                 self.fired.add(fault)
-                log.warning("fault injection: %s at step %d on rank %d%s", kind, step, self.rank,
-                            "" if at == "step" else f" (during the {'evaluation' if at == 'eval' else at})")
+                during = {"step": "", "eval": " (during the evaluation)", "save": " (during the checkpoint save)"}
+                log.warning("fault injection: %s at step %d on rank %d%s", kind, step, self.rank, during[at])
                 return True
         return False
 
@@ -102,8 +103,8 @@ class FaultPlan:
         return fault.rank in (None, self.rank) and fault.restart in (ANY_RESTART, self.restart_count)
 
     def fire_process_faults(self, step: int, at: str = "step") -> None:
-        """The faults that act on the whole process, at the start of ``step``, or (``at="eval"``)
-        at the start of the evaluation after ``step`` steps."""
+        """The faults that act on the whole process, at the start of ``step``, or at the moment
+        ``at`` after ``step`` steps (see the module docstring)."""
         if not self.faults:
             return
         if self.due("sigterm", step, at=at):

@@ -284,6 +284,7 @@ class DDPTrainer:
         if self.checkpoints.should_save(self.step, self.sampler.epoch, epoch_ended):
             with self.watchdog.phase("checkpoint save", scale=10):
                 self.checkpoints.maybe_save(self.step, self.sampler.epoch, epoch_ended)
+                self.faults.fire_process_faults(self.step, at="save")
         if self.evaluator.should_run(self.step):
             with steps.paused(), self.watchdog.phase("evaluation", scale=self.evaluator.batches):
                 self.evaluate_and_record(steps)

@@ -103,14 +103,19 @@ def test_kill_9_then_elastic_restart_resumes_bit_exact(reference, tmp_path, tria
     # Rank 0 hangs, holding the GIL, in the final evaluation: the watchdog's evaluation deadline ends
     # it; the final save comes after that evaluation, so the restart resumes from step 40.
     ("hang@step=48,rank=0,at=eval", (40,)),
+    # Rank 0 raises while the background writer holds its checkpoint of step 32.
+    ("crash@step=32,rank=0,at=save", (24, 32)),
+    # Rank 1 is killed with -9 at the start of the final save.
+    ("sigkill@step=48,rank=1,at=save", (40,)),
 ])
-def test_a_fault_during_evaluation_restarts_and_ends_as_uninterrupted(reference, tmp_path, fault, resumed):
+def test_a_fault_during_evaluation_or_save_restarts_and_ends_as_uninterrupted(reference, tmp_path, fault, resumed):
     run = train(tmp_path, torchrun_extra=["--max-restarts", "1"], fault_inject=fault, eval_interval=16,
                 step_timeout_s=5)
     assert run.returncode == 0, run.output[-4000:]
     kind, rank = fault.split("@")[0], int(fault.split("rank=")[1][0])
     step = int(fault.split("step=")[1].split(",")[0])
-    assert f"fault injection: {kind} at step {step} on rank {rank} (during the evaluation)" in rank_log(tmp_path, rank)
+    moment = "the evaluation" if fault.endswith("eval") else "the checkpoint save"
+    assert f"fault injection: {kind} at step {step} on rank {rank} (during {moment})" in rank_log(tmp_path, rank)
     assert any(f"resumed from step {s}" in rank_log(tmp_path) for s in resumed), rank_log(tmp_path)[-3000:]
     if kind == "hang":  # the watchdog's faulthandler dump, naming where the evaluation hung
         assert "Timeout (0:00:" in rank_log(tmp_path, 0) and "in fire_process_faults" in rank_log(tmp_path, 0)

@@ -49,7 +49,7 @@ def test_one_process_scores_1_without_a_collective():
 @pytest.mark.parametrize("spec, message", [
     ("slow@step=5,rank=1", "needs ms=N"),
     ("nan@step=5,ms=3", "ms=N is for slow faults only"),
-    ("slow@step=5,ms=x", "must be step=N, rank=N, restart=N|*, micro=N, ms=N or at=step|eval"),
+    ("slow@step=5,ms=x", "must be step=N, rank=N, restart=N|*, micro=N, ms=N or at=step|eval|save"),
 ])
 def test_slow_fault_spec_errors(spec, message):
     with pytest.raises(ValueError, match=message.replace("|", r"\|").replace("*", r"\*")):
