@@ -4,7 +4,9 @@ dying or timing out.
 PyTorch's SIGCHLD handler raises a worker's death at whatever bytecode the main thread happens
 to run, even in the optimizer step. This module replaces it with one that only sets a flag,
 or raises while the main thread is fetching a batch; the stream then rebuilds the loader and
-continues at the first sample not yet committed (the sampler's ``consumed``).
+continues at the first sample not yet committed (the sampler's ``consumed``). A worker that
+died while nothing was fetched (between epochs) is found when the next pass over the loader
+starts; shutdown gives the previous SIGCHLD handler back.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ class LoaderFailure(RuntimeError):
     """A DataLoader worker died, or a fetch timed out."""
 
 
+_NOT_INSTALLED = object()
+
 # The messages of the errors DataLoader raises for a dead or stuck worker.
 _LOADER_ERRORS = ("DataLoader worker", "DataLoader timed out", "exited unexpectedly")
 
@@ -41,6 +45,7 @@ class BatchStream:
         self._it = None
         self._child_exited = False
         self._fetching = False
+        self._previous_sigchld = _NOT_INSTALLED  # the handler ours replaced, given back at shutdown
 
     # --- workers -----------------------------------------------------------------------------
     def worker_pids(self) -> list[int]:
@@ -58,7 +63,18 @@ class BatchStream:
 
     def _install_sigchld_handler(self) -> None:
         if self.loader.num_workers > 0 and hasattr(signal, "SIGCHLD"):
-            signal.signal(signal.SIGCHLD, self._on_sigchld)
+            current = signal.getsignal(signal.SIGCHLD)
+            if current != self._on_sigchld:
+                self._previous_sigchld = signal.SIG_DFL if current is None else current  # None: set outside Python
+                signal.signal(signal.SIGCHLD, self._on_sigchld)
+
+    def _restore_sigchld_handler(self) -> None:
+        if self._previous_sigchld is _NOT_INSTALLED:
+            return
+        # Another stream's handler installed since stays: that stream gives ours back at its shutdown.
+        if signal.getsignal(signal.SIGCHLD) == self._on_sigchld:
+            signal.signal(signal.SIGCHLD, self._previous_sigchld)
+        self._previous_sigchld = _NOT_INSTALLED
 
     # --- iteration ---------------------------------------------------------------------------
     def start_epoch(self) -> None:
@@ -66,39 +82,32 @@ class BatchStream:
         restart budget, a resumed one keeps what it had used."""
         if self.sampler.consumed == 0:
             self.restarts_this_epoch = 0
-        self._start()
+        self._recovering(self._open)
 
-    def _start(self) -> None:
-        self._it = iter(self.loader)  # the sampler starts at its ``consumed`` sample
+    def _open(self) -> None:
+        """A new pass over the loader from the sampler's ``consumed`` sample. Persistent workers
+        are reused, so one that died since the last batch (after the epoch's last step, say) is
+        found here: PyTorch would wait timeout_s for its reply."""
+        self._fetching = True  # a worker dying from here on raises in the SIGCHLD handler
+        try:
+            self._raise_if_a_worker_died()
+            self.sampler.delivered.clear()
+            self._it = iter(self.loader)
+        finally:
+            self._fetching = False
         self._install_sigchld_handler()
 
-    def restart(self, reason: str) -> None:
-        """Drop the current loader (and its workers) and continue at the first uncommitted sample."""
-        self.restarts_this_epoch += 1
-        if self.restarts_this_epoch > self.max_restarts:
-            raise LoaderFailure(f"{reason}; more than max_loader_restarts={self.max_restarts} loader restarts "
-                                f"in epoch {self.sampler.epoch}")
-        log.warning("%s: rebuilding the DataLoader (restart %d of %d this epoch), continuing at sample %d of "
-                    "epoch %d", reason, self.restarts_this_epoch, self.max_restarts, self.sampler.consumed,
-                    self.sampler.epoch)
-        self.shutdown()
-        self.loader = self.make_loader()
-        self.sampler.delivered.clear()
-        self._start()
+    def _raise_if_a_worker_died(self) -> None:
+        self._child_exited = False
+        dead = self._dead_workers()
+        if dead:
+            raise LoaderFailure(f"DataLoader worker(s) {dead} died")
 
-    def next_step(self) -> list:
-        """The micro-batches of the next optimizer step (``sampler.accumulation`` of them)."""
+    def _recovering(self, action: Callable[[], list | None]):
+        """``action()``, rebuilding the loader after a dead or stuck worker and trying again."""
         while True:
             try:
-                if self._child_exited:
-                    self._child_exited = False
-                    if self._dead_workers():
-                        raise LoaderFailure(f"DataLoader worker(s) {self._dead_workers()} died")
-                self._fetching = True
-                try:
-                    return [next(self._it) for _ in range(self.sampler.accumulation)]
-                finally:
-                    self._fetching = False
+                return action()
             except LoaderFailure as err:
                 self.restart(str(err))
             except RuntimeError as err:
@@ -108,17 +117,49 @@ class BatchStream:
                     raise
                 self.restart(str(err).splitlines()[0])
 
+    def restart(self, reason: str) -> None:
+        """Drop the current loader (and its workers); the next fetch continues at the first
+        uncommitted sample."""
+        self._fetching = False
+        self.restarts_this_epoch += 1
+        if self.restarts_this_epoch > self.max_restarts:
+            raise LoaderFailure(f"{reason}; more than max_loader_restarts={self.max_restarts} loader restarts "
+                                f"in epoch {self.sampler.epoch}")
+        log.warning("%s: rebuilding the DataLoader (restart %d of %d this epoch), continuing at sample %d of "
+                    "epoch %d", reason, self.restarts_this_epoch, self.max_restarts, self.sampler.consumed,
+                    self.sampler.epoch)
+        self._replace_loader()
+
+    def _replace_loader(self) -> None:
+        """Shut the workers down and build a new loader: a DataLoader with persistent workers keeps
+        its shut-down iterator and would hand it out again."""
+        self._close_iterator()
+        self.loader = self.make_loader()
+
+    def next_step(self) -> list:
+        """The micro-batches of the next optimizer step (``sampler.accumulation`` of them)."""
+        return self._recovering(self._fetch_step)
+
+    def _fetch_step(self) -> list:
+        if self._it is None:
+            self._open()
+        self._fetching = True
+        try:
+            if self._child_exited:
+                self._raise_if_a_worker_died()
+            return [next(self._it) for _ in range(self.sampler.accumulation)]
+        finally:
+            self._fetching = False
+
     def rewind(self) -> None:
         """Continue at the sampler's position after a rollback restored an earlier one."""
-        self.shutdown()
-        self.sampler.delivered.clear()
-        self._start()
+        self._replace_loader()
+        self._recovering(self._open)
 
     def refetch_step(self) -> list:
         """Rebuild the iterator at the first uncommitted sample (after the micro-batch size
         changed) and return the step's micro-batches again."""
-        self.sampler.delivered.clear()
-        self._start()
+        self._recovering(self._open)
         return self.next_step()
 
     def kill_a_worker(self) -> int | None:
@@ -140,10 +181,17 @@ class BatchStream:
     def load_state_dict(self, state: dict) -> None:
         self.restarts_this_epoch = int(state["restarts_this_epoch"])
 
-    def shutdown(self) -> None:
+    def _close_iterator(self) -> None:
+        self._fetching = False  # the workers' exits below must not raise in the SIGCHLD handler
         if self._it is not None and hasattr(self._it, "_shutdown_workers"):
-            self._it._shutdown_workers()
+            self._it._shutdown_workers()  # joins them, killing any that do not exit
         self._it = None
+
+    def shutdown(self) -> None:
+        """Stop the workers and give the SIGCHLD handler back. Safe to call more than once; a
+        later start_epoch starts new workers."""
+        self._replace_loader()
+        self._restore_sigchld_handler()
 
 
 def build_stream(dataset, cfg, env, val_dataset=None) -> tuple[ResumableDistributedSampler, BatchStream, int]:

@@ -225,3 +225,200 @@ def test_a_datasets_own_error_in_a_worker_is_raised_not_retried():
         assert stream.restarts_this_epoch == 0
     finally:
         stream.shutdown()
+
+
+# --- rewind, epoch boundaries, and what a stream leaves behind -----------------------------------
+
+
+def alive(pids):
+    """The pids not yet gone: running, or exited but never reaped (a zombie is a leak too)."""
+    import psutil
+    return [p for p in pids if psutil.pid_exists(p)]
+
+
+def test_rewind_with_workers_continues_at_the_restored_position():
+    """A spike rollback restores an earlier ``consumed`` and rewinds: the stream must deliver from
+    there with fresh workers, not iterate the loader whose workers it has just shut down."""
+    sampler, stream = make_stream(workers=2)
+    try:
+        stream.start_epoch()
+        for k in range(3):
+            assert samples(stream.next_step()) == expected_step(sampler, k)
+            sampler.advance()
+        old = stream.worker_pids()
+        sampler.consumed = 8  # the rollback restored the checkpoint after step 0
+        stream.rewind()
+        assert samples(stream.next_step()) == expected_step(sampler, 1)
+        sampler.advance()
+        assert samples(stream.next_step()) == expected_step(sampler, 2)
+        assert stream.restarts_this_epoch == 0  # a rewind is no failure
+        assert stream.worker_pids() and not set(old) & set(stream.worker_pids())
+        assert alive(old) == []
+        stream.rewind()  # twice in a row, the second before any batch of the first
+        stream.rewind()
+        assert samples(stream.next_step()) == expected_step(sampler, 2)
+    finally:
+        stream.shutdown()
+
+
+@pytest.mark.parametrize("when", ["seen", "unseen", "during_reset"])
+def test_a_worker_killed_between_epochs_is_replaced_at_the_next_epoch_start(when, caplog):
+    """Killed after the epoch's last step: PyTorch's persistent workers would wait timeout_s at the
+    next epoch's start for the dead one's reply, then raise out of start_epoch. ``seen``: the
+    SIGCHLD was handled before the epoch starts; ``unseen``: perhaps not yet; ``during_reset``:
+    the worker dies after the stream's own check, while PyTorch waits for the workers' replies."""
+    sampler, stream = make_stream(workers=2, timeout_s=20.0)
+    reference_sampler, reference = make_stream(workers=0)
+    try:
+        stream.start_epoch()
+        for k in range(N // (BATCH * ACCUM)):
+            assert samples(stream.next_step()) == expected_step(sampler, k)
+            sampler.advance()
+        victim = stream.worker_pids()[0]
+        if when == "during_reset":
+            check = stream._raise_if_a_worker_died
+
+            def check_then_kill():
+                check()
+                stream._raise_if_a_worker_died = check
+                os.kill(victim, signal.SIGKILL)
+            stream._raise_if_a_worker_died = check_then_kill
+        else:
+            os.kill(victim, signal.SIGKILL)
+        if when == "seen":
+            end = time.monotonic() + 20
+            while not stream._child_exited and time.monotonic() < end:
+                time.sleep(0.01)
+            assert stream._child_exited
+        sampler.set_epoch(1)
+        reference_sampler.set_epoch(1)
+        reference.start_epoch()
+        began = time.monotonic()
+        stream.start_epoch()
+        got = []
+        for _ in range(N // (BATCH * ACCUM)):
+            got.append(samples(stream.next_step()))
+            sampler.advance()
+        took = time.monotonic() - began
+        assert took < 10, f"the epoch after the kill took {took:.1f} s (timeout_s=20)"
+        want = []
+        for _ in range(N // (BATCH * ACCUM)):
+            want.append(samples(reference.next_step()))
+            reference_sampler.advance()
+        assert got == want and want[0] == expected_step(sampler, 0)
+        assert stream.restarts_this_epoch == 1 and "rebuilding the DataLoader" in caplog.text
+        assert victim not in stream.worker_pids() and len(stream.worker_pids()) == 2
+    finally:
+        stream.shutdown()
+        reference.shutdown()
+
+
+@pytest.fixture
+def previous_sigchld():
+    """A SIGCHLD handler of the caller's, installed after PyTorch's own (which PyTorch sets once
+    per process, at the first iterator with workers)."""
+    from torch.utils.data._utils import signal_handling
+    signal_handling._set_SIGCHLD_handler()
+
+    def previous(signum, frame):
+        pass
+    signal.signal(signal.SIGCHLD, previous)
+    return previous
+
+
+def test_shutdown_gives_the_sigchld_handler_back(previous_sigchld):
+    sampler, stream = make_stream(workers=1)
+    stream.start_epoch()
+    assert signal.getsignal(signal.SIGCHLD) == stream._on_sigchld
+    stream.next_step()
+    stream.shutdown()
+    assert signal.getsignal(signal.SIGCHLD) is previous_sigchld
+    stream.shutdown()  # twice: harmless
+    assert signal.getsignal(signal.SIGCHLD) is previous_sigchld
+
+
+def test_rewind_restart_and_epochs_leave_no_worker_processes(previous_sigchld):
+    import multiprocessing
+    sampler, stream = make_stream(workers=2)
+    seen = []
+    try:
+        stream.start_epoch()
+        seen += stream.worker_pids()
+        stream.next_step()
+        sampler.advance()
+        stream.rewind()
+        seen += stream.worker_pids()
+        kill_and_wait(stream)
+        stream.next_step()  # the restart
+        seen += stream.worker_pids()
+        sampler.set_epoch(1)
+        stream.start_epoch()
+        seen += stream.worker_pids()
+    finally:
+        stream.shutdown()
+    assert len(set(seen)) == 6  # three pairs of workers: the first, after the rewind, after the restart
+    assert alive(seen) == []
+    assert multiprocessing.active_children() == []
+    assert signal.getsignal(signal.SIGCHLD) is previous_sigchld
+
+
+# --- the same, end to end: a user's map-style dataset through DataLoader workers ----------------
+
+RUN = dict(vocab_size=32, hidden_size=32, num_layers=2, num_heads=2, seq_len=16, batch_size=4, dropout=0.0,
+           tensorboard=False, eval_interval=0, eval_steps=2, target_loss=0.0, seed=3, learning_rate=3e-3,
+           log_interval=1, resume="none", record_samples=False, timeout_s=20.0)
+
+
+class PlainTokens(Dataset):
+    """The synthetic data as a user's map-style dataset: no batched read, so DataLoader workers."""
+
+    def __init__(self, n):
+        from framework.data import MarkovDataset
+        self.inner = MarkovDataset(32, 16, n, 3, 1)
+
+    def __len__(self):
+        return len(self.inner)
+
+    def __getitem__(self, i):
+        return self.inner[i]
+
+
+def train(tmp_path, name, n, **over):
+    import multiprocessing
+
+    from framework.trainer import DDPTrainer
+    before = signal.getsignal(signal.SIGCHLD)
+    cfg = {**RUN, **over, "log_dir": str(tmp_path / name / "logs"), "checkpoint_dir": str(tmp_path / name / "ck")}
+    trainer = DDPTrainer(cfg, rank=0, world_size=1, train_dataset=PlainTokens(n), val_dataset=PlainTokens(8))
+    assert trainer.num_workers == (1 if over.get("num_workers") else 0)  # 2 asked, 1 on a 2-core machine
+    pids = []
+    original = trainer.stream.start_epoch
+
+    def start_epoch():
+        original()
+        pids.extend(trainer.stream.worker_pids())
+    trainer.stream.start_epoch = start_epoch
+    summary = trainer.train()
+    assert alive(pids) == [] and multiprocessing.active_children() == []
+    assert signal.getsignal(signal.SIGCHLD) == before
+    return summary, (tmp_path / name / "logs" / "rank_0.log").read_text()
+
+
+def test_a_spike_rollback_with_dataloader_workers_equals_the_run_without(tmp_path):
+    spike = dict(max_steps=24, save_every_steps=5, spike_guard="rollback", spike_warmup=10, spike_window=20,
+                 spike_threshold=8.0, fault_inject="bad_data@step=15")
+    with_workers, log = train(tmp_path, "workers", 256, num_workers=2, **spike)
+    without, _ = train(tmp_path, "inline", 256, num_workers=0, **spike)
+    assert (with_workers["rollbacks"], with_workers["steps"]) == (1, 24)
+    assert "rolled back to the checkpoint of step 15" in log
+    assert with_workers["model_sha256"] == without["model_sha256"]
+
+
+def test_a_worker_killed_in_the_last_step_of_an_epoch_is_replaced_at_the_next(tmp_path):
+    began = time.monotonic()
+    killed, log = train(tmp_path, "killed", 64, num_workers=2, max_steps=20, fault_inject="kill_worker@step=15")
+    took = time.monotonic() - began
+    clean, _ = train(tmp_path, "clean", 64, num_workers=2, max_steps=20)
+    assert "killed DataLoader worker" in log and "continuing at sample 0 of epoch 1" in log
+    assert killed["steps"] == 20 and killed["model_sha256"] == clean["model_sha256"]
+    assert took < 60
