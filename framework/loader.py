@@ -16,8 +16,8 @@ from typing import Callable
 
 from torch.utils.data import DataLoader, IterableDataset
 
-from .data import (MarkovDataset, ResumableDistributedSampler, TokenWindows, make_loader, peek_batches,
-                   workers_per_rank)
+from .data import (MarkovDataset, ResumableDistributedSampler, TokenWindows, check_training_set, make_loader,
+                   peek_batches, workers_per_rank)
 from .streaming import IterableStream, StreamPosition
 
 log = logging.getLogger(__name__)
@@ -156,11 +156,9 @@ def build_stream(dataset, cfg, env, val_dataset=None) -> tuple[ResumableDistribu
         position = StreamPosition(env.world_size, cfg.batch_size, cfg.gradient_accumulation_steps)
         return position, IterableStream(dataset, position, device=env.device, distributed=env.distributed,
                                         rank=env.rank), 0
+    check_training_set(dataset, cfg, env.world_size)
     sampler = ResumableDistributedSampler(len(dataset), env.world_size, env.rank, cfg.batch_size,
                                           cfg.gradient_accumulation_steps, cfg.seed)
-    if sampler.steps_per_epoch == 0:
-        raise ValueError(f"dataset_size: {len(dataset)} training samples are fewer than one global "
-                         f"batch of {sampler.global_batch} (batch_size x world_size x accumulation)")
     # The built-in datasets are in memory and batch in one vectorised read: a worker process
     # would only add the cost of shipping each batch back (measured: ~1.5 ms a step on CPU).
     in_memory = isinstance(dataset, (MarkovDataset, TokenWindows))
