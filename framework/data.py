@@ -282,9 +282,23 @@ class ResumableDistributedSampler(torch.utils.data.Sampler[list[int]]):
             self.batch_size, self.accumulation = b, a
 
 
-def check_training_set(dataset: Dataset, cfg, world_size: int) -> None:
-    """A map-style training set must hold one global batch, also without exclude_samples: the
-    config check's rule (framework/config.py), applied to the dataset a run was given."""
+def check_datasets(dataset, val_dataset, cfg, world_size: int) -> None:
+    """What the config check (framework/config.py) cannot see: the datasets a run was given from
+    Python. A map-style training set must hold one global batch, also without exclude_samples;
+    a stream needs max_steps and has no sample indices to exclude; evaluation needs a map-style
+    set. Raises FatalError: a restart would only fail the same way."""
+    if isinstance(val_dataset, torch.utils.data.IterableDataset):
+        raise FatalError("val_dataset: an IterableDataset cannot be sharded exactly for evaluation; "
+                         "allowed: a map-style dataset, or None")
+    if isinstance(dataset, torch.utils.data.IterableDataset):
+        if not cfg.max_steps:
+            raise FatalError("max_steps=0: an IterableDataset train_dataset has no length, so the run needs an end; "
+                             "allowed: max_steps > 0")
+        if cfg.spike_guard == "rollback" or cfg.exclude_samples:
+            raise FatalError(f"spike_guard={cfg.spike_guard!r}, exclude_samples={cfg.exclude_samples!r}: the samples "
+                             "of an IterableDataset have no indices to exclude; allowed with a stream: spike_guard="
+                             "off or warn, and no exclude_samples")
+        return
     n = len(dataset)
     if isinstance(dataset, MarkovDataset):
         head, count, allowed = f"dataset_size={cfg.dataset_size}", "", "dataset_size >= {need}"

@@ -16,7 +16,7 @@ from typing import Callable
 
 from torch.utils.data import DataLoader, IterableDataset
 
-from .data import (MarkovDataset, ResumableDistributedSampler, TokenWindows, check_training_set, make_loader,
+from .data import (MarkovDataset, ResumableDistributedSampler, TokenWindows, check_datasets, make_loader,
                    peek_batches, workers_per_rank)
 from .streaming import IterableStream, StreamPosition
 
@@ -149,14 +149,11 @@ class BatchStream:
 def build_stream(dataset, cfg, env, val_dataset=None) -> tuple[ResumableDistributedSampler, BatchStream, int]:
     """This rank's sampler over ``dataset``, the stream of its micro-batches, and the loader's
     number of worker processes. An IterableDataset gets a stream of its own (framework/streaming.py)."""
-    if isinstance(val_dataset, IterableDataset):
-        raise ValueError("val_dataset: an IterableDataset cannot be sharded exactly for evaluation; "
-                         "pass a map-style dataset (or None)")
+    check_datasets(dataset, val_dataset, cfg, env.world_size)
     if isinstance(dataset, IterableDataset):
         position = StreamPosition(env.world_size, cfg.batch_size, cfg.gradient_accumulation_steps)
         return position, IterableStream(dataset, position, device=env.device, distributed=env.distributed,
                                         rank=env.rank), 0
-    check_training_set(dataset, cfg, env.world_size)
     sampler = ResumableDistributedSampler(len(dataset), env.world_size, env.rank, cfg.batch_size,
                                           cfg.gradient_accumulation_steps, cfg.seed)
     # The built-in datasets are in memory and batch in one vectorised read: a worker process

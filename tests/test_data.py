@@ -116,34 +116,54 @@ def test_token_windows_rejects_short_data():
 
 
 TINY_RUN = dict(vocab_size=16, hidden_size=16, num_layers=1, num_heads=2, seq_len=8, num_workers=0,
-                tensorboard=False, max_steps=2)
+                tensorboard=False, max_steps=2, batch_size=32)
 
 
-@pytest.mark.parametrize("case", ["user_dataset", "builtin_from_python", "user_exclusions"])
+class Stream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        return iter([(torch.zeros(8, dtype=torch.long), torch.zeros(1))] * 64)
+
+
+def users_pieces(n=8, stream=False, val=None):
+    x = torch.zeros(n, 8, dtype=torch.long)
+    return dict(model=torch.nn.Sequential(torch.nn.Embedding(16, 4), torch.nn.Flatten(), torch.nn.Linear(32, 1)),
+                train_dataset=Stream() if stream else torch.utils.data.TensorDataset(x, torch.zeros(n, 1)),
+                val_dataset=val, loss_fn=lambda out, y: torch.nn.functional.mse_loss(out, y))
+
+
+# case: (config overrides, DDPTrainer's datasets, the one line it must stop with)
+RUN_TIME_CASES = {
+    "user_dataset": ({}, lambda: users_pieces(8),
+                     "train_dataset: its 8 samples are fewer than one global batch of 32 samples "
+                     "(batch_size=32 x gradient_accumulation_steps=1 x world size 1)"),
+    "builtin_from_python": ({"dataset_size": 8}, dict, "dataset_size=8: fewer than one global batch of 32 samples"),
+    "user_exclusions": ({"exclude_samples": "EX"}, lambda: users_pieces(100),
+                        "exclude_samples='EX': sample index 500 is outside the 100 training samples; "
+                        "allowed: indices 0 to 99"),
+    "stream_val": ({}, lambda: users_pieces(100, val=Stream()),
+                   "val_dataset: an IterableDataset cannot be sharded exactly for evaluation"),
+    "stream_without_max_steps": ({"max_steps": 0}, lambda: users_pieces(stream=True),
+                                 "max_steps=0: an IterableDataset train_dataset has no length"),
+    "stream_rollback": ({"spike_guard": "rollback", "save_every_steps": 1}, lambda: users_pieces(stream=True),
+                        "spike_guard='rollback', exclude_samples='': the samples of an IterableDataset have no "
+                        "indices to exclude"),
+}
+
+
+@pytest.mark.parametrize("case", RUN_TIME_CASES)
 def test_input_known_only_at_run_time_stops_with_fatal(case, tmp_path):
-    """What the config check cannot see (a dataset given from Python, the built-in data of a
+    """What the config check cannot see (datasets given from Python, the built-in data of a
     config given from Python) stops with one line and a FATAL marker, which a restart obeys at
     once, not with a traceback retried on every restart."""
     from framework import DDPTrainer
     from framework.markers import FATAL
-    cfg = dict(TINY_RUN, log_dir=str(tmp_path / "logs"), checkpoint_dir=str(tmp_path / "ck"), batch_size=32)
-    kwargs = {}
-    if case != "builtin_from_python":
-        x = torch.zeros(100 if case == "user_exclusions" else 8, 8, dtype=torch.long)
-        kwargs = dict(model=torch.nn.Sequential(torch.nn.Embedding(16, 4), torch.nn.Flatten(), torch.nn.Linear(32, 1)),
-                      train_dataset=torch.utils.data.TensorDataset(x, torch.zeros(len(x), 1)),
-                      loss_fn=lambda out, y: torch.nn.functional.mse_loss(out, y))
-    if case == "builtin_from_python":
-        cfg["dataset_size"] = 8
-    if case == "user_exclusions":
-        (tmp_path / "ex.json").write_text("[3, 500]")
-        cfg["exclude_samples"] = str(tmp_path / "ex.json")
-    expected = {"user_dataset": "train_dataset: its 8 samples are fewer than one global batch of 32 samples "
-                                "(batch_size=32 x gradient_accumulation_steps=1 x world size 1)",
-                "builtin_from_python": "dataset_size=8: fewer than one global batch of 32 samples",
-                "user_exclusions": f"exclude_samples={cfg.get('exclude_samples')!r}: sample index 500 is outside "
-                                   "the 100 training samples; allowed: indices 0 to 99"}[case]
+    overrides, pieces, expected = RUN_TIME_CASES[case]
+    (tmp_path / "ex.json").write_text("[3, 500]")
+    ex = str(tmp_path / "ex.json")
+    cfg = dict(TINY_RUN, log_dir=str(tmp_path / "logs"), checkpoint_dir=str(tmp_path / "ck"),
+               **{k: ex if v == "EX" else v for k, v in overrides.items()})
+    expected = expected.replace("EX", ex)
     with pytest.raises(FatalError) as err:
-        DDPTrainer(cfg, rank=0, world_size=1, **kwargs)
+        DDPTrainer(cfg, rank=0, world_size=1, **pieces())
     assert expected in str(err.value) and "\n" not in str(err.value)
     assert expected in (tmp_path / "ck" / FATAL).read_text()
