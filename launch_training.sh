@@ -140,7 +140,9 @@ if [[ $debug -eq 1 ]]; then
   fi
 fi
 
-checkpoint_dir=$("$python" "$here/ddp_training.py" --check-config "${train_args[@]}") || exit $?
+# WORLD_SIZE: the check refuses data that cannot fill one global batch of every rank.
+checkpoint_dir=$(WORLD_SIZE=$(( nproc * nnodes )) "$python" "$here/ddp_training.py" --check-config "${train_args[@]}") ||
+  exit $?
 
 if [[ $nnodes -gt 1 ]]; then
   rdzv=(--nnodes "$nnodes" --rdzv-backend c10d --rdzv-endpoint "$rdzv_endpoint" --rdzv-id "$rdzv_id")

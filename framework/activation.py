@@ -73,6 +73,7 @@ class Checkpointing:
     wrapped: list[str] = field(default_factory=list)
     stats: OffloadStats = field(default_factory=OffloadStats)
     layers: list[nn.Module] = field(default_factory=list)  # hf/user: the modules holding the checkpoint function
+    switched_because: str = ""  # why switch_to_non_reentrant ran, if it did
 
     def can_switch(self) -> bool:
         """Whether reentrant checkpointing can be re-applied as non_reentrant."""
@@ -87,7 +88,7 @@ class Checkpointing:
             f = m._gradient_checkpointing_func
             keywords = {**f.keywords, "use_reentrant": False}
             m._gradient_checkpointing_func = functools.partial(f.func, *f.args, **keywords)
-        self.mode = "non_reentrant"
+        self.mode, self.switched_because = "non_reentrant", reason
         log.warning("gradient checkpointing switched from reentrant to non_reentrant (%s path, %d modules): %s",
                     self.path, len(self.wrapped), reason)
 
@@ -123,9 +124,22 @@ def _keyword_bound(forward, kwargs: dict):
     return functools.partial(forward, **kwargs)
 
 
-def _checkpointed_forward(forward, plan: Checkpointing, *args, **kwargs):
+def _reentrant_drops_gradients(module: nn.Module, args: tuple) -> bool:
+    """Reentrant checkpoint builds a graph only when a positional tensor argument requires grad
+    (torch checks the top level only); otherwise the module's parameters get no gradient, and a
+    loss reached only through such modules has no grad_fn at all."""
+    return (not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+            and any(p.requires_grad for p in module.parameters()))
+
+
+def _checkpointed_forward(forward, plan: Checkpointing, name: str, module: nn.Module, *args, **kwargs):
     if not torch.is_grad_enabled():
         return forward(*args, **kwargs)
+    if plan.mode == "reentrant" and _reentrant_drops_gradients(module, args):
+        plan.switch_to_non_reentrant(
+            f"module '{name}' ({type(module).__name__}) receives no input that requires grad (e.g. the model's "
+            "input, or a frozen module's output), so reentrant checkpointing would give its parameters no gradient "
+            "(or fail with autograd's 'element 0 of tensors does not require grad'); non_reentrant computes them")
     if plan.mode == "reentrant":
         return checkpoint(_keyword_bound(forward, kwargs) if kwargs else forward, *args, use_reentrant=True)
     if plan.mode == "offload":
@@ -146,7 +160,7 @@ def _wrap_modules(model: nn.Module, mode: str, targets: list[str]) -> Checkpoint
             continue
         if any(name.startswith(w + ".") for w in plan.wrapped):
             continue
-        module.forward = functools.partial(_checkpointed_forward, module.forward, plan)
+        module.forward = functools.partial(_checkpointed_forward, module.forward, plan, name, module)
         plan.wrapped.append(name)
     if not plan.wrapped:
         raise ValueError(f"gradient_checkpointing={mode}: no submodule matches checkpoint_modules={targets}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import difflib
+import functools
 import importlib.util
 import inspect
 import json
@@ -336,6 +337,8 @@ def _check_values(cfg: TrainConfig) -> list[str]:
             problems.append(f"data={cfg.data!r}: allowed: synthetic, a .txt file or a .bin file")
         elif not path.is_file():
             problems.append(f"data={cfg.data!r}: file not found")
+        else:
+            problems += data_file_problems(cfg)
     for key in ("log_dir", "checkpoint_dir"):
         problem = _unwritable_dir(getattr(cfg, key))
         if problem:
@@ -381,6 +384,137 @@ def _check_run_health_and_speed(cfg: TrainConfig) -> list[str]:
     return problems
 
 
+# --- the built-in data, checked before a run builds it ---------------------------------------
+# Torch-free, for --check-config; framework/data.py builds the datasets these describe.
+
+VAL_FRACTION_TEXT = "the last 10% is the validation split"
+
+
+def split_tokens(n: int) -> int:
+    """Tokens of a data file's training split (the first 90%); the rest is the validation split."""
+    return int(0.9 * n)
+
+
+def _min_tokens(seq_len: int, train_windows: int) -> int:
+    """The fewest tokens of a data file whose validation split holds one window of seq_len + 1
+    tokens and whose training split holds ``train_windows`` (stride 1)."""
+    n = max(1, 10 * seq_len, math.ceil((seq_len + train_windows) / 0.9) - 2)
+    while n - split_tokens(n) < seq_len + 1 or split_tokens(n) - seq_len < train_windows:
+        n += 1
+    return n
+
+
+@functools.lru_cache(maxsize=8)
+def _scan_data_file(path: str, size: int, mtime_ns: int, inode: int) -> tuple[int, int, str]:
+    """``(tokens, largest token id or -1, problem or '')`` of a data file. Cached by size and
+    mtime: the command line and the trainer check the same file in one process. A .bin file is
+    read once here, at --check-config, as the start of every rank reads it: a token id beyond
+    vocab_size is refused before anything starts, at the cost of one pass over the file."""
+    if path.endswith(".bin"):
+        if size % 2:
+            return 0, -1, f"{size} bytes, not a whole number of 2-byte tokens; allowed: a .bin file of uint16 token ids"
+        if size == 0:
+            return 0, -1, ""
+        import numpy as np
+        tokens = np.memmap(path, dtype=np.uint16, mode="r")
+        chunk = 2**24
+        return len(tokens), max(int(tokens[i:i + chunk].max()) for i in range(0, len(tokens), chunk)), ""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        return 0, -1, f"not UTF-8 text ({err.reason} at byte {err.start}); allowed: a UTF-8 text file"
+    # framework/data.py encode_text: one token per character, or per UTF-8 byte beyond 256 characters
+    return (len(text) if len(set(text)) <= 256 else len(text.encode("utf-8"))), -1, ""
+
+
+def data_file_facts(cfg: TrainConfig) -> tuple[int, list[str]]:
+    """The tokens in ``cfg.data`` (a .txt or .bin file) and what is wrong with it: every
+    problem that would stop the built-in data from being built, one line each."""
+    try:
+        st = os.stat(cfg.data)
+        tokens, top, problem = _scan_data_file(str(cfg.data), st.st_size, st.st_mtime_ns, st.st_ino)
+    except OSError as err:
+        return 0, [f"data={cfg.data!r}: unreadable: {err}; allowed: a readable .txt or .bin file"]
+    if problem:
+        return 0, [f"data={cfg.data!r}: {problem}"]
+    problems = []
+    need = _min_tokens(cfg.seq_len, 1)
+    if tokens < need:
+        problems.append(f"data={cfg.data!r}: {tokens} tokens; with seq_len={cfg.seq_len} it needs at least {need} "
+                        f"({VAL_FRACTION_TEXT}, and each split needs seq_len + 1 tokens); allowed: a longer file, "
+                        f"or a smaller seq_len")
+    if top >= cfg.vocab_size:
+        problems.append(f"vocab_size={cfg.vocab_size}: data={cfg.data!r} holds token id {top}; "
+                        f"allowed: vocab_size >= {top + 1}")
+    return tokens, problems
+
+
+def data_file_problems(cfg: TrainConfig) -> list[str]:
+    return data_file_facts(cfg)[1]
+
+
+def _global_batch(cfg: TrainConfig, world_size: int) -> tuple[int, str]:
+    size = cfg.batch_size * cfg.gradient_accumulation_steps * world_size
+    return size, (f"{size} samples (batch_size={cfg.batch_size} x gradient_accumulation_steps="
+                  f"{cfg.gradient_accumulation_steps} x world size {world_size})")
+
+
+def training_set_problems(cfg: TrainConfig, samples: int, world_size: int, *, head: str, count: str,
+                          allowed: str) -> list[str]:
+    """Whether ``samples`` training samples hold one global batch of ``world_size`` ranks, also
+    once exclude_samples is taken out. ``head`` names the samples' key and value (``dataset_size=8``),
+    ``count`` says how many there are in words ('' or 'its 8 samples are '), and ``allowed`` what
+    would hold a global batch of ``{need}`` samples."""
+    need, described = _global_batch(cfg, world_size)
+    smaller = "or a smaller batch_size or gradient_accumulation_steps"
+    if samples < need:
+        return [f"{head}: {count}fewer than one global batch of {described}; "
+                f"allowed: {allowed.format(need=need)}, {smaller}"]
+    if not cfg.exclude_samples:
+        return []
+    from .exclusions import read
+    try:
+        excluded = set(read(cfg.exclude_samples))
+    except ValueError:  # reported by _check_run_health_and_speed
+        return []
+    key = f"exclude_samples={cfg.exclude_samples!r}"
+    outside = sorted(i for i in excluded if i >= samples)
+    if outside:
+        more = f" (and {len(outside) - 1} more)" if len(outside) > 1 else ""
+        return [f"{key}: sample index {outside[0]}{more} is outside the {samples} training samples; "
+                f"allowed: indices 0 to {samples - 1}"]
+    if samples - len(excluded) < need:
+        return [f"{key}: excluding {len(excluded)} of the {samples} training samples leaves "
+                f"{samples - len(excluded)}, fewer than one global batch of {described}; "
+                f"allowed: fewer excluded samples, {smaller}"]
+    return []
+
+
+def builtin_data_problems(cfg: TrainConfig, world_size: int) -> list[str]:
+    """The built-in data (what the command line trains on) against the global batch of
+    ``world_size`` ranks and exclude_samples. A dataset given from Python is checked when the
+    run builds its sampler (framework/loader.py)."""
+    if cfg.data == "synthetic":
+        return training_set_problems(cfg, cfg.dataset_size, world_size, head=f"dataset_size={cfg.dataset_size}",
+                                     count="", allowed="dataset_size >= {need}")
+    if Path(cfg.data).suffix not in (".txt", ".bin") or not Path(cfg.data).is_file():
+        return []  # reported by _check_values
+    tokens, problems = data_file_facts(cfg)
+    if problems:
+        return []  # reported by _check_values
+    windows = split_tokens(tokens) - cfg.seq_len
+    return training_set_problems(
+        cfg, windows, world_size, head=f"data={cfg.data!r}", count=f"its {windows} training windows are ",
+        allowed="a file of at least " + str(_min_tokens(cfg.seq_len, _global_batch(cfg, world_size)[0]))
+        + " tokens for seq_len=" + str(cfg.seq_len))
+
+
+def world_size_from(env) -> int:
+    """The world size torchrun (or the launcher, for its check) puts in WORLD_SIZE; 1 without it."""
+    text = str(env.get("WORLD_SIZE", "")).strip()
+    return int(text) if text.isdigit() and int(text) > 0 else 1
+
+
 def _unwritable_dir(directory: str) -> str | None:
     """Why ``directory`` cannot be created or written, or None. Nothing is created here."""
     path = Path(directory)
@@ -407,10 +541,12 @@ def build_config(
     env: dict[str, str] | None = None,
     cli: list[tuple[str, str]] | None = None,
     problems: list[str] | None = None,
+    world_size: int | None = None,
 ) -> TrainConfig:
     """Merge the sources (lowest first: defaults, ``overrides``, file, env, cli), validate, and
     return the config. Raises ConfigError listing every problem, including ``problems`` found
-    earlier by the caller (e.g. malformed command-line flags)."""
+    earlier by the caller (e.g. malformed command-line flags). With ``world_size`` the run will
+    train on the built-in data, which must then hold one global batch of that many ranks."""
     problems = list(problems or [])
     values: dict[str, Any] = {}
 
@@ -440,6 +576,8 @@ def build_config(
 
     cfg = TrainConfig(**values)
     problems.extend(_check_values(cfg))
+    if world_size is not None and not problems:
+        problems.extend(builtin_data_problems(cfg, world_size))
     if problems:
         raise ConfigError(problems)
     return cfg
@@ -530,7 +668,9 @@ def parse_command_line(argv: list[str], env: dict[str, str] | None = None) -> tu
             cli.append((name, value))
     if "help" in actions:
         return TrainConfig(), actions
-    cfg = build_config(file=config_file, env=env, cli=cli, problems=problems)
+    # The command line always trains on the built-in data.
+    cfg = build_config(file=config_file, env=env, cli=cli, problems=problems,
+                       world_size=world_size_from(os.environ if env is None else env))
     return cfg, actions
 
 

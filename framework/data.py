@@ -22,7 +22,9 @@ import torch
 from torch.utils.data import DataLoader, Dataset, default_collate
 
 from .batches import to_device
+from .config import data_file_problems, split_tokens, training_set_problems
 from .control import spread
+from .exclusions import FILE as EXCLUDED_FILE
 from .markers import FatalError
 
 log = logging.getLogger(__name__)
@@ -115,18 +117,16 @@ def build_datasets(cfg) -> DataBundle:
         return DataBundle(train, val, cfg.vocab_size,
                           f"synthetic Markov chain: {len(train)} train / {len(val)} val sequences, "
                           f"loss floor {train.entropy:.4f} nats/token", train.entropy)
+    problems = data_file_problems(cfg)  # the config check's, cached: a file changed since then
+    if problems:
+        raise FatalError("; ".join(problems))
     path = Path(cfg.data)
     if path.suffix == ".txt":
         tokens, vocab_size, kind = encode_text(path.read_text(encoding="utf-8"))
     else:
         tokens = np.memmap(path, dtype=np.uint16, mode="r")
-        vocab_size = cfg.vocab_size
-        top = max(int(chunk.max()) for chunk in np.array_split(tokens, max(1, len(tokens) // 2**24)))
-        if top >= vocab_size:
-            raise ValueError(f"data={cfg.data!r}: holds token id {top}, but vocab_size={vocab_size}; "
-                             f"set --vocab-size {top + 1} or more")
-        kind = "uint16 tokens"
-    split = int(0.9 * len(tokens))
+        vocab_size, kind = cfg.vocab_size, "uint16 tokens"
+    split = split_tokens(len(tokens))
     train = TokenWindows(tokens[:split], cfg.seq_len, stride=1)
     val = TokenWindows(tokens[split:], cfg.seq_len, stride=cfg.seq_len)
     return DataBundle(train, val, vocab_size,
@@ -207,8 +207,12 @@ class ResumableDistributedSampler(torch.utils.data.Sampler[list[int]]):
         same epoch: see Checkpointer.roll_back)."""
         bad = sorted(i for i in indices if not 0 <= i < self.num_samples)
         if bad:
-            raise ValueError(f"sample indices {bad[:5]} are outside the training set of {self.num_samples} samples")
+            raise FatalError(f"excluded sample indices {bad[:5]} are outside the training set of {self.num_samples} "
+                             f"samples (from exclude_samples, or a rollback's {EXCLUDED_FILE} in checkpoint_dir)")
         excluded = frozenset(self.excluded | set(indices))
+        if self.num_samples - len(excluded) < self.global_batch:
+            raise FatalError(f"excluding {len(excluded)} of the {self.num_samples} training samples leaves fewer "
+                             f"than one global batch of {self.global_batch} samples")
         if excluded != self.excluded:
             self.excluded, self._perm = excluded, None
 
@@ -276,6 +280,35 @@ class ResumableDistributedSampler(torch.utils.data.Sampler[list[int]]):
         b, a = int(state["batch_size"]), int(state["accumulation"])
         if b * a == self.batch_size * self.accumulation:
             self.batch_size, self.accumulation = b, a
+
+
+def check_datasets(dataset, val_dataset, cfg, world_size: int) -> None:
+    """What the config check (framework/config.py) cannot see: the datasets a run was given from
+    Python. A map-style training set must hold one global batch, also without exclude_samples;
+    a stream needs max_steps and has no sample indices to exclude; evaluation needs a map-style
+    set. Raises FatalError: a restart would only fail the same way."""
+    if isinstance(val_dataset, torch.utils.data.IterableDataset):
+        raise FatalError("val_dataset: an IterableDataset cannot be sharded exactly for evaluation; "
+                         "allowed: a map-style dataset, or None")
+    if isinstance(dataset, torch.utils.data.IterableDataset):
+        if not cfg.max_steps:
+            raise FatalError("max_steps=0: an IterableDataset train_dataset has no length, so the run needs an end; "
+                             "allowed: max_steps > 0")
+        if cfg.spike_guard == "rollback" or cfg.exclude_samples:
+            raise FatalError(f"spike_guard={cfg.spike_guard!r}, exclude_samples={cfg.exclude_samples!r}: the samples "
+                             "of an IterableDataset have no indices to exclude; allowed with a stream: spike_guard="
+                             "off or warn, and no exclude_samples")
+        return
+    n = len(dataset)
+    if isinstance(dataset, MarkovDataset):
+        head, count, allowed = f"dataset_size={cfg.dataset_size}", "", "dataset_size >= {need}"
+    elif isinstance(dataset, TokenWindows):
+        head, count, allowed = f"data={cfg.data!r}", f"its {n} training windows are ", "a longer file"
+    else:
+        head, count, allowed = "train_dataset", f"its {n} samples are ", "a dataset of at least {need} samples"
+    problems = training_set_problems(cfg, n, world_size, head=head, count=count, allowed=allowed)
+    if problems:
+        raise FatalError(problems[0])
 
 
 def check_same_datasets(train: Dataset, val: Dataset | None) -> None:

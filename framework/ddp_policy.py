@@ -394,13 +394,36 @@ def _switch_reason(report: ProbeReport) -> str:
             "checkpointing computes the same gradients and shows DDP every parameter")
 
 
+def _switched_in_probe(model: nn.Module, batches: list, loss_fn, autocast, plan: Checkpointing | None,
+                       ) -> tuple[ProbeReport, str]:
+    """The agreed probe, and why the checkpointing switched to non_reentrant during it ('' if it
+    did not): a reentrant-checkpointed module without inputs that require grad switches it
+    (framework/activation.py). Then every rank switches, and the model is probed again: the
+    first probe ran partly reentrant."""
+    before = plan.mode if plan is not None else None
+    report = _agreed_probe(model, batches, loss_fn, autocast)
+    if before != "reentrant":
+        return report, ""
+    switched = torch.tensor([float(plan.mode != before)])
+    if dist.is_available() and dist.is_initialized():
+        switched = switched.to("cuda" if dist.get_backend() == "nccl" else "cpu")
+        dist.all_reduce(switched, op=dist.ReduceOp.MAX)
+    if not switched.item():
+        return report, ""
+    if plan.mode == before:
+        plan.switch_to_non_reentrant("another rank's probe switched it")
+    return _agreed_probe(model, batches, loss_fn, autocast), plan.switched_because
+
+
 def preflight(model: nn.Module, batches: list, loss_fn, autocast, cfg) -> tuple[ProbeReport, Decision]:
     """The probe and the decision (alone for --doctor). When no DDP setting fits because of
     reentrant checkpointing and both DDP settings are auto, the checkpointing is re-applied as
     non_reentrant (every rank alike: the findings are agreed) and the model probed again."""
-    report = _agreed_probe(model, batches, loss_fn, autocast)
     plan = checkpointing_of(model)
+    report, switched = _switched_in_probe(model, batches, loss_fn, autocast, plan)
     decision = _decide(report, cfg, plan)
+    if switched:
+        decision.reasons.insert(0, f"gradient checkpointing switched from reentrant to non_reentrant: {switched}")
     auto = cfg.ddp_static_graph == "auto" and cfg.find_unused_parameters == "auto"
     if no_setting_fits(report) and auto and plan is not None and plan.can_switch():
         reason = _switch_reason(report)

@@ -18,8 +18,8 @@ from typing import Callable
 
 from torch.utils.data import DataLoader, IterableDataset
 
-from .data import (MarkovDataset, ResumableDistributedSampler, TokenWindows, make_loader, peek_batches,
-                   workers_per_rank)
+from .data import (MarkovDataset, ResumableDistributedSampler, TokenWindows, check_datasets, make_loader,
+                   peek_batches, workers_per_rank)
 from .streaming import IterableStream, StreamPosition
 
 log = logging.getLogger(__name__)
@@ -197,18 +197,13 @@ class BatchStream:
 def build_stream(dataset, cfg, env, val_dataset=None) -> tuple[ResumableDistributedSampler, BatchStream, int]:
     """This rank's sampler over ``dataset``, the stream of its micro-batches, and the loader's
     number of worker processes. An IterableDataset gets a stream of its own (framework/streaming.py)."""
-    if isinstance(val_dataset, IterableDataset):
-        raise ValueError("val_dataset: an IterableDataset cannot be sharded exactly for evaluation; "
-                         "pass a map-style dataset (or None)")
+    check_datasets(dataset, val_dataset, cfg, env.world_size)
     if isinstance(dataset, IterableDataset):
         position = StreamPosition(env.world_size, cfg.batch_size, cfg.gradient_accumulation_steps)
         return position, IterableStream(dataset, position, device=env.device, distributed=env.distributed,
                                         rank=env.rank), 0
     sampler = ResumableDistributedSampler(len(dataset), env.world_size, env.rank, cfg.batch_size,
                                           cfg.gradient_accumulation_steps, cfg.seed)
-    if sampler.steps_per_epoch == 0:
-        raise ValueError(f"dataset_size: {len(dataset)} training samples are fewer than one global "
-                         f"batch of {sampler.global_batch} (batch_size x world_size x accumulation)")
     # The built-in datasets are in memory and batch in one vectorised read: a worker process
     # would only add the cost of shipping each batch back (measured: ~1.5 ms a step on CPU).
     in_memory = isinstance(dataset, (MarkovDataset, TokenWindows))

@@ -1,11 +1,16 @@
 """Activation checkpointing, CPU offload and the tiled MLP, in one process."""
 
+import functools
+import logging
+
 import pytest
 import torch
 import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
 
-from framework.activation import MODES, OffloadStats, apply_checkpointing, tiled_mlp
+from framework.activation import MODES, OffloadStats, apply_checkpointing, enable_checkpointing, tiled_mlp
 from framework.model import GPT, GPTConfig, lm_loss
+from tests.workers.reentrant_inputs import FrozenThenAdapter
 
 
 def gpt(dropout=0.0, chunks=0, tie=False, layers=3):
@@ -115,3 +120,51 @@ def test_tiled_mlp_keeps_no_chunk_intermediates():
         tiled_mlp(torch.randn(2, 16, 8, requires_grad=True), 4, fc, proj)
     # only the input and the four weight tensors; no (B, T, 4C) hidden activation
     assert sorted(saved) == sorted([2 * 16 * 8, 32 * 8, 32, 8 * 32, 8])
+
+
+def plain_reentrant(model, names):
+    for name in names:
+        module = getattr(model, name)
+        module.forward = functools.partial(checkpoint, module.forward, use_reentrant=True)
+    return model
+
+
+XS = torch.randn(6, 4, generator=torch.Generator().manual_seed(2))
+
+
+def test_plain_torch_reentrant_fails_or_drops_gradients_when_inputs_need_no_grad():
+    """The failure the framework diagnoses: plain torch raises autograd's raw error when every
+    path runs through such a module, and silently gives its parameters no gradient otherwise."""
+    model = plain_reentrant(FrozenThenAdapter(), ["adapter", "head"])
+    with pytest.warns(UserWarning, match="None of the inputs have requires_grad=True"):
+        loss = model(XS).square().mean()
+    with pytest.raises(RuntimeError, match="element 0 of tensors does not require grad"):
+        loss.backward()
+    model = plain_reentrant(FrozenThenAdapter(), ["adapter"])
+    with pytest.warns(UserWarning, match="None of the inputs have requires_grad=True"):
+        model(XS).square().mean().backward()
+    assert model.adapter.weight.grad is None and model.head.weight.grad is not None
+
+
+@pytest.mark.parametrize("targets", [["adapter", "head"], ["adapter"]])
+def test_reentrant_module_without_grad_inputs_switches_to_non_reentrant(targets, caplog):
+    ref = FrozenThenAdapter()
+    ref(XS).square().mean().backward()
+    model = FrozenThenAdapter()
+    plan = enable_checkpointing(model, "reentrant", ",".join(targets))
+    with caplog.at_level(logging.WARNING, logger="framework.activation"):
+        model(XS).square().mean().backward()
+    assert plan.mode == "non_reentrant"
+    assert "switched from reentrant to non_reentrant" in caplog.text and "'adapter'" in caplog.text
+    for name, p in ref.named_parameters():
+        got = model.get_parameter(name).grad
+        assert (got is None) == (p.grad is None), name
+        if p.grad is not None:
+            assert torch.allclose(got, p.grad, atol=1e-6), name
+
+
+def test_reentrant_module_with_grad_inputs_stays_reentrant():
+    model = FrozenThenAdapter()
+    plan = enable_checkpointing(model, "reentrant", "head")  # its input comes from the trainable adapter
+    model(XS).square().mean().backward()
+    assert plan.mode == "reentrant" and model.adapter.weight.grad is not None

@@ -164,3 +164,79 @@ def test_fault_inject_spec_is_validated(capsys):
     assert code == 2 and "unknown kind 'explode'" in err
     code, _, err = run_main(["--fault-inject", "nan@rank=1"], capsys)
     assert code == 2 and "needs step=N" in err
+
+
+def _bad_data_files(d):
+    """The data files of the bad-input cases below, made in ``d``."""
+    import numpy as np
+    np.arange(1001, dtype=np.uint16).tofile(d / "odd.bin")
+    with (d / "odd.bin").open("ab") as f:
+        f.write(b"x")  # 2003 bytes: half a token at the end
+    (d / "empty.bin").write_bytes(b"")
+    np.arange(1000, dtype=np.uint16).tofile(d / "ids.bin")
+    (d / "empty.txt").write_text("")
+    (d / "short.txt").write_text("abcdefghij" * 5)  # 50 tokens: the 10% validation split has 5 < seq_len + 1
+    (d / "small.txt").write_text("abcdefghij" * 12)  # 120 tokens: 100 training windows of 9 tokens
+    (d / "latin1.txt").write_bytes("caf\xe9 ".encode("latin-1") * 40)
+    (d / "far.json").write_text("[5, 99999]")
+    (d / "many.json").write_text(json.dumps(list(range(10))))
+
+
+# Each case: flags (FILE is replaced by the file's path), an environment, and what the one error line must say.
+BAD_INPUTS = [
+    (["--dataset-size", "8", "--batch-size", "32"], {},
+     "dataset_size=8: fewer than one global batch of 32 samples (batch_size=32 x gradient_accumulation_steps=1 "
+     "x world size 1); allowed: dataset_size >= 32"),
+    (["--dataset-size", "40", "--batch-size", "8", "--gradient-accumulation-steps", "8"], {},
+     "dataset_size=40: fewer than one global batch of 64 samples"),
+    (["--dataset-size", "40", "--batch-size", "16"], {"WORLD_SIZE": "4"},
+     "dataset_size=40: fewer than one global batch of 64 samples (batch_size=16 x gradient_accumulation_steps=1 "
+     "x world size 4)"),
+    (["--data", "FILE/odd.bin", "--vocab-size", "2000"], {},
+     "odd.bin': 2003 bytes, not a whole number of 2-byte tokens; allowed: a .bin file of uint16 token ids"),
+    (["--data", "FILE/empty.bin"], {}, "empty.bin': 0 tokens; with seq_len=8 it needs at least 81"),
+    (["--data", "FILE/empty.txt"], {}, "empty.txt': 0 tokens; with seq_len=8 it needs at least 81"),
+    (["--data", "FILE/short.txt"], {}, "short.txt': 50 tokens; with seq_len=8 it needs at least 81"),
+    (["--data", "FILE/ids.bin", "--vocab-size", "50"], {},
+     "vocab_size=50: data='FILE/ids.bin' holds token id 999; allowed: vocab_size >= 1000"),
+    (["--data", "FILE/latin1.txt"], {}, "latin1.txt': not UTF-8 text"),
+    (["--data", "FILE/small.txt", "--batch-size", "128"], {},
+     "small.txt': its 100 training windows are fewer than one global batch of 128 samples"),
+    (["--exclude-samples", "FILE/far.json", "--dataset-size", "100"], {},
+     "exclude_samples='FILE/far.json': sample index 99999 is outside the 100 training samples; "
+     "allowed: indices 0 to 99"),
+    (["--exclude-samples", "FILE/many.json", "--dataset-size", "40", "--batch-size", "32"], {},
+     "exclude_samples='FILE/many.json': excluding 10 of the 40 training samples leaves 30, fewer than one "
+     "global batch of 32 samples"),
+]
+
+
+@pytest.mark.parametrize("argv, env, needle", BAD_INPUTS,
+                         ids=[f"{i}:{' '.join(c[0][:2])}" for i, c in enumerate(BAD_INPUTS)])
+def test_bad_data_input_refused_at_check_config(argv, env, needle, tmp_path, capsys, monkeypatch):
+    """Inputs that passed --check-config and then failed with a traceback on every restart."""
+    _bad_data_files(tmp_path)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    argv = [a.replace("FILE", str(tmp_path)) for a in argv]
+    common = ["--seq-len", "8", "--batch-size", "2", "--log-dir", str(tmp_path / "l"),
+              "--checkpoint-dir", str(tmp_path / "c")]
+    code, out, err = run_main(["--check-config", *common, *argv], capsys)
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert needle.replace("FILE", str(tmp_path)) in lines[0]
+    assert not (tmp_path / "c").exists() and not (tmp_path / "l").exists()
+
+
+def test_data_that_just_fits_passes_check_config(tmp_path, capsys, monkeypatch):
+    _bad_data_files(tmp_path)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    common = ["--check-config", "--seq-len", "8", "--log-dir", str(tmp_path / "l")]
+    for argv in (["--dataset-size", "32", "--batch-size", "32"],
+                 ["--data", str(tmp_path / "small.txt"), "--batch-size", "100"],
+                 ["--data", str(tmp_path / "ids.bin"), "--vocab-size", "1000"],
+                 ["--exclude-samples", str(tmp_path / "many.json"), "--dataset-size", "42", "--batch-size", "32"]):
+        code, _, err = run_main(common + argv, capsys)
+        assert code == 0, (argv, err)

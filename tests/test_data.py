@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from framework.config import resolve_config
+from framework.config import ConfigError, resolve_config
 from framework.data import (MARKOV_ENTROPY, MarkovDataset, ResumableDistributedSampler, TokenWindows,
                             build_datasets, encode_text, eval_indices)
+from framework.markers import FatalError
 
 
 def shards(n, world, batch, accum, seed=3, epoch=0):
@@ -91,11 +92,16 @@ def test_text_data_split_and_windows(tmp_path):
 def test_bin_data_and_vocab_check(tmp_path):
     path = tmp_path / "tokens.bin"
     np.arange(1000, dtype=np.uint16).tofile(path)
-    with pytest.raises(ValueError, match="holds token id 999, but vocab_size=500"):
-        build_datasets(resolve_config({"data": str(path), "vocab_size": 500, "seq_len": 16}))
-    bundle = build_datasets(resolve_config({"data": str(path), "vocab_size": 1000, "seq_len": 16}))
+    with pytest.raises(ConfigError, match="vocab_size=500: data=.* holds token id 999; allowed: vocab_size >= 1000"):
+        resolve_config({"data": str(path), "vocab_size": 500, "seq_len": 16})
+    cfg = resolve_config({"data": str(path), "vocab_size": 1000, "seq_len": 16})
+    bundle = build_datasets(cfg)
     x, y = bundle.train.__getitems__([10])
     assert x[0].tolist() == list(range(10, 26)) and y[0].tolist() == list(range(11, 27))
+    # The file changed after the config check: the run stops with FATAL, not a traceback.
+    np.arange(1001, dtype=np.uint16).tofile(path)
+    with pytest.raises(FatalError, match="vocab_size=1000: data=.* holds token id 1000; allowed: vocab_size >= 1001"):
+        build_datasets(cfg)
 
 
 def test_eval_shards_unpadded():
@@ -107,3 +113,57 @@ def test_eval_shards_unpadded():
 def test_token_windows_rejects_short_data():
     with pytest.raises(ValueError, match="fewer than seq_len"):
         TokenWindows(np.zeros(5, dtype=np.uint8), 8, 1)
+
+
+TINY_RUN = dict(vocab_size=16, hidden_size=16, num_layers=1, num_heads=2, seq_len=8, num_workers=0,
+                tensorboard=False, max_steps=2, batch_size=32)
+
+
+class Stream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        return iter([(torch.zeros(8, dtype=torch.long), torch.zeros(1))] * 64)
+
+
+def users_pieces(n=8, stream=False, val=None):
+    x = torch.zeros(n, 8, dtype=torch.long)
+    return dict(model=torch.nn.Sequential(torch.nn.Embedding(16, 4), torch.nn.Flatten(), torch.nn.Linear(32, 1)),
+                train_dataset=Stream() if stream else torch.utils.data.TensorDataset(x, torch.zeros(n, 1)),
+                val_dataset=val, loss_fn=lambda out, y: torch.nn.functional.mse_loss(out, y))
+
+
+# case: (config overrides, DDPTrainer's datasets, the one line it must stop with)
+RUN_TIME_CASES = {
+    "user_dataset": ({}, lambda: users_pieces(8),
+                     "train_dataset: its 8 samples are fewer than one global batch of 32 samples "
+                     "(batch_size=32 x gradient_accumulation_steps=1 x world size 1)"),
+    "builtin_from_python": ({"dataset_size": 8}, dict, "dataset_size=8: fewer than one global batch of 32 samples"),
+    "user_exclusions": ({"exclude_samples": "EX"}, lambda: users_pieces(100),
+                        "exclude_samples='EX': sample index 500 is outside the 100 training samples; "
+                        "allowed: indices 0 to 99"),
+    "stream_val": ({}, lambda: users_pieces(100, val=Stream()),
+                   "val_dataset: an IterableDataset cannot be sharded exactly for evaluation"),
+    "stream_without_max_steps": ({"max_steps": 0}, lambda: users_pieces(stream=True),
+                                 "max_steps=0: an IterableDataset train_dataset has no length"),
+    "stream_rollback": ({"spike_guard": "rollback", "save_every_steps": 1}, lambda: users_pieces(stream=True),
+                        "spike_guard='rollback', exclude_samples='': the samples of an IterableDataset have no "
+                        "indices to exclude"),
+}
+
+
+@pytest.mark.parametrize("case", RUN_TIME_CASES)
+def test_input_known_only_at_run_time_stops_with_fatal(case, tmp_path):
+    """What the config check cannot see (datasets given from Python, the built-in data of a
+    config given from Python) stops with one line and a FATAL marker, which a restart obeys at
+    once, not with a traceback retried on every restart."""
+    from framework import DDPTrainer
+    from framework.markers import FATAL
+    overrides, pieces, expected = RUN_TIME_CASES[case]
+    (tmp_path / "ex.json").write_text("[3, 500]")
+    ex = str(tmp_path / "ex.json")
+    cfg = dict(TINY_RUN, log_dir=str(tmp_path / "logs"), checkpoint_dir=str(tmp_path / "ck"),
+               **{k: ex if v == "EX" else v for k, v in overrides.items()})
+    expected = expected.replace("EX", ex)
+    with pytest.raises(FatalError) as err:
+        DDPTrainer(cfg, rank=0, world_size=1, **pieces())
+    assert expected in str(err.value) and "\n" not in str(err.value)
+    assert expected in (tmp_path / "ck" / FATAL).read_text()

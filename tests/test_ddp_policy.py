@@ -10,6 +10,8 @@ import torch.nn as nn
 import ddp_training
 from framework.ddp_policy import ProbeReport, decide, diagnose, probe
 from framework.trainer import DDPTrainer
+from tests.dist_helper import launch_cases
+from tests.workers.reentrant_inputs import CASES, FrozenThenAdapter, dataset
 
 
 def report(**kw):
@@ -159,3 +161,40 @@ def test_doctor_exits_1_when_forced_settings_would_fail(tmp_path, capsys):
                          model=WithUnused(), doctor=True)
     assert trainer.report.unused == ["spare.bias", "spare.weight"]
     assert not trainer.decision.safe
+
+
+@pytest.mark.parametrize("targets", ["adapter,head", "adapter"])
+def test_reentrant_module_whose_inputs_need_no_grad_is_switched_and_trained(targets, tmp_path):
+    """A reentrant-checkpointed module fed only by tensors that need no grad (a frozen encoder's
+    output): plain torch raises autograd's raw 'element 0 ... does not require grad' (or silently
+    leaves the module untrained). The preflight sees every parameter trained after the switch, and
+    the run trains the module."""
+    data = dataset()
+    cfg = {"gradient_checkpointing": "reentrant", "checkpoint_modules": targets, "batch_size": 8, "num_workers": 0,
+           "log_dir": str(tmp_path / "logs"), "checkpoint_dir": str(tmp_path / "ck"), "max_steps": 4,
+           "learning_rate": 0.01, "tensorboard": False}
+    doctor = DDPTrainer(cfg, model=FrozenThenAdapter(), train_dataset=data, loss_fn=nn.functional.mse_loss,
+                        doctor=True)
+    doctor.close()
+    assert doctor.report.unused == [] and doctor.decision.safe
+    assert doctor.checkpointing.mode == "non_reentrant"
+    assert any("non_reentrant" in r and "'adapter'" in r for r in doctor.decision.reasons), doctor.decision.reasons
+    model = FrozenThenAdapter()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    DDPTrainer({**cfg, "resume": "none"}, model=model, train_dataset=data, loss_fn=nn.functional.mse_loss).train()
+    for name, p in model.named_parameters():
+        assert torch.equal(p, before[name]) == name.startswith("encoder."), name
+
+
+def test_reentrant_module_whose_inputs_need_no_grad_gets_exact_ddp_gradients(tmp_path):
+    """The same model on 2 gloo ranks: every rank switches, the preflight finds no unused
+    parameter (so find_unused_parameters stays off), and the gradients equal the plain model's
+    on the global batch."""
+    results = launch_cases("tests/workers/reentrant_inputs.py", tmp_path, timeout=300)
+    for rank in (0, 1):
+        for name in CASES:
+            out = results[rank]["cases"][name]
+            assert "error" not in out, out.get("traceback")
+            assert out["mode"] == "non_reentrant" and out["unused"] == [], out
+            assert not out["find_unused_parameters"], out
+            assert out["max_abs_diff"] <= 1e-6, out

@@ -46,7 +46,7 @@ def test_excluded_samples_are_dropped_from_every_epoch_and_the_committed_prefix_
     assert sampler.permutation(0).tolist()[:12] == full[:12]
     assert not set(later) & set(sampler.permutation(0).tolist() + sampler.permutation(1).tolist())
     assert sampler.steps_per_epoch == 97 // 12
-    with pytest.raises(ValueError, match=r"\[100\] are outside the training set of 100 samples"):
+    with pytest.raises(FatalError, match=r"\[100\] are outside the training set of 100 samples"):
         sampler.exclude([100])
 
 

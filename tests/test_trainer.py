@@ -7,6 +7,7 @@ import torch
 
 from framework import ConfigError, DDPTrainer, TrainConfig
 from framework.health import model_sha256
+from framework.markers import FatalError
 
 TINY = dict(vocab_size=32, hidden_size=32, num_layers=1, num_heads=2, seq_len=16, dataset_size=128, batch_size=8,
             dropout=0.0, num_workers=0, learning_rate=3e-3, target_loss=0.0, eval_steps=2, log_interval=2)
@@ -84,7 +85,7 @@ def test_bad_dict_config_raises_config_error(tmp_path):
 
 
 def test_dataset_smaller_than_global_batch(tmp_path):
-    with pytest.raises(ValueError, match="fewer than one global batch"):
+    with pytest.raises(FatalError, match="dataset_size=4: fewer than one global batch"):
         DDPTrainer(tiny(tmp_path, dataset_size=4))
 
 
