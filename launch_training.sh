@@ -151,16 +151,32 @@ else
   rdzv=(--nnodes 1 --rdzv-backend c10d --rdzv-endpoint "127.0.0.1:$port" --local-addr 127.0.0.1)
 fi
 
+# The traps are in place before torchrun starts, so no signal finds the script without them.
+# torchrun forwards SIGTERM/SIGINT to its workers, which save a checkpoint and write PREEMPTED, and
+# then exits 1 itself. SIGUSR1 and SIGHUP (an ssh drop) reach it as SIGTERM: torchrun does not handle
+# SIGUSR1 (it would die and leave its workers running) and passes SIGHUP on to the workers, which do
+# not save on it. A signal that comes before torchrun's pid is known is sent once it is.
+child="" pending="" signalled=0
+# shellcheck disable=SC2329  # called by the traps below
+forward() {
+  signalled=1
+  if [[ -n "$child" ]]; then
+    kill -s "$1" "$child" 2>/dev/null || true
+  else
+    pending="$1"
+  fi
+}
+trap 'forward TERM' TERM HUP USR1
+trap 'forward INT' INT
 stamp=$(mktemp)
-# torchrun runs in the background so that this script can forward SIGTERM/SIGINT to it and
-# wait for it: neither torchrun nor its workers outlive the script. torchrun forwards the signal
-# to its workers, which save a checkpoint and write PREEMPTED, and then exits 1 itself.
-"$python" -m torch.distributed.run "${rdzv[@]}" --nproc-per-node "$nproc" --max-restarts "$max_restarts" \
+# torchrun runs in the background, in a session of its own, so that only this script signals it (a
+# terminal's hangup or Ctrl-C reaches this script's process group, not torchrun's), and this script
+# waits for it: neither torchrun nor its workers outlive the script.
+"$python" -c 'import os, sys; os.setsid(); os.execvp(sys.argv[1], sys.argv[1:])' \
+  "$python" -m torch.distributed.run "${rdzv[@]}" --nproc-per-node "$nproc" --max-restarts "$max_restarts" \
   "$here/ddp_training.py" "${train_args[@]}" &
 child=$!
-signalled=0
-trap 'signalled=1; kill -s TERM "$child" 2>/dev/null || true' TERM
-trap 'signalled=1; kill -s INT "$child" 2>/dev/null || true' INT
+[[ -z "$pending" ]] || kill -s "$pending" "$child" 2>/dev/null || true
 status=0
 while true; do
   wait "$child" && status=0 || status=$?
@@ -169,12 +185,13 @@ done
 marker="$checkpoint_dir/PREEMPTED"
 final="$checkpoint_dir/final_model.pt"
 if [[ $status -ne 0 && -f "$marker" && "$marker" -nt "$stamp" ]]; then
-  echo "launch_training.sh: preempted; $(cat "$marker"); resume with the same command" >&2
+  # After an ssh drop stderr is gone: a failed message must not change the exit code.
+  echo "launch_training.sh: preempted; $(cat "$marker"); resume with the same command" >&2 || true
   status=0
 elif [[ $status -ne 0 && $signalled -eq 1 && -f "$final" && "$final" -nt "$stamp" ]]; then
   # The signal came during the final evaluation or save, which the workers finished; torchrun
   # still exits 1 after forwarding a signal.
-  echo "launch_training.sh: signalled after the last step; the run finished" >&2
+  echo "launch_training.sh: signalled after the last step; the run finished" >&2 || true
   status=0
 fi
 rm -f "$stamp"

@@ -151,7 +151,7 @@ for _fault in FAULTS:
 # The trainer logs "evaluating at step N" when an evaluation starts (a recent addition). Without it,
 # the eval moment falls back to the step line just before the evaluation, plus a short delay.
 EVAL_LINE_LOGGED = any("evaluating at step" in p.read_text() for p in (ROOT / "framework").glob("*.py"))
-TMP_FILE = re.compile(r"\.step_(\d{8})\.pt\.tmp\.\d+$")
+TMP_FILE = re.compile(r"\.step_(\d{8})\.pt\.tmp\.\w+$")  # framework.atomic: a mkstemp suffix
 
 
 # --- one run: its agents, their outputs, and the rank logs as they grow ------------------------
@@ -293,7 +293,7 @@ class LogWatch:
 
 
 def checkpoint_temp(ck_dir: Path, steps) -> Path | None:
-    """A checkpoint temp file (.step_N.pt.tmp.PID) for one of ``steps``, if one exists now."""
+    """A checkpoint temp file (.step_N.pt.tmp.XXXXXXXX) for one of ``steps``, if one exists now."""
     try:
         names = os.listdir(ck_dir)
     except FileNotFoundError:

@@ -300,12 +300,9 @@ class CheckpointManager:
 
     def _write(self, snapshot: dict, step: int, path: Path) -> None:
         start = time.perf_counter()
-        buf = io.BytesIO()
-        torch.save(snapshot, buf)
-        data = buf.getvalue()
-        atomic.write_bytes(path, data)
+        sha256, size = atomic.torch_save(snapshot, path)  # streamed: the snapshot is the one copy in memory
         entries = self._read_manifest_for_update(path.name)
-        entry = {"file": path.name, "step": step, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data),
+        entry = {"file": path.name, "step": step, "sha256": sha256, "bytes": size,
                  "lineage": self.lineage, "seq": max((e["seq"] for e in entries), default=0) + 1}
         entries = [e for e in entries if e["file"] != path.name and self._still_there(e)] + [entry]
         mine = [e for e in entries if e["lineage"] == self.lineage]
@@ -317,7 +314,7 @@ class CheckpointManager:
         self._report_other_lineages(kept)
         self.last_write_s = time.perf_counter() - start
         log.info("checkpoint step %d written: %s, %.1f MB, stall %.3f s, write %.3f s", step, path,
-                 len(data) / 2**20, self.last_stall_s or 0.0, self.last_write_s)
+                 size / 2**20, self.last_stall_s or 0.0, self.last_write_s)
 
     def _still_there(self, entry: dict) -> bool:
         if (self.directory / entry["file"]).exists():
@@ -369,9 +366,12 @@ class CheckpointManager:
                     len(others), len(lineages), ", ".join(lineages), self.lineage)
 
     def _remove_stale_temp_files(self) -> None:
+        """Remove the temp files of interrupted writes (framework.atomic's ``.NAME.tmp.XXXXXXXX``)."""
         if not self.directory.is_dir():
             return
         for path in self.directory.glob(".*.tmp.*"):
+            if path.is_dir() and not path.is_symlink():
+                continue  # atomic writes only leave files (or links planted at their names)
             log.warning("removing %s, left by an interrupted write", path)
             path.unlink(missing_ok=True)
 

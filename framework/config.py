@@ -349,6 +349,7 @@ def _check_values(cfg: TrainConfig) -> list[str]:
                             "pip install -e .[hf] (or safetensors==0.8.0), or leave export_dir unset")
         elif problem := _unwritable_dir(cfg.export_dir):
             problems.append(f"export_dir={cfg.export_dir!r}: {problem}; allowed: a directory this user can write")
+    problems += _check_export_dir(cfg)
     if cfg.resume not in ("auto", "none") and not Path(cfg.resume).is_file():
         problems.append(f"resume={cfg.resume!r}: allowed: auto, none, or an existing checkpoint file")
     if cfg.fault_inject:
@@ -513,6 +514,51 @@ def world_size_from(env) -> int:
     """The world size torchrun (or the launcher, for its check) puts in WORLD_SIZE; 1 without it."""
     text = str(env.get("WORLD_SIZE", "")).strip()
     return int(text) if text.isdigit() and int(text) > 0 else 1
+
+
+EXPORT_RECORD = ".framework_export.json"
+"""The file in which the export (framework/export.py) lists the files it wrote into export_dir: the
+only ones a later export replaces or removes."""
+_EXPORT_NAMES = ("config.json", "model.safetensors")  # written by every export but those of PEFT models
+
+
+def export_path(cfg: TrainConfig) -> Path | None:
+    """Where the export goes: ``export_dir``, '' = ``checkpoint_dir/export``, 'none' = nowhere."""
+    if cfg.export_dir == "none":
+        return None
+    return Path(cfg.export_dir) if cfg.export_dir else Path(cfg.checkpoint_dir) / "export"
+
+
+def export_record(directory: str | Path) -> set[str]:
+    """The files (relative paths) that the last export into ``directory`` recorded as its own;
+    empty when there is no readable record. Paths that leave ``directory`` are ignored."""
+    try:
+        files = json.loads((Path(directory) / EXPORT_RECORD).read_text(encoding="utf-8"))["files"]
+    except (OSError, ValueError, TypeError, KeyError):  # no record, or not one this framework wrote
+        return set()
+    if not isinstance(files, list):
+        return set()
+    return {f for f in files if isinstance(f, str) and f and not f.startswith("/")
+            and ".." not in f.split("/") and f != EXPORT_RECORD}
+
+
+def _check_export_dir(cfg: TrainConfig) -> list[str]:
+    """The overlaps of export_dir that the export cannot honour, since it replaces only its own files."""
+    directory = export_path(cfg)
+    if directory is None or importlib.util.find_spec("safetensors") is None:
+        return []  # no export (the missing safetensors of an explicit export_dir is reported above)
+    key = (f"export_dir={cfg.export_dir!r}" if cfg.export_dir
+           else f"export_dir='' (checkpoint_dir/export = {str(directory)!r})")
+    if os.path.realpath(directory) == os.path.realpath(cfg.log_dir):
+        return [f"{key} and log_dir={cfg.log_dir!r} are the same directory: the export's config.json would "
+                "replace the run's; allowed: an export_dir apart from log_dir"]
+    own = export_record(directory)
+    foreign = [name for name in _EXPORT_NAMES if os.path.lexists(directory / name) and name not in own]
+    if foreign:
+        return [f"{key}: holds {' and '.join(foreign)}, which no earlier export wrote (its {EXPORT_RECORD} "
+                "does not list it) and the export would replace; allowed: a directory without it (move it "
+                "away, or choose another export_dir)"]
+    return []
 
 
 def _unwritable_dir(directory: str) -> str | None:

@@ -14,6 +14,15 @@ written once and recorded as an alias in the file's metadata, which ``load_weigh
 (``safetensors.torch.load_model`` also reads such a file); any other view of shared memory is
 written as a copy.
 
+The export replaces only what it wrote itself. Its files are written into a private temp directory
+inside ``export_dir``, synced, and each renamed into place (so each file is whole: the previous
+export's or this one's); ``export_dir/.framework_export.json`` lists them. A later export replaces
+or removes only the files that list names; anything else in ``export_dir`` (the run's checkpoint_dir
+and log_dir nested in it, the user's files) is left alone, and a file the export would replace but
+did not write is kept, with an ERROR. framework/config.py refuses, at check time, the overlaps the
+export cannot honour: export_dir = log_dir, and an export_dir holding a config.json or
+model.safetensors that no export wrote.
+
 safetensors is optional (``pip install -e .[hf]``): without it a run writes ``final_model.pt`` only,
 with one WARNING; an ``export_dir`` set explicitly makes the configuration invalid instead
 (framework/config.py).
@@ -23,17 +32,21 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
+import fcntl
 import importlib.util
 import json
 import logging
 import os
 import shutil
-from pathlib import Path
+import tempfile
+from pathlib import Path, PurePosixPath
 
 import torch
 
 from . import __version__, atomic
 from .checkpoint import to_cpu
+from .config import EXPORT_RECORD, export_path, export_record
 from .ddp_policy import unwrap
 from .model import GPT, GPTConfig
 
@@ -45,13 +58,7 @@ CONFIG = "config.json"
 GPT_MARKER = "framework.model.GPT"
 ALIASES = "framework.aliases"  # metadata key: JSON {dropped name: the name written}
 INSTALL_HINT = "pip install -e .[hf]"
-
-
-def export_path(cfg) -> Path | None:
-    """Where the export goes: ``export_dir``, '' = ``checkpoint_dir/export``, 'none' = nowhere."""
-    if cfg.export_dir == "none":
-        return None
-    return Path(cfg.export_dir) if cfg.export_dir else Path(cfg.checkpoint_dir) / "export"
+PARTIAL = ".framework_export.partial."  # the private temp directory of an export in progress
 
 
 def safetensors_available() -> bool:
@@ -75,24 +82,37 @@ def save_final_weights(model: torch.nn.Module, cfg) -> None:
 
 
 def export_model(model: torch.nn.Module, export_dir: str | Path, *, state: dict | None = None) -> str:
-    """Write ``model``'s weights as safetensors into ``export_dir``, replacing what was there as a
-    whole. ``state`` is the unwrapped model's state_dict on the CPU, when already at hand.
-    Returns what was written, for the log."""
+    """Write ``model``'s weights as safetensors into ``export_dir``, replacing only the files an earlier
+    export wrote there (see the module doc). ``state`` is the unwrapped model's state_dict on the
+    CPU, when already at hand. Returns what was written, for the log."""
     model = unwrap(model)
     state = to_cpu(model.state_dict()) if state is None else state
-    with _replacing_dir(Path(export_dir)) as tmp:
-        if _inherits(model, "peft", "PeftModel"):
-            model.save_pretrained(tmp, safe_serialization=True, state_dict=state)
-            return "PEFT adapters, save_pretrained"
-        if _inherits(model, "transformers", "PreTrainedModel"):
-            model.save_pretrained(tmp, safe_serialization=True, state_dict=state)
-            return "transformers save_pretrained"
-        save_weights(state, tmp / WEIGHTS)
-        if not isinstance(model, GPT):
-            return WEIGHTS
-        config = {"model": GPT_MARKER, "framework_version": __version__, **dataclasses.asdict(model.cfg)}
-        (tmp / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
-        return f"{WEIGHTS} and {CONFIG} of the built-in GPT"
+    directory = Path(export_dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    with _exclusive(directory):
+        _remove_partials(directory)
+        tmp = Path(tempfile.mkdtemp(prefix=PARTIAL, dir=directory))
+        try:
+            kind = _write(model, state, tmp)
+            _install(tmp, directory)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)  # after an error, that error matters, not a failed cleanup
+    return kind
+
+
+def _write(model: torch.nn.Module, state: dict, tmp: Path) -> str:
+    if _inherits(model, "peft", "PeftModel"):
+        model.save_pretrained(tmp, safe_serialization=True, state_dict=state)
+        return "PEFT adapters, save_pretrained"
+    if _inherits(model, "transformers", "PreTrainedModel"):
+        model.save_pretrained(tmp, safe_serialization=True, state_dict=state)
+        return "transformers save_pretrained"
+    save_weights(state, tmp / WEIGHTS)
+    if not isinstance(model, GPT):
+        return WEIGHTS
+    config = {"model": GPT_MARKER, "framework_version": __version__, **dataclasses.asdict(model.cfg)}
+    (tmp / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    return f"{WEIGHTS} and {CONFIG} of the built-in GPT"
 
 
 def _inherits(model: torch.nn.Module, package: str, class_name: str) -> bool:
@@ -160,31 +180,70 @@ def load_exported(export_dir: str | Path, device: str | torch.device = "cpu") ->
     return model.to(device).eval()
 
 
-@contextlib.contextmanager
-def _replacing_dir(final: Path):
-    """A new directory that replaces ``final`` when the block ends without an error; after an
-    error nothing of it is left. ``final`` itself is never partial: between the two renames the
-    previous export waits under ``.NAME.old.PID``, which the next export removes if a crash left it."""
-    final.parent.mkdir(parents=True, exist_ok=True)
-    for stale in [*final.parent.glob(f".{final.name}.partial.*"), *final.parent.glob(f".{final.name}.old.*")]:
+def _install(tmp: Path, directory: Path) -> None:
+    """Rename the files written into ``tmp`` into ``directory``, each replacing a file of the previous
+    export or taking a free name; then remove the previous export's files this one did not write.
+    The record lists every file of either export from before the first rename until the last
+    removal, so that a crash in between leaves no file of ours unlisted."""
+    previous = {name for name in export_record(directory) if _inside(directory, name)}
+    written = sorted(p.relative_to(tmp).as_posix() for p in tmp.rglob("*") if p.is_file())
+    ours = []
+    for name in written:
+        _fsync(tmp / name)
+        if name in previous or not os.path.lexists(directory / name):
+            ours.append(name)
+        else:
+            log.error("%s exists and no earlier export wrote it: not replaced, so this export lacks it; move it "
+                      "away and export again, or choose another export_dir", directory / name)
+    _write_record(directory, previous | set(ours))
+    for name in ours:
+        (directory / name).parent.mkdir(parents=True, exist_ok=True)
+        os.replace(tmp / name, directory / name)
+    for folder in {(directory / name).parent for name in ours}:
+        atomic.fsync_dir(folder)
+    for name in sorted(previous - set(ours)):
+        log.info("removing %s, written by the previous export", directory / name)
+        (directory / name).unlink(missing_ok=True)
+    _write_record(directory, set(ours))
+
+
+def _write_record(directory: Path, files: set[str]) -> None:
+    record = {"files": sorted(files), "framework_version": __version__}
+    atomic.write_bytes(directory / EXPORT_RECORD, (json.dumps(record, indent=2) + "\n").encode())
+
+
+def _inside(directory: Path, name: str) -> bool:
+    """Whether ``directory/name`` lies in ``directory`` through no symlinked folder (a record's names
+    are removed and replaced; a planted link must not point them elsewhere)."""
+    parent = PurePosixPath(name).parent
+    return Path(os.path.realpath(directory / parent)) == Path(os.path.realpath(directory)) / parent
+
+
+def _remove_partials(directory: Path) -> None:
+    for stale in directory.glob(f"{PARTIAL}*"):
         log.warning("removing %s, left by an interrupted export", stale)
-        shutil.rmtree(stale)
-    tmp = final.with_name(f".{final.name}.partial.{os.getpid()}")
-    tmp.mkdir()
+        if stale.is_dir() and not stale.is_symlink():
+            shutil.rmtree(stale)
+        else:
+            stale.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def _exclusive(directory: Path):
+    """Hold an exclusive flock on ``directory`` itself: a second export into it waits for this one (whose
+    temp directory it would otherwise remove as stale)."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        yield tmp
-        for path in [*tmp.rglob("*"), tmp]:
-            _fsync(path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)  # the original error matters, not a failed cleanup
-        raise
-    old = final.with_name(f".{final.name}.old.{os.getpid()}")
-    if final.exists():
-        os.replace(final, old)
-    os.replace(tmp, final)
-    _fsync(final.parent)
-    if old.exists():
-        shutil.rmtree(old)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError as e:
+            if e.errno not in (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EBADF):
+                raise
+            log.warning("cannot lock %s (%s): nothing stops a second export into it at the same time", directory,
+                        e.strerror)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def _fsync(path: Path) -> None:

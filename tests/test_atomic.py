@@ -38,3 +38,27 @@ def test_a_failed_write_keeps_the_old_file_and_leaves_no_temp_file(tmp_path):
     assert out.returncode == 0, out.stderr
     assert (tmp_path / "f.bin").read_bytes() == b"old"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["f.bin"]
+
+
+def test_a_symlink_planted_at_a_temp_name_or_the_final_name_does_not_redirect_the_write(tmp_path):
+    import os
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    directory = tmp_path / "shared"
+    directory.mkdir()
+    for name in ("f.bin", "g.pt"):
+        # The names a write used to take: .NAME.tmp.PID, and the final name itself.
+        (directory / f".{name}.tmp.{os.getpid()}").symlink_to(victim)
+    (directory / "f.bin").symlink_to(victim)
+    atomic.write_bytes(directory / "f.bin", b"new contents")
+    assert victim.read_bytes() == b"precious"
+    digest, size = atomic.torch_save({"w": __import__("torch").ones(3)}, directory / "g.pt")
+    assert victim.read_bytes() == b"precious"
+    assert (directory / "f.bin").read_bytes() == b"new contents" and not (directory / "f.bin").is_symlink()
+    assert not (directory / "g.pt").is_symlink() and (directory / "g.pt").stat().st_size == size
+    import hashlib
+    assert hashlib.sha256((directory / "g.pt").read_bytes()).hexdigest() == digest
+    # Every file written here is a regular file with the usual permissions (not mkstemp's 0600).
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (directory / "f.bin").stat().st_mode & 0o777 == 0o666 & ~umask

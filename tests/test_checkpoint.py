@@ -90,10 +90,58 @@ def test_round_trip_and_manifest(tmp_path, caplog):
 
 
 def test_only_final_names_remain_after_saves(tmp_path):
-    (tmp_path / ".step_00000001.pt.tmp.999").write_bytes(b"left by a crash")
+    (tmp_path / ".step_00000001.pt.tmp.999").write_bytes(b"left by a crash")  # an older version's name
+    (tmp_path / ".manifest.json.tmp.k2x_9qzv").write_bytes(b"left by a crash")  # a mkstemp name
     save_steps(tmp_path, [1, 2, 3, 4])
     assert sorted(os.listdir(tmp_path)) == ["manifest.json", "step_00000002.pt", "step_00000003.pt",
                                             "step_00000004.pt"]
+
+
+def test_a_symlink_planted_in_checkpoint_dir_does_not_redirect_a_write(tmp_path):
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    directory = tmp_path / "ck"
+    manager = CheckpointManager(directory)  # its stale-temp cleanup is done: another user plants them now
+    for name in (step_file(1), "manifest.json", step_file(2)):
+        (directory / f".{name}.tmp.{os.getpid()}").symlink_to(victim)
+    manager.save(state_at(1), 1, blocking=True)
+    manager.save(state_at(2), 2, blocking=True)
+    assert victim.read_bytes() == b"precious"
+    assert [e["step"] for e in manifest(directory)] == [1, 2]
+    assert_same(manager.latest_valid()[1], state_at(2))
+    manager.close()
+
+
+MEMORY_PROBE = """
+import sys
+import torch
+from framework.checkpoint import CheckpointManager
+
+def status(key):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))
+
+state = {"model": {f"w{i}": torch.randn(1024, 4096) for i in range(8)}, "step": 1}  # 8 x 16 MiB
+size = sum(t.numel() * t.element_size() for t in state["model"].values())
+manager = CheckpointManager(sys.argv[1])
+manager.save({"step": 0}, 0, blocking=True)  # imports and the writer's first use
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # resets VmHWM, the peak resident memory, to the current VmRSS
+before = status("VmRSS")
+manager.save(state, 1, blocking=True)
+print((status("VmHWM") - before) / size)
+"""
+
+
+def test_a_checkpoint_write_holds_about_one_copy_of_the_state_in_memory(tmp_path):
+    """The CPU snapshot is the one copy: the file is streamed from it, not serialised into memory first."""
+    out = subprocess.run([sys.executable, "-c", MEMORY_PROBE, str(tmp_path)], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    copies = float(out.stdout.strip())
+    assert 0.9 <= copies <= 1.3, f"a write held {copies:.2f}x the state's size at its peak"
+    path, state = CheckpointManager(tmp_path).latest_valid()  # size and checksum verified
+    assert path.name == step_file(1) and state["model"]["w7"].shape == (1024, 4096)
 
 
 def test_keep_last_prunes_oldest(tmp_path):
@@ -121,13 +169,18 @@ def test_unsaveable_value_is_refused_before_the_write(tmp_path):
 def gated_write(monkeypatch):
     """Make every atomic write wait until the returned event is set."""
     gate = threading.Event()
-    real = atomic.write_bytes
+    real_bytes, real_torch = atomic.write_bytes, atomic.torch_save
 
-    def slow(path, data):
+    def slow_bytes(path, data):
         assert gate.wait(10), "test never opened the gate"
-        real(path, data)
+        real_bytes(path, data)
 
-    monkeypatch.setattr(atomic, "write_bytes", slow)
+    def slow_torch(obj, path):
+        assert gate.wait(10), "test never opened the gate"
+        return real_torch(obj, path)
+
+    monkeypatch.setattr(atomic, "write_bytes", slow_bytes)
+    monkeypatch.setattr(atomic, "torch_save", slow_torch)
     return gate
 
 

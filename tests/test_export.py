@@ -4,6 +4,7 @@ atomic; safetensors optional; and the LoRA fine-tuning example at world size 1."
 
 import importlib.util
 import json
+import logging
 import sys
 
 import pytest
@@ -37,7 +38,8 @@ def test_trainer_exports_the_gpt_at_the_end_and_load_exported_rebuilds_it(tmp_pa
     trainer = DDPTrainer(tiny(tmp_path, max_steps=3, tie_embeddings=True))
     summary = trainer.train()
     export_dir = tmp_path / "ck" / "export"  # the default: checkpoint_dir/export
-    assert sorted(p.name for p in export_dir.iterdir()) == [CONFIG, WEIGHTS]
+    assert sorted(p.name for p in export_dir.iterdir()) == [".framework_export.json", CONFIG, WEIGHTS]
+    assert json.loads((export_dir / ".framework_export.json").read_text())["files"] == [CONFIG, WEIGHTS]
     assert (tmp_path / "ck" / "final_model.pt").is_file()
     config = json.loads((export_dir / CONFIG).read_text())
     assert config["model"] == "framework.model.GPT" and config["tie_embeddings"] is True
@@ -86,14 +88,18 @@ def test_any_module_with_shared_tensors_round_trips(tmp_path):
         load_exported(tmp_path / "out")
 
 
-def test_export_replaces_the_directory_whole_and_a_failed_one_changes_nothing(tmp_path, monkeypatch):
+def test_a_re_export_replaces_only_its_own_files_and_a_failed_one_changes_nothing(tmp_path, monkeypatch):
     out = tmp_path / "out"
-    export_model(torch.nn.Linear(2, 2), out)
-    (out / "stray.txt").write_text("from an earlier export")
-    (tmp_path / ".out.partial.999").mkdir()  # left by a crash
-    export_model(torch.nn.Linear(2, 3), out)
+    out.mkdir()
+    (out / "notes.txt").write_text("the user's")
+    export_model(GPT(GPTConfig(vocab_size=8, hidden_size=8, num_layers=1, num_heads=2, seq_len=4)), out)
+    assert sorted(p.name for p in out.iterdir()) == [".framework_export.json", CONFIG, WEIGHTS, "notes.txt"]
+    (out / ".framework_export.partial.x1y2z3").mkdir()  # left by a crash
+    export_model(torch.nn.Linear(2, 3), out)  # writes no config.json: the first export's is removed
+    assert sorted(p.name for p in out.iterdir()) == [".framework_export.json", WEIGHTS, "notes.txt"]
+    assert load_weights(out / WEIGHTS)["weight"].shape == (3, 2)
+    assert (out / "notes.txt").read_text() == "the user's"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
-    assert sorted(p.name for p in out.iterdir()) == [WEIGHTS]
     before = (out / WEIGHTS).read_bytes()
 
     def disk_full(*args, **kwargs):
@@ -102,8 +108,75 @@ def test_export_replaces_the_directory_whole_and_a_failed_one_changes_nothing(tm
     monkeypatch.setattr("framework.export.save_weights", disk_full)
     with pytest.raises(OSError, match="No space"):
         export_model(torch.nn.Linear(2, 4), out)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    assert sorted(p.name for p in out.iterdir()) == [".framework_export.json", WEIGHTS, "notes.txt"]
     assert (out / WEIGHTS).read_bytes() == before
+
+
+def test_an_export_never_replaces_a_file_it_did_not_write(tmp_path, caplog):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / CONFIG).write_text("the user's")  # --check-config refuses this; it may appear during the run
+    with caplog.at_level(logging.WARNING):
+        export_model(GPT(GPTConfig(vocab_size=8, hidden_size=8, num_layers=1, num_heads=2, seq_len=4)), out)
+    assert (out / CONFIG).read_text() == "the user's" and (out / WEIGHTS).is_file()
+    assert f"{out / CONFIG} exists and no earlier export wrote it: not replaced" in caplog.text
+    export_model(torch.nn.Linear(2, 3), out)
+    assert (out / CONFIG).read_text() == "the user's"
+
+
+def test_the_nested_layout_keeps_checkpoints_and_logs_and_a_re_export_replaces_its_own(tmp_path):
+    run = tmp_path / "runs" / "x"
+    run.mkdir(parents=True)
+    (run / "notes.txt").write_text("the user's")
+    cfg = tiny(tmp_path, max_steps=4, save_every_steps=2, export_dir=str(run), checkpoint_dir=str(run / "checkpoints"),
+               log_dir=str(run / "logs"))
+    DDPTrainer(cfg).train()
+    first = (run / WEIGHTS).read_bytes()
+    DDPTrainer({**cfg, "max_steps": 6}).train()  # resumes from step 4 and exports again
+    assert (run / WEIGHTS).read_bytes() != first
+    assert load_exported(run).cfg.hidden_size == 32
+    checkpoints = {p.name for p in (run / "checkpoints").iterdir()}
+    assert {"manifest.json", "final_model.pt", "step_00000004.pt", "step_00000006.pt"} <= checkpoints
+    logs = {p.name for p in (run / "logs").iterdir()}
+    assert {"rank_0.log", "metrics.jsonl", "summary.json", "config.json"} <= logs
+    assert json.loads((run / "logs" / "summary.json").read_text())["steps"] == 6
+    assert (run / "notes.txt").read_text() == "the user's"
+    assert {p.name for p in run.iterdir()} == {".framework_export.json", CONFIG, WEIGHTS, "checkpoints", "logs",
+                                               "notes.txt"}
+
+
+def test_export_dir_dot_exports_into_the_working_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    DDPTrainer({**TINY, "max_steps": 2, "export_dir": ".", "checkpoint_dir": "ck", "log_dir": "logs"}).train()
+    assert load_exported(tmp_path).cfg.hidden_size == 32
+    assert (tmp_path / "ck" / "final_model.pt").is_file() and (tmp_path / "logs" / "summary.json").is_file()
+
+
+@pytest.mark.parametrize("case", ["same as log_dir", "default same as log_dir", "holds a config.json",
+                                  "holds a model.safetensors"])
+def test_an_export_dir_overlap_it_cannot_honour_exits_2_at_check_config(tmp_path, capsys, case):
+    import ddp_training
+    ck, logs, out = tmp_path / "ck", tmp_path / "logs", tmp_path / "out"
+    args = {"same as log_dir": ["--export-dir", str(logs)],
+            "default same as log_dir": [],
+            "holds a config.json": ["--export-dir", str(out)],
+            "holds a model.safetensors": ["--export-dir", str(out)]}[case]
+    if case == "default same as log_dir":
+        logs = ck / "export"
+    if case.startswith("holds"):
+        out.mkdir()
+        (out / case.split()[-1]).write_text("the user's")
+    with pytest.raises(SystemExit) as exit_:
+        ddp_training.main(["--check-config", "--checkpoint-dir", str(ck), "--log-dir", str(logs), *args])
+    assert exit_.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: export_dir="), lines
+    expected = {"same as log_dir": f"and log_dir={str(logs)!r} are the same directory",
+                "default same as log_dir": f"and log_dir={str(logs)!r} are the same directory",
+                "holds a config.json": "holds config.json, which no earlier export wrote",
+                "holds a model.safetensors": "holds model.safetensors, which no earlier export wrote"}[case]
+    assert expected in lines[0]
+    assert not ck.exists()
 
 
 # --- when the trainer exports ----------------------------------------------------------------------

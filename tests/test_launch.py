@@ -251,3 +251,47 @@ def test_sigterm_during_the_final_evaluation_finishes_the_run_and_exits_0(tmp_pa
     assert proc.returncode == 0, stderr[-3000:]
     assert "signalled after the last step; the run finished" in stderr
     assert (tmp_path / "ck" / "final_model.pt").is_file() and not (tmp_path / "ck" / "PREEMPTED").exists()
+
+
+def test_sigusr1_and_an_ssh_drop_save_and_leave_no_process(tmp_path):
+    """SIGUSR1 to the launcher, and SIGHUP to its process group (an ssh drop: the login shell hangs up
+    its jobs), each preempt the run: the workers save and exit, and the launcher, torchrun and every
+    worker end. Both runs go at once, each in its own session as a shell job would be."""
+    from tests.dist_helper import kill_matching
+    env = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCHER_ENV)}
+    runs = {}
+    for name in ("usr1", "hup"):
+        (tmp_path / name).mkdir()
+        logs = f"logs-{name}-{tmp_path.name}"  # unique: it also finds this run's processes
+        proc = subprocess.Popen([str(SCRIPT), "--cpu", "--nproc", "1", "--test", "-l", logs, "-c", "ck", "--",
+                                 "--max-steps", "100000", "--num-epochs", "1000", "--log-interval", "1",
+                                 "--save-every-steps", "1000"],
+                                cwd=tmp_path / name, env=env, stdout=subprocess.DEVNULL,
+                                stderr=(tmp_path / name / "stderr").open("w"), start_new_session=True)
+        runs[name] = (proc, logs)
+    try:
+        for name, (_, logs) in runs.items():
+            log = tmp_path / name / logs / "rank_0.log"
+            deadline = time.monotonic() + 90
+            while time.monotonic() < deadline and not (log.exists() and "step 3/" in log.read_text()):
+                time.sleep(0.05)
+            assert log.exists() and "step 3/" in log.read_text(), name
+        os.kill(runs["usr1"][0].pid, signal.SIGUSR1)
+        os.killpg(runs["hup"][0].pid, signal.SIGHUP)
+        outcome = {}
+        for name, (proc, logs) in runs.items():
+            proc.wait(timeout=90)
+            time.sleep(0.5)
+            ck = tmp_path / name / "ck"
+            outcome[name] = {"exit": proc.returncode, "left running": bool(leftovers(logs)),
+                             "launcher": "preempted; preempted at step" in (tmp_path / name / "stderr").read_text(),
+                             "PREEMPTED": (ck / "PREEMPTED").is_file(), "checkpoint": bool(list(ck.glob("step_*.pt"))),
+                             "worker": "preempted: {" in (tmp_path / name / logs / "rank_0.log").read_text()}
+        expected = {"exit": 0, "left running": False, "launcher": True, "PREEMPTED": True, "checkpoint": True,
+                    "worker": True}
+        assert outcome == {"usr1": expected, "hup": expected}
+    finally:
+        for proc, logs in runs.values():
+            if proc.poll() is None:
+                proc.kill()
+            kill_matching(logs)
