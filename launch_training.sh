@@ -171,8 +171,17 @@ trap 'forward INT' INT
 stamp=$(mktemp)
 # torchrun runs in the background, in a session of its own, so that only this script signals it (a
 # terminal's hangup or Ctrl-C reaches this script's process group, not torchrun's), and this script
-# waits for it: neither torchrun nor its workers outlive the script.
-"$python" -c 'import os, sys; os.setsid(); os.execvp(sys.argv[1], sys.argv[1:])' \
+# waits for it: neither torchrun nor its workers outlive the script. If the script itself is killed
+# (kill -9 cannot be trapped), the kernel sends torchrun SIGTERM (PR_SET_PDEATHSIG = 1), so the workers
+# still save and nothing is orphaned; a script that died before prctl took effect is caught by getppid.
+"$python" -c 'import ctypes, os, signal, sys
+ppid = os.getppid()
+os.setsid()
+if sys.platform == "linux":
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
+    if os.getppid() != ppid:
+        sys.exit(143)
+os.execvp(sys.argv[1], sys.argv[1:])' \
   "$python" -m torch.distributed.run "${rdzv[@]}" --nproc-per-node "$nproc" --max-restarts "$max_restarts" \
   "$here/ddp_training.py" "${train_args[@]}" &
 child=$!

@@ -253,14 +253,15 @@ def test_sigterm_during_the_final_evaluation_finishes_the_run_and_exits_0(tmp_pa
     assert (tmp_path / "ck" / "final_model.pt").is_file() and not (tmp_path / "ck" / "PREEMPTED").exists()
 
 
-def test_sigusr1_and_an_ssh_drop_save_and_leave_no_process(tmp_path):
-    """SIGUSR1 to the launcher, and SIGHUP to its process group (an ssh drop: the login shell hangs up
-    its jobs), each preempt the run: the workers save and exit, and the launcher, torchrun and every
-    worker end. Both runs go at once, each in its own session as a shell job would be."""
+def test_sigusr1_an_ssh_drop_and_a_killed_launcher_save_and_leave_no_process(tmp_path):
+    """SIGUSR1 to the launcher, SIGHUP to its process group (an ssh drop: the login shell hangs up
+    its jobs), and kill -9 of the launcher itself each preempt the run: the workers save and exit, and
+    torchrun and every worker end (a killed launcher's torchrun gets SIGTERM through PR_SET_PDEATHSIG).
+    The runs go at once, each in its own session as a shell job would be."""
     from tests.dist_helper import kill_matching
     env = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCHER_ENV)}
     runs = {}
-    for name in ("usr1", "hup"):
+    for name in ("usr1", "hup", "kill9"):
         (tmp_path / name).mkdir()
         logs = f"logs-{name}-{tmp_path.name}"  # unique: it also finds this run's processes
         proc = subprocess.Popen([str(SCRIPT), "--cpu", "--nproc", "1", "--test", "-l", logs, "-c", "ck", "--",
@@ -278,10 +279,13 @@ def test_sigusr1_and_an_ssh_drop_save_and_leave_no_process(tmp_path):
             assert log.exists() and "step 3/" in log.read_text(), name
         os.kill(runs["usr1"][0].pid, signal.SIGUSR1)
         os.killpg(runs["hup"][0].pid, signal.SIGHUP)
+        os.kill(runs["kill9"][0].pid, signal.SIGKILL)
         outcome = {}
         for name, (proc, logs) in runs.items():
             proc.wait(timeout=90)
-            time.sleep(0.5)
+            deadline = time.monotonic() + 60  # a killed launcher's torchrun and workers end on their own
+            while leftovers(logs) and time.monotonic() < deadline:
+                time.sleep(0.2)
             ck = tmp_path / name / "ck"
             outcome[name] = {"exit": proc.returncode, "left running": bool(leftovers(logs)),
                              "launcher": "preempted; preempted at step" in (tmp_path / name / "stderr").read_text(),
@@ -289,7 +293,8 @@ def test_sigusr1_and_an_ssh_drop_save_and_leave_no_process(tmp_path):
                              "worker": "preempted: {" in (tmp_path / name / logs / "rank_0.log").read_text()}
         expected = {"exit": 0, "left running": False, "launcher": True, "PREEMPTED": True, "checkpoint": True,
                     "worker": True}
-        assert outcome == {"usr1": expected, "hup": expected}
+        killed = {**expected, "exit": -signal.SIGKILL, "launcher": False}  # it died before it could say so
+        assert outcome == {"usr1": expected, "hup": expected, "kill9": killed}
     finally:
         for proc, logs in runs.values():
             if proc.poll() is None:
