@@ -111,6 +111,10 @@ def step_file(step: int) -> str:
     return f"step_{step:08d}.pt"
 
 
+class CheckpointUnreadable(OSError):
+    """No checkpoint could be read for an error that may pass (EIO, ESTALE, EACCES): not a FATAL one."""
+
+
 class CheckpointDirLocked(RuntimeError):
     """Another run (or another CheckpointManager of this process) holds the checkpoint directory's lock."""
 
@@ -158,6 +162,7 @@ class CheckpointManager:
         self._error: BaseException | None = None
         self._lock: _DirLock | None = None
         self._reported_other_lineages = False
+        self._unreadable: list[str] = []  # what the last latest_valid could not read, for its error
         if rank == 0:
             self._acquire()
 
@@ -376,38 +381,56 @@ class CheckpointManager:
             path.unlink(missing_ok=True)
 
     # --- reading (any rank) ------------------------------------------------------------------
-    def latest_valid(self, before: int | None = None) -> tuple[Path, dict] | None:
+    def latest_valid(self, before: int | None = None, *, lineages=None, files=()) -> tuple[Path, dict] | None:
         """The newest-written checkpoint that is intact (and of a step before ``before``, when
-        given), as ``(path, state)``, or None when there is none.
+        given), as ``(path, state)``, or None when there is none. With ``lineages``, only the
+        checkpoints of those lineages, or named in ``files``, are candidates.
 
         Goes newest-first (by ``seq``, whatever the step) through the manifest, checking each file's
         size and SHA-256 and that it loads; without a readable manifest, goes through the
         ``step_*.pt`` files from the highest step down, checking that each loads. Every rejected
-        file is logged as a WARNING with the reason.
+        file is logged as a WARNING with the reason. A file that cannot be read (an OSError such as
+        EIO or ESTALE, which may pass) is skipped like a damaged one; when no candidate is left and
+        one was skipped so, CheckpointUnreadable: a restart tries again, rather than starting afresh.
         """
         if self.rank == 0:
             self.wait()
+        self._unreadable = []
+
+        def candidate(name: str, lineage: str) -> bool:
+            return lineages is None or lineage in lineages or name in files
+
         try:
             entries = _read_manifest(self.manifest_path)
         except FileNotFoundError:
-            return self._latest_by_scan(f"{self.manifest_path} is missing", before)
+            found = self._latest_by_scan(f"{self.manifest_path} is missing", before, candidate)
         except (ValueError, OSError) as e:
-            return self._latest_by_scan(f"{self.manifest_path} is unreadable ({e})", before)
-        self._warn_unlisted(entries)
-        for entry in reversed(entries):
-            if before is not None and entry["step"] >= before:
-                continue
-            path = self.directory / entry["file"]
-            state = self._verified(path, entry)
-            if state is not None:
-                return path, state
-        return None
+            found = self._latest_by_scan(f"{self.manifest_path} is unreadable ({e})", before, candidate)
+        else:
+            self._warn_unlisted(entries)
+            found = next(((self.directory / e["file"], state) for e in reversed(entries)
+                          if (before is None or e["step"] < before) and candidate(e["file"], e["lineage"])
+                          and (state := self._verified(self.directory / e["file"], e)) is not None), None)
+        if found is None and self._unreadable:
+            raise CheckpointUnreadable(f"no checkpoint in {self.directory} could be read: "
+                                       f"{'; '.join(self._unreadable)}; a restart tries again")
+        return found
+
+    def lineage_of(self, path: str | Path) -> str | None:
+        """The lineage the manifest gives ``path`` (a file in ``directory``), or None when it lists none."""
+        try:
+            entries = _read_manifest(self.manifest_path)
+        except (ValueError, OSError):
+            return None
+        return next((e["lineage"] for e in entries if self.directory / e["file"] == Path(path)), None)
 
     def _verified(self, path: Path, entry: dict) -> dict | None:
         try:
             data = path.read_bytes()
         except FileNotFoundError:
             return self._reject(path, "missing")
+        except OSError as e:
+            return self._unreadable_file(path, e)
         if len(data) < entry["bytes"]:
             return self._reject(path, f"truncated ({len(data)} of {entry['bytes']} bytes)")
         if len(data) > entry["bytes"]:
@@ -416,8 +439,10 @@ class CheckpointManager:
             return self._reject(path, "checksum mismatch")
         return self._loaded(path, io.BytesIO(data))
 
-    def _latest_by_scan(self, why: str, before: int | None) -> tuple[Path, dict] | None:
-        files = sorted((f for f in _step_files(self.directory) if before is None or f[1] < before),
+    def _latest_by_scan(self, why: str, before: int | None, candidate=lambda name, lineage: True
+                        ) -> tuple[Path, dict] | None:
+        files = sorted((f for f in _step_files(self.directory)
+                        if (before is None or f[1] < before) and candidate(f[0].name, f[2])),
                        key=_step_then_mtime, reverse=True)
         if files:
             log.warning("%s: falling back to scanning %d step_*.pt files in %s", why, len(files), self.directory)
@@ -434,10 +459,19 @@ class CheckpointManager:
             return self._reject(path, str(e).split(": ", 1)[-1])
         except _LOAD_ERRORS as e:
             return self._reject(path, f"truncated or corrupt: {type(e).__name__}: {(str(e).splitlines() or [''])[0]}")
+        except FileNotFoundError:
+            return self._reject(path, "missing")
+        except OSError as e:
+            return self._unreadable_file(path, e)
 
     def _reject(self, path: Path, reason: str) -> None:
         log.warning("checkpoint %s is unusable: %s", path, reason)
         return None
+
+    def _unreadable_file(self, path: Path, error: OSError) -> None:
+        reason = f"{errno.errorcode.get(error.errno, error.errno)}: {error.strerror or error}"
+        self._unreadable.append(f"{path.name}: {reason}")
+        return self._reject(path, f"unreadable ({reason}); trying the one before it")
 
     def _warn_unlisted(self, entries: list[dict]) -> None:
         listed = {e["file"] for e in entries}

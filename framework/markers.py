@@ -4,12 +4,15 @@ check a new incarnation makes at start.
 
 A FATAL marker stops every later incarnation of the same launch at once (torchrun would
 otherwise retry a deterministic failure --max-restarts times); a fresh launch clears it.
+LINEAGE.json names the lineages this launch writes (framework/checkpoint.py): a restart continues
+them whatever ``resume`` says, and a rollback's recorded exclusions belong to them.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 
 from . import atomic
@@ -21,10 +24,15 @@ PREEMPTED = "PREEMPTED"
 MICRO_BATCH = "MICRO_BATCH.json"
 LAST_ERROR = "LAST_ERROR"
 RESTARTS = "RESTARTS.json"
+LINEAGE = "LINEAGE.json"
 
 
 class FatalError(RuntimeError):
     """An error that a restart cannot fix; it leaves a FATAL marker so a restarted group stops at once."""
+
+
+class EarlierFatal(FatalError):
+    """A restart stopping on the FATAL marker of an earlier incarnation, which stays as it is."""
 
 
 def write(directory: str | Path, name: str, message: str) -> None:
@@ -45,6 +53,9 @@ def clear(directory: str | Path, name: str) -> None:
 
 
 def write_fatal(directory: str | Path, rank: int, err: BaseException) -> None:
+    if isinstance(err, EarlierFatal):  # the marker already holds the cause; rewriting it would nest it
+        log.error("fatal, not retriable: %s", err)
+        return
     message = f"rank {rank}: {type(err).__name__}: {err}"
     try:
         write(directory, FATAL, message)
@@ -96,18 +107,52 @@ def recorded_micro_batch(directory: str | Path) -> dict | None:
 
 def check_at_start(directory: str | Path, *, restart_count: int, is_main: bool) -> None:
     """A restarted group stops at once on an earlier incarnation's FATAL marker. A fresh launch
-    (restart count 0) clears it, and the micro-batch an earlier launch recorded: the user's
-    configuration decides again."""
+    (restart count 0) clears it, the micro-batch an earlier launch recorded (the user's
+    configuration decides again) and the earlier launch's lineages. Call it holding
+    checkpoint_dir's lock: the markers may be a live run's."""
     if restart_count == 0 and is_main:
         if read(directory, MICRO_BATCH) is not None:
             log.warning("clearing %s of an earlier launch", MICRO_BATCH)
-        for name in (MICRO_BATCH, RESTARTS, LAST_ERROR):
+        for name in (MICRO_BATCH, RESTARTS, LAST_ERROR, LINEAGE):
             clear(directory, name)
     message = read(directory, FATAL)
     if message is None:
         return
     if restart_count > 0:
-        raise FatalError(f"an earlier incarnation of this run failed and a restart cannot help: {message}")
+        raise EarlierFatal(f"an earlier incarnation of this run failed and a restart cannot help: {message}")
     log.warning("clearing the FATAL marker of an earlier run: %s", message)
     if is_main:
         clear(directory, FATAL)
+
+
+def _run_id() -> str | None:
+    return os.environ.get("TORCHELASTIC_RUN_ID")
+
+
+def record_lineages(directory: str | Path, *, current: str, lineages: list[str], resumed: str | None) -> None:
+    """This launch writes lineage ``current``; ``lineages`` are all it has written in (its
+    restarts continue them), ``resumed`` the lineage of the checkpoint it started from."""
+    try:
+        write(directory, LINEAGE, json.dumps({"current": current, "lineages": lineages, "resumed": resumed,
+                                              "run_id": _run_id()}))
+    except OSError as err:  # a restart then resumes as the launch's resume mode says
+        log.error("cannot record this launch's lineages in %s: %s", Path(directory) / LINEAGE, err)
+
+
+def recorded_lineages(directory: str | Path, *, restart: bool = False) -> dict | None:
+    """``{"current", "lineages", "resumed"}`` recorded by ``record_lineages``, or None. With
+    ``restart``, None also when the record is another torchrun run id's (an earlier launch's)."""
+    try:
+        data = json.loads(read(directory, LINEAGE) or "null")
+        if data is None:
+            return None
+        record = {"current": str(data["current"]), "lineages": [str(x) for x in data["lineages"]],
+                  "resumed": None if data["resumed"] is None else str(data["resumed"])}
+    except (ValueError, KeyError, TypeError) as err:
+        log.warning("%s is unreadable (%s): ignored", Path(directory) / LINEAGE, err)
+        return None
+    if restart and data.get("run_id") != _run_id():
+        log.warning("%s was written by torchrun run %s, not this run (%s): ignored", Path(directory) / LINEAGE,
+                    data.get("run_id"), _run_id())
+        return None
+    return record

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import sys
 import time
 from pathlib import Path
@@ -18,19 +19,41 @@ from .memory import in_use_gb, memory_stats
 log = logging.getLogger(__name__)
 
 
+def _open_appending(path: Path) -> tuple:
+    """``(file, earlier)``: ``path`` opened to append line-buffered, and whether it held lines
+    already; a last line torn by a kill is ended first, so that it stays a line of its own."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    earlier = path.is_file() and path.stat().st_size > 0
+    file = open(path, "a+", buffering=1)
+    if earlier:
+        file.seek(file.seek(0, 2) - 1)
+        torn = file.read(1) != "\n"
+        file.seek(0, 2)
+        if torn:
+            file.write("\n")
+    return file, earlier
+
+
+def _json_lines(path: str | Path):
+    for line in Path(path).read_text().splitlines():
+        try:
+            yield json.loads(line)
+        except ValueError:  # the last line of a process killed while writing it: never complete
+            log.warning("%s: skipping a torn line: %.80s", path, line)
+
+
 class JsonlStream:
     """log_dir/metrics.jsonl: one JSON line per logged step holding every scalar that goes to
     TensorBoard, appended and line-buffered (a process killed with -9 keeps what it wrote). A
-    resumed run first appends ``{"purge_from": K}``: as TensorBoard's purge_step does, a reader
-    drops the earlier lines of step >= K (written after the checkpoint the run resumed from), and
-    the steps then increase."""
+    resumed or restarted run, or any run on a used log_dir, first appends ``{"purge_from": K}``:
+    as TensorBoard's purge_step does, a reader drops the earlier lines of step >= K (written
+    after the checkpoint the run resumed from, or by an earlier run), and the steps then increase."""
 
     def __init__(self, path: Path, initial_step: int):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.file = open(path, "a", buffering=1)
+        self.file, self.earlier = _open_appending(path)
         self.step: int | None = None
         self.values: dict[str, float] = {}
-        if initial_step:
+        if initial_step or self.earlier:
             self.purge_from(initial_step + 1)
 
     def purge_from(self, step: int) -> None:
@@ -57,8 +80,7 @@ class JsonlStream:
 def read_metrics(path: str | Path) -> list[dict]:
     """The lines of a metrics.jsonl with purges applied: one dict per step, steps increasing."""
     rows: list[dict] = []
-    for line in Path(path).read_text().splitlines():
-        record = json.loads(line)
+    for record in _json_lines(path):
         if "purge_from" in record:
             rows = [r for r in rows if r["step"] < record["purge_from"]]
         elif rows and rows[-1]["step"] == record["step"]:
@@ -81,7 +103,7 @@ class Metrics:
             return
         self.jsonl = JsonlStream(Path(log_dir) / "metrics.jsonl", initial_step)
         self.tensorboard_dir = Path(log_dir) / "tensorboard" if tensorboard else None
-        self._open_writer(purge_step=initial_step + 1 if initial_step else None)
+        self._open_writer(purge_step=initial_step + 1 if initial_step or self.jsonl.earlier else None)
         show = progress_bar == "true" or (progress_bar == "auto" and sys.stderr.isatty())
         if show:
             from tqdm import tqdm
@@ -211,18 +233,38 @@ class StepLog:
 
 class SampleLog:
     """The audit trail of record_samples: each committed step's sample indices on this rank, one
-    JSON line per step, line-buffered so that a process killed with -9 keeps every line it wrote."""
+    JSON line per step, line-buffered so that a process killed with -9 keeps every line it wrote.
+    A step written again (after a restart, a resume or a rollback), or the first step written to
+    a used file, is preceded by ``{"purge_from": K}``, as in metrics.jsonl: ``read_samples``
+    drops the earlier lines of step >= K."""
 
     def __init__(self, path: Path | None):
-        self.file = open(path, "a", buffering=1) if path is not None else None
+        self.file, earlier = _open_appending(path) if path is not None else (None, False)
+        self.last_step: float = math.inf if earlier else 0  # steps count from 1
 
     def write(self, epoch: int, step: int, indices: list[int]) -> None:
-        if self.file is not None:
-            self.file.write(json.dumps({"epoch": epoch, "step": step, "indices": indices}) + "\n")
+        if self.file is None:
+            return
+        if step <= self.last_step:
+            self.file.write(json.dumps({"purge_from": step}) + "\n")
+        self.last_step = step
+        self.file.write(json.dumps({"epoch": epoch, "step": step, "indices": indices}) + "\n")
 
     def close(self) -> None:
         if self.file is not None:
             self.file.close()
+
+
+def read_samples(path: str | Path) -> list[dict]:
+    """The records of a samples_rank_N.jsonl with purges applied: ``{"epoch", "step", "indices"}``
+    per committed step, steps increasing."""
+    records: list[dict] = []
+    for record in _json_lines(path):
+        if "purge_from" in record:
+            records = [r for r in records if r["step"] < record["purge_from"]]
+        else:
+            records.append(record)
+    return records
 
 
 def log_run_start(cfg, env, sampler, *, model: torch.nn.Module, amp: bool, total_steps: int,

@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 
 from . import __version__, distributed, markers, rng
-from .checkpoint import CheckpointDirLocked, CheckpointError, CheckpointManager, load_file
+from . import checkpoint
+from .checkpoint import CheckpointDirLocked, CheckpointError, CheckpointManager, CheckpointUnreadable
 from .config import TrainConfig, as_dict
 from .ddp_policy import unwrap
 from .markers import FatalError
@@ -148,7 +149,12 @@ def open_manager(cfg: TrainConfig, env) -> CheckpointManager:
 class Checkpointer:
     """Saves the union of ``components``' states through ``manager`` when the configuration says
     so, and restores it. ``components`` maps a name in the checkpoint to a Stateful; "model"
-    must be the unwrapped model."""
+    must be the unwrapped model.
+
+    ``resume`` chooses the checkpoint of a launch; a restart of the launch (torchrun's incarnation
+    > 0) continues the lineages the launch has written (markers.LINEAGE), and only when they hold
+    no checkpoint yet does ``resume`` choose again. A rollback takes only these lineages'
+    checkpoints, or the one the run started from."""
 
     def __init__(self, cfg: TrainConfig, env, manager: CheckpointManager, components: dict[str, Stateful], *,
                  builtin_data: bool, on_save: Callable[[int], None] | None = None):
@@ -156,6 +162,15 @@ class Checkpointer:
         self.components = components
         self.builtin_data = builtin_data
         self.on_save = on_save
+        self.lineages: list[str] = []  # rank 0: the lineages this launch has written in, its current one last
+        self.origin: str | None = None  # rank 0: the file in checkpoint_dir the launch started from
+        self.resumed_lineage: str | None = None  # rank 0: that file's lineage
+
+    def attach(self, cfg: TrainConfig, components: dict[str, Stateful]) -> None:
+        """The resolved configuration and the pieces to save (a manager is opened, and its lock
+        taken, before anything else is built)."""
+        self.cfg = cfg
+        self.components.update(components)
 
     def should_save(self, step: int, epoch: int, epoch_ended: bool) -> bool:
         cfg = self.cfg
@@ -213,12 +228,11 @@ class Checkpointer:
                 "config": as_dict(self.cfg), "world_size": self.env.world_size}
 
     def load(self, before: int | None = None) -> dict | None:
-        """Rank 0 picks the checkpoint (``resume`` = auto | none | PATH; with ``before``, the newest
+        """Rank 0 picks the checkpoint (see the class; with ``before``, the newest of this run's
         of a step before it, for a rollback) and loads it once; the other ranks load the file it
-        names. Returns the state, or None to start fresh."""
-        if self.cfg.resume == "none" and before is None:
-            return None
-        choice: list = [None, None]  # the path, or the error that every rank raises
+        names. Returns the state, or None to start fresh. An error that may pass (a checkpoint
+        that cannot be read now) raises CheckpointUnreadable, any other CheckpointError."""
+        choice: list = [None, None, False]  # the path, or the error that every rank raises and if it may pass
         state = None
         if self.env.is_main:
             try:
@@ -226,26 +240,61 @@ class Checkpointer:
                 choice[0] = None if path is None else str(path)
             except CheckpointError as err:
                 choice[1] = str(err)
-            except (RuntimeError, EOFError, OSError) as err:
+            except FileNotFoundError as err:
+                choice[1] = f"resume={self.cfg.resume}: {err.strerror}: {err.filename}"
+            except OSError as err:
+                choice[1:] = [str(err) if isinstance(err, CheckpointUnreadable) else
+                              f"resume={self.cfg.resume}: unreadable ({err.strerror or err}); a restart tries again",
+                              True]
+            except (RuntimeError, EOFError) as err:
                 first_line = (str(err).splitlines() or [""])[0]
                 choice[1] = f"resume={self.cfg.resume}: unreadable: {type(err).__name__}: {first_line}"
         if self.env.distributed:
             dist.broadcast_object_list(choice, src=0)
         if choice[1] is not None:
-            raise CheckpointError(choice[1])
+            raise (CheckpointUnreadable if choice[2] else CheckpointError)(choice[1])
         if choice[0] is None:
             return None
-        return upgrade(state if state is not None else load_file(Path(choice[0])))
+        return upgrade(state if state is not None else checkpoint.load_file(Path(choice[0])))
 
     def _choose(self, before: int | None = None) -> tuple[Path | None, dict | None]:
-        if self.cfg.resume == "auto" or before is not None:
-            path, state = self.manager.latest_valid(before) or (None, None)
-        else:
-            path = Path(self.cfg.resume)
-            state = load_file(path)
+        if before is not None:
+            files = {self.origin, self.manager.resumed_from} - {None}
+            found = self.manager.latest_valid(before, lineages={*self.lineages, self.manager.lineage}, files=files)
+            if found is not None:
+                self.manager.mark_resumed(found[0])
+                self._record_lineages(self.lineages)
+            return found or (None, None)
+        ours = self._launch_lineages()
+        found = self.manager.latest_valid(lineages=ours) if ours else None
+        if found is not None:
+            log.info("restart %d of this launch: continuing its own lineage from %s (resume=%s chose the launch's "
+                     "start)", distributed.incarnation(), found[0].name, self.cfg.resume)
+        elif self.cfg.resume == "auto":
+            found = self.manager.latest_valid()
+        elif self.cfg.resume != "none":
+            found = Path(self.cfg.resume), checkpoint.load_file(self.cfg.resume)
+        path, state = found or (None, None)
         if path is not None:
             self.manager.mark_resumed(path)  # protected from pruning; a restart continues its lineage
+            if path.resolve().parent == self.manager.directory.resolve():
+                self.origin = path.name
+            self.resumed_lineage = self.manager.lineage_of(path)
+        self._record_lineages(ours)
         return path, state
+
+    def _launch_lineages(self) -> list[str]:
+        """A restart's: the lineages its launch has written in."""
+        if distributed.incarnation() == 0:
+            return []
+        record = markers.recorded_lineages(self.manager.directory, restart=True)
+        return [] if record is None else record["lineages"]
+
+    def _record_lineages(self, earlier: list[str]) -> None:
+        current = self.manager.lineage
+        self.lineages = [x for x in earlier if x != current] + [current]
+        markers.record_lineages(self.manager.directory, current=current, lineages=self.lineages,
+                                resumed=self.resumed_lineage)
 
     def restore(self, state: dict) -> None:
         """Load ``state`` into the components (the RNG is ``restore_rng``'s, last of all)."""
@@ -263,6 +312,15 @@ class Checkpointer:
                 part.load_state_dict(state[name])
             except (KeyError, ValueError) as err:
                 raise CheckpointError(f"checkpoint part {name!r} does not load: {err}") from err
+            except RuntimeError as err:
+                if name != "scaler" or state[name]:
+                    raise
+                saved = state.get("config", {})
+                raise CheckpointError(
+                    f"checkpoint part 'scaler' does not load: the checkpoint was saved without fp16 loss scaling "
+                    f"(use_amp={saved.get('use_amp', '?')}, amp_dtype={saved.get('amp_dtype', '?')}) and this run "
+                    f"scales its fp16 loss: resume with the checkpoint's use_amp and amp_dtype, or start fresh "
+                    f"with resume=none") from err
         if int(state["world_size"]) != self.env.world_size:
             sampler = state["sampler"]
             log.warning("resuming a world-size-%d checkpoint on %d ranks: model and optimizer resume, the data "

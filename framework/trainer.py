@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from . import ddp_policy, distributed, ending, markers, rng
 from .activation import enable_checkpointing, tile_user_mlps
-from .checkpoint import CheckpointError
+from .checkpoint import CheckpointDirLocked, CheckpointError
 from .compiling import compile_model
 from .comm_hooks import CommHook
 from .config import TrainConfig, resolve_config
@@ -79,6 +79,9 @@ class DDPTrainer:
     def _fatal_on_error(self):
         try:
             yield
+        except CheckpointDirLocked:  # checkpoint_dir, and its markers, are another live run's
+            self.close()
+            raise
         except NON_RETRIABLE as err:
             markers.write_fatal(self.cfg.checkpoint_dir, self.env.rank, err)
             self.close()
@@ -89,11 +92,13 @@ class DDPTrainer:
             raise
 
     def _build(self, model, train_dataset, val_dataset, loss_fn, doctor: bool) -> None:
+        builtin_data = train_dataset is None  # checkpoint_dir's lock first: its markers may be a live run's
+        self.checkpoints = Checkpointer(self.cfg, self.env, open_manager(self.cfg, self.env), {},
+                                        builtin_data=builtin_data, on_save=lambda s: self.callbacks("on_save", self, s))
         markers.check_at_start(self.cfg.checkpoint_dir, restart_count=distributed.incarnation(),
                                is_main=self.env.is_main)
         if self.cfg.deterministic:
             rng.use_deterministic_kernels()
-        builtin_data = train_dataset is None
         if builtin_data:
             self.cfg, train_dataset, val_dataset = builtin_datasets(self.cfg)
         self.train_dataset, self.val_dataset = train_dataset, val_dataset
@@ -104,7 +109,7 @@ class DDPTrainer:
         self.amp, self.amp_dtype, self.scaler = precision(self.cfg, self.env.device)
         self.optimizer, self.schedule = optimizer_and_schedule(self.cfg, self.raw_model, *self._user_optim)
         self._build_data()
-        state = self._restore(builtin_data, load=not doctor)
+        state = self._restore(load=not doctor)
         self.total_steps = self.schedule.total_steps = self.sampler.last_step(self.step, self.cfg)
         log_run_start(self.cfg, self.env, self.sampler, model=self.raw_model, amp=self.amp,
                       total_steps=self.total_steps, num_workers=self.num_workers)
@@ -113,7 +118,7 @@ class DDPTrainer:
             self.checkpoints.restore_rng(state, self.step)
         self._build_run_health()
 
-    def _restore(self, builtin_data: bool, *, load: bool) -> dict | None:
+    def _restore(self, *, load: bool) -> dict | None:
         """The checkpoint to resume from, loaded into every stateful piece (the RNG comes last,
         after the DDP preflight, which must not consume it)."""
         cfg, env = self.cfg, self.env
@@ -122,13 +127,10 @@ class DDPTrainer:
         self.spikes = SpikeGuard(cfg, is_main=env.is_main)
         self.spikes.attach(self.sampler)
         self.comm_hook = CommHook(cfg, env)
-        self.checkpoints = Checkpointer(
-            cfg, env, open_manager(cfg, env),
-            {"trainer": self, "model": self.raw_model, "optimizer": self.optimizer, "scaler": self.scaler,
-             "schedule": self.schedule, "sampler": self.sampler, "stream": self.stream, "skips": self.skips,
-             "spike_guard": self.spikes, "comm_hook": self.comm_hook,
-             **self.user_state, **self.callbacks.stateful()},
-            builtin_data=builtin_data, on_save=lambda step: self.callbacks("on_save", self, step))
+        self.checkpoints.attach(cfg, {
+            "trainer": self, "model": self.raw_model, "optimizer": self.optimizer, "scaler": self.scaler,
+            "schedule": self.schedule, "sampler": self.sampler, "stream": self.stream, "skips": self.skips,
+            "spike_guard": self.spikes, "comm_hook": self.comm_hook, **self.user_state, **self.callbacks.stateful()})
         state = self.checkpoints.load() if load else None
         if state is not None:
             self.checkpoints.restore(state)

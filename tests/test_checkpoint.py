@@ -647,3 +647,42 @@ def test_a_second_run_on_a_busy_checkpoint_dir_exits_2_with_one_line(tmp_path):
     assert second.stderr.strip().splitlines()[-1].startswith(f"error: checkpoint_dir {tmp_path / 'ck'} is in use by "
                                                              f"another run (pid {first.pid}")
     assert "Traceback" not in second.stderr
+
+
+# --- issue 19: transient read errors, candidates by lineage -----------------------------------
+def test_an_unreadable_checkpoint_is_skipped_naming_its_errno_and_none_left_raises_unreadable(
+        tmp_path, monkeypatch, caplog):
+    from framework.checkpoint import CheckpointUnreadable
+    save_steps(tmp_path, [1, 2])
+    read_bytes = Path.read_bytes
+
+    def stale(self):
+        if self.name.startswith("step_"):
+            if self.name == step_file(2) or stale.all:
+                raise OSError(errno.ESTALE, "Stale file handle", str(self))
+        return read_bytes(self)
+
+    stale.all = False
+    monkeypatch.setattr(Path, "read_bytes", stale)
+    with CheckpointManager(tmp_path) as manager, caplog.at_level(logging.WARNING):
+        path, state = manager.latest_valid()
+        assert path.name == step_file(1) and state["step"] == 1
+        assert f"{tmp_path / step_file(2)} is unusable: unreadable (ESTALE: Stale file handle)" in caplog.text
+        stale.all = True
+        with pytest.raises(CheckpointUnreadable, match=r"step_00000002.pt: ESTALE.*step_00000001.pt: ESTALE"):
+            manager.latest_valid()
+    assert isinstance(CheckpointUnreadable("x"), OSError) and not isinstance(CheckpointUnreadable("x"), CheckpointError)
+
+
+def test_latest_valid_with_lineages_takes_only_theirs_or_the_named_files(tmp_path):
+    save_steps(tmp_path, [1, 2])
+    with CheckpointManager(tmp_path) as ours:
+        ours.save(state_at(3), 3, blocking=True)
+        theirs = {e["lineage"] for e in manifest(tmp_path)} - {ours.lineage}
+        assert ours.latest_valid(lineages={ours.lineage})[1]["step"] == 3
+        assert ours.latest_valid(before=3, lineages={ours.lineage}) is None
+        assert ours.latest_valid(before=3, lineages={ours.lineage}, files={step_file(1)})[1]["step"] == 1
+        assert ours.latest_valid(before=3)[1]["step"] == 2  # without lineages: any run's
+        assert ours.lineage_of(tmp_path / step_file(2)) in theirs
+        (tmp_path / "manifest.json").unlink()  # the scan knows a lineage only from a file's name
+        assert ours.latest_valid(lineages={ours.lineage}) is None

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from framework.data import ResumableDistributedSampler
-from framework.metrics import read_metrics
+from framework.metrics import read_metrics, read_samples
 from tests.dist_helper import ROOT, cli_args, free_port, launch, processes_matching, torchrun_cmd, worker_env
 
 # 32 steps per epoch (256 samples, 2 ranks x batch 4); 48 steps cross an epoch boundary.
@@ -52,12 +52,13 @@ def reference(tmp_path_factory):
 
 
 def committed_samples(run_dir: Path) -> dict[int, dict[int, list[int]]]:
-    """epoch -> step -> indices (both ranks), the last record of each step winning: a step
-    recorded by an incarnation that died before its checkpoint was redone after the restart."""
+    """epoch -> step -> indices (both ranks), with the purges applied: a step recorded by an
+    incarnation that died before its checkpoint was redone after the restart."""
     steps: dict[tuple[int, int], dict[int, list[int]]] = {}
     for rank in (0, 1):
-        for line in (run_dir / "logs" / f"samples_rank_{rank}.jsonl").read_text().splitlines():
-            rec = json.loads(line)
+        records = read_samples(run_dir / "logs" / f"samples_rank_{rank}.jsonl")
+        assert [r["step"] for r in records] == sorted({r["step"] for r in records})
+        for rec in records:
             steps.setdefault((rec["epoch"], rec["step"]), {})[rank] = rec["indices"]
     by_epoch: dict[int, dict[int, list[int]]] = {}
     for (epoch, step), ranks in steps.items():
@@ -272,3 +273,29 @@ def test_resume_on_a_different_world_size_continues_at_the_global_offset(tmp_pat
     assert trainer.step == 21 and trainer.sampler.consumed == 21 * 8
     assert "no longer bitwise equal" in rank_log(tmp_path / "one")
     trainer.close()
+
+
+def test_a_restart_under_resume_none_or_path_continues_its_own_lineage(reference, tmp_path):
+    """resume= describes the launch: killed at step 25 (checkpoints every 10), a restart resumes
+    its own step 20, not step 0 (none) or PATH (a checkpoint of step 10), in one lineage."""
+    kill = dict(save_every_steps=10, keep_last=10, fault_inject="sigkill@step=25,rank=1")
+    origin = tmp_path / "none" / "ck" / "step_00000010.pt"  # written by the first run
+    for name, resume, first in (("none", "none", 1), ("path", str(origin), 11)):
+        run_dir = tmp_path / name
+        run = train(run_dir, torchrun_extra=["--max-restarts", "1"], resume=resume, **kill)
+        assert run.returncode == 0, run.output[-4000:]
+        log0 = rank_log(run_dir)
+        assert "fault injection: sigkill at step 25 on rank 1" in rank_log(run_dir, 1)
+        assert log0.count("resumed from step 20") == 1, log0[-3000:]
+        assert log0.count("resumed from step ") == (1 if name == "none" else 2)  # and PATH's step 10 at launch
+        result = summary(run_dir)
+        assert result["steps"] == 48 and result["restarts"] == 1
+        assert result["model_sha256"] == reference
+        entries = json.loads((run_dir / "ck" / "manifest.json").read_text())
+        assert [e["step"] for e in entries] == [10, 20, 30, 40, 48][first // 10:]
+        assert len({e["lineage"] for e in entries}) == 1  # no second lineage
+        rows = read_metrics(run_dir / "logs" / "metrics.jsonl")
+        assert [r["step"] for r in rows] == list(range(first, 49))
+        assert json.loads((run_dir / "ck" / "RESTARTS.json").read_text()) == {"step": 20, "count": 1}
+        assert not run.leftovers
+    assert_each_sample_once_per_epoch(tmp_path / "none")

@@ -92,3 +92,35 @@ def test_a_damaged_restart_count_starts_afresh(tmp_path):
     (tmp_path / markers.RESTARTS).write_text("{not json")
     assert markers.note_restart(tmp_path, 8, limit=1) is None
     assert markers.note_restart(tmp_path, 8, limit=1).startswith("2 restarts in a row resumed from step 8")
+
+
+def test_a_fatal_message_stays_the_original_cause_on_every_restart(tmp_path):
+    markers.write_fatal(tmp_path, 1, ValueError("dataset lengths differ"))
+    for _ in range(3):  # each restart stops at once, and the trainer writes FATAL for any FatalError
+        with pytest.raises(FatalError) as info:
+            markers.check_at_start(tmp_path, restart_count=1, is_main=True)
+        markers.write_fatal(tmp_path, 0, info.value)
+    assert markers.read(tmp_path, FATAL) == "rank 1: ValueError: dataset lengths differ"
+    assert str(info.value) == ("an earlier incarnation of this run failed and a restart cannot help: "
+                               "rank 1: ValueError: dataset lengths differ")
+
+
+def test_a_second_launch_into_a_live_runs_checkpoint_dir_changes_none_of_its_markers(tmp_path):
+    from framework import DDPTrainer
+    from framework.checkpoint import CheckpointDirLocked, CheckpointManager
+
+    ck = tmp_path / "ck"
+    live = CheckpointManager(ck)  # the live run holds checkpoint_dir's lock
+    markers.record_micro_batch(ck, 4, 2, "out of memory at step 3")
+    markers.note_restart(ck, 8, limit=3)
+    markers.record_error(ck, 1, RuntimeError("the live run's last error"))
+    markers.write(ck, PREEMPTED, "preempted at step 9")
+    before = {p.name: p.read_bytes() for p in ck.iterdir() if p.name != ".lock"}
+    cfg = dict(vocab_size=32, hidden_size=32, num_layers=1, num_heads=2, seq_len=16, dataset_size=64, batch_size=8,
+               num_workers=0, tensorboard=False, max_steps=2, log_dir=str(tmp_path / "logs"), checkpoint_dir=str(ck))
+    try:
+        with pytest.raises(CheckpointDirLocked, match="is in use by another run"):
+            DDPTrainer(cfg)
+        assert {p.name: p.read_bytes() for p in ck.iterdir() if p.name != ".lock"} == before
+    finally:
+        live.close()

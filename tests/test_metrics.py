@@ -41,3 +41,27 @@ def test_a_resumed_run_appends_and_its_purge_keeps_the_steps_increasing(tmp_path
 def test_skipped_steps_are_counted_in_the_summary(tmp_path):
     summary = DDPTrainer(tiny(tmp_path, max_steps=6, fault_inject="nan@step=2")).train()
     assert summary["skipped_steps"] == 1
+
+
+def test_restarts_with_and_without_a_checkpoint_keep_steps_increasing_and_samples_once(tmp_path, monkeypatch):
+    """8 steps an epoch. The first incarnation crashes at step 5 with no checkpoint; the second
+    starts again at 0, saves step 6 and crashes at step 10; the third resumes from 6."""
+    from framework.data import ResumableDistributedSampler
+    from framework.metrics import read_samples
+
+    cfg = tiny(tmp_path, dataset_size=64, max_steps=12, save_every_steps=6, record_samples=True,
+               fault_inject="crash@step=5; crash@step=10,restart=1")
+    for count in (0, 1, 2):
+        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", str(count))
+        try:
+            summary = DDPTrainer(cfg).train()
+        except RuntimeError as err:
+            assert count < 2 and "fault injection: crash" in str(err)
+    assert summary["steps"] == 12
+    steps = [r["step"] for r in read_metrics(tmp_path / "logs" / "metrics.jsonl")]
+    assert steps == sorted(set(steps)) and steps[-1] == 12
+    records = read_samples(tmp_path / "logs" / "samples_rank_0.jsonl")
+    assert [r["step"] for r in records] == list(range(1, 13))
+    permutation = ResumableDistributedSampler(64, 1, 0, 8, 1, TINY.get("seed", 1337)).permutation
+    epoch0 = sorted(i for r in records if r["epoch"] == 0 for i in r["indices"])
+    assert epoch0 == sorted(permutation(0).tolist())  # every sample of the completed epoch, once

@@ -123,3 +123,141 @@ def test_a_fatal_exit_waits_for_the_checkpoint_write_in_flight(tmp_path):
     manifest = json.loads((tmp_path / "ck" / "manifest.json").read_text())
     assert [e["step"] for e in manifest] == [4]
     assert (tmp_path / "ck" / "step_00000004.pt").stat().st_size == manifest[0]["bytes"]
+
+
+# --- issue 19 --------------------------------------------------------------------------------
+import errno  # noqa: E402
+import json  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from framework import checkpoint, exclusions  # noqa: E402
+from framework.metrics import read_metrics  # noqa: E402
+
+
+def restart(monkeypatch, count: int) -> None:
+    """What torchrun tells an elastically restarted worker."""
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", str(count))
+
+
+def lineages(ck: Path) -> set[str]:
+    return {e["lineage"] for e in json.loads((ck / "manifest.json").read_text())}
+
+
+@pytest.mark.parametrize("mode", ["none", "path"])
+def test_a_restart_continues_its_own_lineage_whatever_the_resume_mode(tmp_path, monkeypatch, mode):
+    """resume= describes the launch; a restart of it (crashed at step 25, checkpoints every 10)
+    resumes from its own step 20, not from step 0 (none) or from PATH again."""
+    origin = tmp_path / "origin"
+    DDPTrainer(tiny(origin, max_steps=5)).train()
+    resume = str(origin / "ck" / "step_00000005.pt") if mode == "path" else "none"
+    base = dict(max_steps=40, num_epochs=10, save_every_steps=10, keep_last=10, resume=resume)
+    reference = DDPTrainer(tiny(tmp_path / "reference", **base)).train()
+    run = tmp_path / "run"
+    with pytest.raises(RuntimeError, match="fault injection: crash at step 25"):
+        DDPTrainer(tiny(run, fault_inject="crash@step=25", **base)).train()
+    first_lineage = lineages(run / "ck")
+    for count in (1, 2):  # the second restart comes after the first one's progress (its step 30)
+        restart(monkeypatch, count)
+        trainer = DDPTrainer(tiny(run, fault_inject="crash@step=35,restart=1", **base))
+        assert trainer.step == (20 if count == 1 else 30)
+        if count == 1:
+            with pytest.raises(RuntimeError, match="crash at step 35"):
+                trainer.train()
+    summary = trainer.train()
+    assert summary["steps"] == 40 and summary["model_sha256"] == reference["model_sha256"]
+    assert lineages(run / "ck") == first_lineage  # one lineage: the restarts continued it
+    steps = [r["step"] for r in read_metrics(run / "logs" / "metrics.jsonl")]
+    assert steps == sorted(set(steps)) and steps[-1] == 40
+    assert json.loads(markers.read(run / "ck", markers.RESTARTS)) == {"step": 30, "count": 1}
+
+
+def test_a_restart_with_nothing_of_its_own_falls_back_to_the_launchs_resume_mode(tmp_path, monkeypatch):
+    """A restart before this launch saved anything: resume=none starts fresh even when another
+    run's checkpoints are in checkpoint_dir."""
+    DDPTrainer(tiny(tmp_path, max_steps=4)).train()  # another run: its final checkpoint of step 4
+    with pytest.raises(RuntimeError, match="crash at step 2"):
+        DDPTrainer(tiny(tmp_path, max_steps=4, resume="none", fault_inject="crash@step=2")).train()
+    restart(monkeypatch, 1)
+    trainer = DDPTrainer(tiny(tmp_path, max_steps=4, resume="none"))
+    assert trainer.step == 0
+    trainer.close()
+
+
+def unreadable(monkeypatch, *names: str) -> None:
+    """Reading these checkpoint files fails as on a flaky disk or NFS (EIO), whichever way they are read."""
+    read_bytes, load_file = Path.read_bytes, checkpoint.load_file
+
+    def check(path) -> None:
+        if isinstance(path, (str, Path)) and Path(path).name in names:
+            raise OSError(errno.EIO, "Input/output error", str(path))
+
+    monkeypatch.setattr(Path, "read_bytes", lambda self: check(self) or read_bytes(self))
+    monkeypatch.setattr(checkpoint, "load_file", lambda path: check(path) or load_file(path))
+
+
+@pytest.mark.parametrize("manifest", [True, False])
+def test_an_unreadable_newest_checkpoint_is_skipped_and_leaves_no_fatal(tmp_path, monkeypatch, manifest):
+    DDPTrainer(tiny(tmp_path, max_steps=8, save_every_steps=4)).train()
+    if not manifest:
+        (tmp_path / "ck" / "manifest.json").unlink()
+    unreadable(monkeypatch, "step_00000008.pt")
+    trainer = DDPTrainer(tiny(tmp_path, max_steps=12, save_every_steps=4))
+    assert trainer.step == 4
+    trainer.close()
+    log_text = (tmp_path / "logs" / "rank_0.log").read_text()
+    assert f"checkpoint {tmp_path / 'ck' / 'step_00000008.pt'} is unusable: unreadable (EIO: Input/output error)" \
+        in log_text
+    assert markers.read(tmp_path / "ck", markers.FATAL) is None
+
+
+def test_a_transient_read_error_with_nothing_else_to_resume_is_retried_not_fatal(tmp_path, monkeypatch):
+    DDPTrainer(tiny(tmp_path, max_steps=4)).train()
+    newest = tmp_path / "ck" / "step_00000004.pt"
+    unreadable(monkeypatch, newest.name)
+    for resume in ("auto", str(newest)):  # auto must not start fresh over a checkpoint it could not read
+        with pytest.raises(OSError, match="step_00000004.pt.*Input/output error"):
+            DDPTrainer(tiny(tmp_path, max_steps=8, resume=resume))
+        assert markers.read(tmp_path / "ck", markers.FATAL) is None
+        assert "Input/output error" in markers.read(tmp_path / "ck", markers.LAST_ERROR)
+
+
+def test_a_rollback_takes_only_its_own_lineages_checkpoints(tmp_path):
+    ck = tmp_path / "ck"
+    DDPTrainer(tiny(tmp_path, max_steps=8, save_every_steps=2, keep_last=5)).train()  # another run: 2, 4, 6, 8
+    other = {p.name: p.read_bytes() for p in ck.glob("step_*.pt")}
+    (other_lineage,) = lineages(ck)
+    trainer = DDPTrainer(tiny(tmp_path, max_steps=8, save_every_steps=2, resume="none", spike_guard="rollback"))
+    assert trainer.checkpoints.roll_back(before=9) is None and trainer.step == 0  # nothing of its own yet
+    trainer.train()
+    assert trainer.checkpoints.manager.lineage != other_lineage
+    assert trainer.checkpoints.roll_back(before=7) == 6  # its own
+    assert {p.name: p.read_bytes() for p in ck.glob("step_*.pt") if p.name in other} == other
+
+
+def test_recorded_exclusions_apply_only_to_their_own_lineage(tmp_path):
+    ck = tmp_path / "ck"
+    DDPTrainer(tiny(tmp_path, max_steps=4, save_every_steps=2)).train()
+    (own,) = lineages(ck)
+    rollback = {"step": 3, "restored_step": 2, "loss": 9.0, "z": 9.0, "samples": [5, 6]}
+    (ck / exclusions.FILE).write_text(json.dumps({"samples": [5, 6], "rollbacks": [rollback],
+                                                  "lineage": "0therrun0000"}))
+    trainer = DDPTrainer(tiny(tmp_path, max_steps=8))  # resumes this lineage's step 4
+    assert trainer.step == 4 and trainer.spikes.excluded == set()
+    trainer.close()
+    (ck / exclusions.FILE).write_text(json.dumps({"samples": [5, 6], "rollbacks": [rollback], "lineage": own}))
+    trainer = DDPTrainer(tiny(tmp_path, max_steps=8))
+    assert trainer.step == 4 and trainer.spikes.excluded == {5, 6}
+    trainer.close()
+
+
+def test_resuming_fp16_from_a_checkpoint_without_loss_scaling_is_a_one_line_checkpoint_error():
+    model = torch.nn.Linear(2, 2)
+    scaler = torch.amp.GradScaler("cpu", enabled=True)
+    cfg = build_config({}, env={})  # fp16 needs CUDA to pass the check; the scaler stands for it
+    ck = Checkpointer(cfg, SimpleNamespace(world_size=1), None, {"model": model, "scaler": scaler},
+                      builtin_data=True)
+    state = {"model": model.state_dict(), "scaler": {}, "config": {}, "world_size": 1}
+    with pytest.raises(CheckpointError) as info:
+        ck.restore(state)
+    message = str(info.value)
+    assert "\n" not in message and "saved without fp16 loss scaling" in message and "use_amp" in message
