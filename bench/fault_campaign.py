@@ -50,6 +50,7 @@ import psutil
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from framework.metrics import read_samples  # noqa: E402
 from tests.dist_helper import free_port, kill_matching, processes_matching, torchrun_cmd, worker_env  # noqa: E402
 
 # --- the run every cell trains ----------------------------------------------------------------
@@ -319,24 +320,22 @@ def newest_step_file(ck_dir: Path) -> Path | None:
 
 # --- what a finished run left -----------------------------------------------------------------
 def committed_samples(run_dir: Path) -> tuple[dict[int, collections.Counter], int]:
-    """epoch -> Counter of committed sample indices (both ranks), the last record of each (epoch,
-    step) winning; and the number of torn lines (a process killed mid-write)."""
-    steps: dict[tuple[int, int], dict[int, list[int]]] = {}
+    """epoch -> Counter of committed sample indices (both ranks), the log's purges applied (a restart
+    or rollback writes ``purge_from`` before it repeats a step); and the number of torn lines (a
+    process killed mid-write)."""
+    by_epoch: dict[int, collections.Counter] = {}
     torn = 0
     for rank in (0, 1):
         path = run_dir / "logs" / f"samples_rank_{rank}.jsonl"
         if not path.exists():
             continue
+        for rec in read_samples(path):
+            by_epoch.setdefault(rec["epoch"], collections.Counter()).update(rec["indices"])
         for line in path.read_text().splitlines():
             try:
-                rec = json.loads(line)
-                steps.setdefault((rec["epoch"], rec["step"]), {})[rank] = rec["indices"]
-            except (ValueError, KeyError, TypeError):
+                json.loads(line)
+            except ValueError:
                 torn += 1
-    by_epoch: dict[int, collections.Counter] = {}
-    for (epoch, _step), ranks in steps.items():
-        for indices in ranks.values():
-            by_epoch.setdefault(epoch, collections.Counter()).update(indices)
     return by_epoch, torn
 
 
