@@ -1,5 +1,6 @@
 """Signals at the moments nobody chose, on one process running ddp_training.py: during the
-final evaluation, twice within a few milliseconds, and twice seconds apart."""
+final evaluation, twice within a few milliseconds, and twice seconds apart; and in one process, a
+request that stops an evaluation at its next batch."""
 
 import json
 import os
@@ -54,17 +55,25 @@ def test_sigterm_after_the_last_step_leaves_the_evaluation_to_the_resumed_run(tm
     assert (tmp_path / "ck" / "final_model.pt").is_file()
 
 
-def test_sigterm_during_the_final_evaluation_ends_cleanly(tmp_path):
+def test_sigterm_during_the_final_evaluation_stops_it_saves_and_the_relaunch_evaluates(tmp_path):
     proc = start(tmp_path)
     wait_for_log(tmp_path, "evaluating at step 8")  # the final evaluation runs now
     proc.send_signal(signal.SIGTERM)
     output, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, output[-3000:]
     assert "race condition" not in output and "Traceback" not in output
+    assert "evaluation at step 8 stopped before batch" in (tmp_path / "logs" / "rank_0.log").read_text()
     summary = json.loads((tmp_path / "logs" / "summary.json").read_text())
-    assert summary["steps"] == 8 and summary["final_val_loss"] is not None
-    assert (tmp_path / "ck" / "final_model.pt").is_file()
+    assert summary["preempted"] and summary["steps"] == 8 and summary["final_val_loss"] is None
+    assert (tmp_path / "ck" / "PREEMPTED").read_text() == "preempted at step 8"
+    assert not (tmp_path / "ck" / "final_model.pt").exists()
     assert json.loads((tmp_path / "ck" / "manifest.json").read_text())[-1]["step"] == 8
+    resumed = start(tmp_path)
+    output, _ = resumed.communicate(timeout=120)
+    assert resumed.returncode == 0, output[-3000:]
+    summary = json.loads((tmp_path / "logs" / "summary.json").read_text())
+    assert summary["steps"] == 8 and summary["final_val_loss"] is not None and not summary["preempted"]
+    assert (tmp_path / "ck" / "final_model.pt").is_file()
 
 
 def test_two_signals_milliseconds_apart_are_one_request(tmp_path):
@@ -82,18 +91,18 @@ def test_two_signals_milliseconds_apart_are_one_request(tmp_path):
 
 
 def test_a_second_signal_after_the_window_exits_at_once(tmp_path):
-    # A final evaluation of about 6 s: the first request cannot end it, the second one does.
-    proc = start(tmp_path, dataset_size=80000, eval_steps=500)
-    wait_for_log(tmp_path, "evaluating at step 8")
+    # Step 4 takes about 8 s (fault_inject slow): the first request waits for its end, the second does not.
+    proc = start(tmp_path, max_steps=100, fault_inject="slow@step=3,ms=8000")
+    wait_for_log(tmp_path, "step 3/")
     proc.send_signal(signal.SIGUSR1)
     wait_for_log(tmp_path, "received SIGUSR1")
     time.sleep(DUPLICATE_WINDOW_S + 0.2)
-    assert proc.poll() is None, "the evaluation ended before the second signal; make it longer"
+    assert proc.poll() is None, "the step ended before the second signal; make it longer"
     proc.send_signal(signal.SIGTERM)
     proc.communicate(timeout=60)
-    # Died of the signal, in the evaluation, which would otherwise have finished and exited 0.
+    # Died of the signal, in the step, which would otherwise have ended in a save and exit 0.
     assert proc.returncode == -signal.SIGTERM
-    assert not (tmp_path / "ck" / "final_model.pt").exists()
+    assert not (tmp_path / "ck" / "PREEMPTED").exists()
 
 
 def test_evaluation_and_saves_run_under_deadlines_of_their_own(tmp_path):
@@ -191,3 +200,25 @@ def test_the_mid_run_preemption_save_runs_under_a_watchdog_phase_of_its_own(tmp_
     summary = DDPTrainer(in_process(tmp_path, fault_inject="sigterm@step=3", step_timeout_s=30)).train()
     assert summary["preempted"] and summary["steps"] == 4
     assert phases == ["preemption save"]
+
+
+def test_on_two_ranks_a_request_on_one_stops_the_evaluation_on_both_and_the_relaunch_evaluates(tmp_path):
+    import re
+
+    from tests.dist_helper import launch_cases
+    cases = {rank: result["cases"] for rank, result in launch_cases("tests/workers/preemption.py", tmp_path).items()}
+    for rank in (0, 1):
+        assert all("error" not in case for case in cases[rank].values()), cases[rank]
+        whole = cases[rank]["whole"]
+        for run, step in (("final", 8), ("mid", 4)):
+            first, relaunch = cases[rank][run], cases[rank][f"{run}_relaunch"]
+            # Rank 1 was asked at the evaluation's start; both ranks agreed before its first batch.
+            assert f"evaluation at step {step} stopped before batch 1 of 5" in first["log"]
+            assert f"preempted: checkpoint of step {step} saved" in first["log"]
+            assert first["summary"]["preempted"] and first["summary"]["steps"] == step
+            assert relaunch["summary"]["steps"] == 8 and not relaunch["summary"]["preempted"]
+            assert relaunch["summary"]["model_sha256"] == whole["summary"]["model_sha256"]
+            assert relaunch["summary"]["final_val_loss"] == whole["summary"]["final_val_loss"]
+        # The relaunch of "mid" evaluates step 4 first, and gets the uninterrupted run's loss.
+        val_4 = re.search(r"step 4 \| val_loss \S+", whole["log"]).group(0)
+        assert val_4 in cases[rank]["mid_relaunch"]["log"].split("resumed from step 4")[1]
