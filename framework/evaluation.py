@@ -38,10 +38,8 @@ def validation_loss(model, dataset, loss_fn, *, limit: int, batch_size: int, ran
     # Every rank runs as many rounds as rank 0's shard (the largest) has batches: one agreement each.
     rounds = -(-len(eval_indices(len(dataset), limit, world_size, 0)) // batch_size)
     sums = torch.zeros(2, dtype=torch.float64, device=device)
-    no_loss = torch.zeros((), device=device)
     for i, lo in enumerate(range(0, rounds * batch_size, batch_size)):
-        if stop is not None and agree(loss=no_loss, world_size=world_size, distributed=distributed,
-                                      preempt=stop()).preempt:
+        if stop is not None and _agreed(stop, device=device, world_size=world_size, distributed=distributed):
             raise Interrupted(i, rounds)
         if lo >= len(indices):
             continue
@@ -55,6 +53,14 @@ def validation_loss(model, dataset, loss_fn, *, limit: int, batch_size: int, ran
         dist.all_reduce(sums)
     total, count = sums.tolist()
     return total / count
+
+
+def _agreed(stop: Callable[[], bool], *, device: torch.device, world_size: int, distributed: bool) -> bool:
+    """Whether ``stop()`` is true on any rank (on one process: no collective, no device sync)."""
+    if not distributed:
+        return stop()
+    return agree(loss=torch.zeros((), device=device), world_size=world_size, distributed=True,
+                 preempt=stop()).preempt
 
 
 class Evaluator:
