@@ -1,6 +1,7 @@
 """How a run ends: the final evaluation and save, agreed by every rank (or, when a preemption
-request came in after the last step, the preempted save), then the final weights' export and
-summary.json. The functions take the trainer, whose pieces they finish."""
+request came in after the last step or during the final evaluation, the preempted save), then the
+final weights' export and summary.json. Also the evaluations and the save that a preemption
+request can stop a run in. The functions take the trainer, whose pieces they finish."""
 
 from __future__ import annotations
 
@@ -20,26 +21,48 @@ log = logging.getLogger(__name__)
 
 def final_evaluation_and_save(trainer, steps: StepLog) -> bool:
     """The final evaluation and save; True when a preemption request came in after the last
-    step, in which case (agreed by every rank) the evaluation is left to the resumed run."""
+    step or during the evaluation, in which case (agreed by every rank) the evaluation is left to
+    the resumed run."""
     cfg, env = trainer.cfg, trainer.env
     if steps.loss is not None and 0 < cfg.target_loss and steps.loss <= cfg.target_loss:
         log.info("target_loss %g reached at step %d (loss %.4f)", cfg.target_loss, trainer.step, steps.loss)
     preempted = agree(loss=torch.zeros((), device=env.device), world_size=env.world_size,
                       distributed=env.distributed, preempt=trainer.preemption.requested is not None).preempt
-    if not preempted:
-        with trainer.watchdog.phase("evaluation", scale=trainer.evaluator.batches):
-            trainer.evaluate_and_record(steps)
+    if preempted or not evaluate(trainer, steps):
+        save_preempted(trainer)
+        return True
     with trainer.watchdog.phase("checkpoint save", scale=10):
-        if preempted:
-            save_preempted(trainer)
-        else:
-            trainer.faults.fire_process_faults(trainer.step, at="save")
-            trainer.checkpoints.save_final(trainer.step)
-    return preempted
+        trainer.faults.fire_process_faults(trainer.step, at="save")
+        trainer.checkpoints.save_final(trainer.step)
+    return False
+
+
+def evaluate(trainer, steps: StepLog) -> bool:
+    """Evaluate at the trainer's step and record the validation loss; False, with nothing
+    recorded, when a preemption request stopped the evaluation (every rank at the same batch)."""
+    with trainer.watchdog.phase("evaluation", scale=trainer.evaluator.batches):
+        val_loss = trainer.evaluator.run(trainer.step, stop=lambda: trainer.preemption.requested is not None)
+    if trainer.evaluator.interrupted:
+        return False
+    steps.record_val(trainer.step, val_loss)
+    trainer.callbacks("on_evaluate", trainer, trainer.step, val_loss)
+    return True
+
+
+def evaluate_mid_run(trainer, steps: StepLog) -> bool:
+    """An evaluation between steps; True when a preemption request stopped it. The step is then
+    saved with its evaluation owed (``trainer.eval_owed``, in its state): a run resumed there runs it first."""
+    with steps.paused():
+        stopped = not evaluate(trainer, steps)
+    trainer.eval_owed = trainer.step if stopped else -1
+    if stopped:
+        save_preempted(trainer)
+    return stopped
 
 
 def save_preempted(trainer) -> None:
-    trainer.save_checkpoint(blocking=True)
+    with trainer.watchdog.phase("preemption save", scale=10):
+        trainer.save_checkpoint(blocking=True)
     if trainer.env.is_main:
         markers.write(trainer.cfg.checkpoint_dir, markers.PREEMPTED, f"preempted at step {trainer.step}")
     log.warning("preempted: checkpoint of step %d saved; exiting", trainer.step)

@@ -5,7 +5,8 @@
   WORLD_SIZE, combined with ``get_worker_info`` if it runs in worker processes).
 - An epoch ends, on every rank at the same step, as soon as any rank runs out: before each step
   one small all-reduce agrees on it, so no rank waits forever in DDP's all-reduce for a rank
-  that has no batch.
+  that has no batch. The end of the epoch is known only then, one read after its last step: the
+  epoch's checkpoint (``save_interval``) is written at that moment, and resumes at the next epoch.
 - Resume: a dataset with ``state_dict()``/``load_state_dict()`` (the torchdata ``Stateful``
   protocol, its ``__iter__`` continuing from the loaded state) is checkpointed and resumes
   exactly. Batches are read in the main process (no workers), so its state at a step boundary is
@@ -72,13 +73,16 @@ class StreamPosition:
                          "stream cannot do: lower batch_size, or use a map-style dataset")
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "consumed": self.consumed, "world_size": self.world_size}
+        return {"epoch": self.epoch, "consumed": self.consumed, "world_size": self.world_size,
+                "exhausted": self.exhausted}
 
     def load_state_dict(self, state: dict) -> None:
         if int(state["world_size"]) != self.world_size:
             raise ValueError(f"a stream's shards depend on the world size: saved with {state['world_size']} ranks, "
                              f"resumed on {self.world_size}")
         self.epoch, self.consumed = int(state["epoch"]), int(state["consumed"])
+        # Saved once the stream ran out: the epoch is done, and a resume starts the next one.
+        self.exhausted = bool(state.get("exhausted", False))
 
 
 class IterableStream:
@@ -144,7 +148,7 @@ class IterableStream:
     def load_state_dict(self, state: dict) -> None:
         if self.stateful:
             self.dataset.load_state_dict(state["datasets"][self.rank])
-        else:
+        elif not self.position.exhausted:  # (the position is loaded first)
             self._skip = self.position.consumed // self.position.world_size
 
     def shutdown(self) -> None:

@@ -54,6 +54,8 @@ class DDPTrainer:
     the run. ``doctor=True`` only runs the DDP preflight (``report``, ``decision``). A non-retriable
     error, here or in ``train``, leaves a FATAL marker in checkpoint_dir."""
 
+    eval_owed = -1  # the step whose evaluation a preemption request stopped: a run resumed there runs it first
+
     def __init__(self, config: TrainConfig | dict | None = None, *, rank: int | None = None,
                  world_size: int | None = None, model: torch.nn.Module | None = None,
                  train_dataset=None, val_dataset=None,
@@ -195,10 +197,11 @@ class DDPTrainer:
         return torch.autocast(self.env.device.type, dtype=self.amp_dtype, enabled=self.amp)
 
     def state_dict(self) -> dict:
-        return {"step": self.step, "tokens_total": self.tokens_total}
+        return {"step": self.step, "tokens_total": self.tokens_total, "eval_owed": self.eval_owed}
 
     def load_state_dict(self, state: dict) -> None:
         self.step, self.tokens_total = int(state["step"]), int(state["tokens_total"])
+        self.eval_owed = int(state.get("eval_owed", -1))
 
     @property
     def loader(self):
@@ -238,7 +241,8 @@ class DDPTrainer:
         self.callbacks("on_train_start", self)
         try:
             with GcPolicy(cfg.cleanup_interval, env.device) as gc_policy:
-                preempted = self._loop(steps, gc_policy, samples_log)
+                preempted = (self.eval_owed == self.step and ending.evaluate_mid_run(self, steps)) or self._loop(
+                    steps, gc_policy, samples_log)
             if not preempted:
                 preempted = ending.final_evaluation_and_save(self, steps)
             self.checkpoints.close()
@@ -254,10 +258,10 @@ class DDPTrainer:
             self.stream.start_epoch()
             while self.sampler.steps_remaining() > 0:
                 agreed = self._train_step(steps, samples_log)
-                if agreed is None:  # a stream ran out on some rank
+                if agreed is None:  # a stream ran out (on some rank): its epoch ended with the last step
+                    self._save(epoch_ended=True)
                     break
-                if self.spike is not None:
-                    self._roll_back(steps)
+                if self.spike is not None and self._roll_back(steps):
                     continue
                 gc_policy.step(self.step)
                 if self.consistency.should_run(self.step):
@@ -268,12 +272,14 @@ class DDPTrainer:
                     return True
                 if self._should_stop(agreed):
                     return False
-                self._save_and_evaluate(steps, epoch_ended=self.sampler.steps_remaining() == 0)
+                self._save(epoch_ended=self.sampler.steps_remaining() == 0)
+                if self.evaluator.should_run(self.step) and ending.evaluate_mid_run(self, steps):
+                    return True
             self.sampler.set_epoch(self.sampler.epoch + 1)
             self.skips.new_epoch()
         return False
 
-    def _roll_back(self, steps: StepLog) -> None:
+    def _roll_back(self, steps: StepLog) -> bool:
         spike, self.spike = self.spike, None
         restored = self.checkpoints.roll_back(before=spike.step)
         self.spikes.roll_back(spike, restored)
@@ -281,20 +287,13 @@ class DDPTrainer:
             self.stream.rewind()
             steps.purge_from(self.step + 1)
             self.total_steps = self.schedule.total_steps = self.sampler.last_step(self.step, self.cfg)
+        return restored is not None  # False: nothing to go back to, and the step's bookkeeping runs
 
-    def _save_and_evaluate(self, steps: StepLog, *, epoch_ended: bool) -> None:
+    def _save(self, *, epoch_ended: bool) -> None:
         if self.checkpoints.should_save(self.step, self.sampler.epoch, epoch_ended):
             with self.watchdog.phase("checkpoint save", scale=10):
                 self.checkpoints.maybe_save(self.step, self.sampler.epoch, epoch_ended)
                 self.faults.fire_process_faults(self.step, at="save")
-        if self.evaluator.should_run(self.step):
-            with steps.paused(), self.watchdog.phase("evaluation", scale=self.evaluator.batches):
-                self.evaluate_and_record(steps)
-
-    def evaluate_and_record(self, steps: StepLog) -> None:
-        val_loss = self.evaluator.run(self.step)
-        steps.record_val(self.step, val_loss)
-        self.callbacks("on_evaluate", self, self.step, val_loss)
 
     def _train_step(self, steps: StepLog, samples_log: SampleLog) -> Agreement | None:
         self.watchdog.arm(self.step)

@@ -1,7 +1,9 @@
 """Signals at the moments nobody chose, on one process running ddp_training.py: during the
-final evaluation, twice within a few milliseconds, and twice seconds apart."""
+final evaluation, twice within a few milliseconds, and twice seconds apart; and in one process, a
+request that stops an evaluation at its next batch."""
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -53,17 +55,25 @@ def test_sigterm_after_the_last_step_leaves_the_evaluation_to_the_resumed_run(tm
     assert (tmp_path / "ck" / "final_model.pt").is_file()
 
 
-def test_sigterm_during_the_final_evaluation_ends_cleanly(tmp_path):
+def test_sigterm_during_the_final_evaluation_stops_it_saves_and_the_relaunch_evaluates(tmp_path):
     proc = start(tmp_path)
     wait_for_log(tmp_path, "evaluating at step 8")  # the final evaluation runs now
     proc.send_signal(signal.SIGTERM)
     output, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, output[-3000:]
     assert "race condition" not in output and "Traceback" not in output
+    assert "evaluation at step 8 stopped before batch" in (tmp_path / "logs" / "rank_0.log").read_text()
     summary = json.loads((tmp_path / "logs" / "summary.json").read_text())
-    assert summary["steps"] == 8 and summary["final_val_loss"] is not None
-    assert (tmp_path / "ck" / "final_model.pt").is_file()
+    assert summary["preempted"] and summary["steps"] == 8 and summary["final_val_loss"] is None
+    assert (tmp_path / "ck" / "PREEMPTED").read_text() == "preempted at step 8"
+    assert not (tmp_path / "ck" / "final_model.pt").exists()
     assert json.loads((tmp_path / "ck" / "manifest.json").read_text())[-1]["step"] == 8
+    resumed = start(tmp_path)
+    output, _ = resumed.communicate(timeout=120)
+    assert resumed.returncode == 0, output[-3000:]
+    summary = json.loads((tmp_path / "logs" / "summary.json").read_text())
+    assert summary["steps"] == 8 and summary["final_val_loss"] is not None and not summary["preempted"]
+    assert (tmp_path / "ck" / "final_model.pt").is_file()
 
 
 def test_two_signals_milliseconds_apart_are_one_request(tmp_path):
@@ -81,18 +91,18 @@ def test_two_signals_milliseconds_apart_are_one_request(tmp_path):
 
 
 def test_a_second_signal_after_the_window_exits_at_once(tmp_path):
-    # A final evaluation of about 6 s: the first request cannot end it, the second one does.
-    proc = start(tmp_path, dataset_size=80000, eval_steps=500)
-    wait_for_log(tmp_path, "evaluating at step 8")
+    # Step 4 takes about 8 s (fault_inject slow): the first request waits for its end, the second does not.
+    proc = start(tmp_path, max_steps=100, fault_inject="slow@step=3,ms=8000")
+    wait_for_log(tmp_path, "step 3/")
     proc.send_signal(signal.SIGUSR1)
     wait_for_log(tmp_path, "received SIGUSR1")
     time.sleep(DUPLICATE_WINDOW_S + 0.2)
-    assert proc.poll() is None, "the evaluation ended before the second signal; make it longer"
+    assert proc.poll() is None, "the step ended before the second signal; make it longer"
     proc.send_signal(signal.SIGTERM)
     proc.communicate(timeout=60)
-    # Died of the signal, in the evaluation, which would otherwise have finished and exited 0.
+    # Died of the signal, in the step, which would otherwise have ended in a save and exit 0.
     assert proc.returncode == -signal.SIGTERM
-    assert not (tmp_path / "ck" / "final_model.pt").exists()
+    assert not (tmp_path / "ck" / "PREEMPTED").exists()
 
 
 def test_evaluation_and_saves_run_under_deadlines_of_their_own(tmp_path):
@@ -103,3 +113,112 @@ def test_evaluation_and_saves_run_under_deadlines_of_their_own(tmp_path):
     assert proc.returncode == 0, output[-3000:]
     log0 = (tmp_path / "logs" / "rank_0.log").read_text()
     assert "step 4 | val_loss" in log0 and "Timeout" not in log0
+
+
+# In one process: 32 validation batches of 8 (eval_steps=0: the whole split of 256 sequences).
+EVAL = dict(vocab_size=32, hidden_size=32, num_layers=1, num_heads=2, seq_len=16, dataset_size=2560, batch_size=8,
+            dropout=0.0, num_workers=0, learning_rate=3e-3, target_loss=0.0, eval_steps=0, eval_interval=0,
+            max_steps=8, log_interval=1, tensorboard=False, deterministic=True)
+
+
+def in_process(run_dir: Path, **over) -> dict:
+    return {**EVAL, "log_dir": str(run_dir / "logs"), "checkpoint_dir": str(run_dir / "ck"), **over}
+
+
+def sigterm_in_evaluation(monkeypatch, at_step: int, at_batch: int) -> list[int]:
+    """SIGTERM to this process during the ``at_batch``-th batch of the evaluation at ``at_step``;
+    returns the steps of the evaluation batches that ran, one entry per batch."""
+    from framework import evaluation
+    batches, real, trainer_step = [], evaluation.batch_loss, []
+
+    def counting(model, batch, loss_fn):
+        batches.append(trainer_step[-1])
+        if batches.count(at_step) == at_batch:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(model, batch, loss_fn)
+
+    real_run = evaluation.Evaluator.run
+
+    def run(self, step, *args, **kwargs):
+        trainer_step.append(step)
+        return real_run(self, step, *args, **kwargs)
+
+    monkeypatch.setattr(evaluation, "batch_loss", counting)
+    monkeypatch.setattr(evaluation.Evaluator, "run", run)
+    return batches
+
+
+def test_sigterm_in_the_final_evaluation_stops_it_at_the_next_batch_saves_and_the_resume_evaluates(
+        tmp_path, monkeypatch):
+    from framework import DDPTrainer
+    whole = DDPTrainer(in_process(tmp_path / "whole")).train()
+    batches = sigterm_in_evaluation(monkeypatch, at_step=8, at_batch=3)
+    first = DDPTrainer(in_process(tmp_path)).train()
+    assert batches.count(8) == 3  # of 32
+    assert first["preempted"] and first["steps"] == 8 and first["final_val_loss"] is None
+    assert (tmp_path / "ck" / "PREEMPTED").read_text() == "preempted at step 8"
+    assert json.loads((tmp_path / "ck" / "manifest.json").read_text())[-1]["step"] == 8
+    assert not (tmp_path / "ck" / "final_model.pt").exists()
+    monkeypatch.undo()
+    second = DDPTrainer(in_process(tmp_path)).train()
+    assert not second["preempted"] and second["steps"] == 8 and (tmp_path / "ck" / "final_model.pt").is_file()
+    assert second["model_sha256"] == first["model_sha256"] == whole["model_sha256"]
+    assert second["final_val_loss"] == whole["final_val_loss"]
+
+
+def test_sigterm_in_a_mid_run_evaluation_stops_it_saves_and_the_resume_evaluates_that_step_first(
+        tmp_path, monkeypatch):
+    from framework import DDPTrainer
+    from framework.metrics import read_metrics
+    cfg = dict(eval_interval=4, max_steps=12, save_every_steps=4)
+    whole = DDPTrainer(in_process(tmp_path / "whole", **cfg)).train()
+    batches = sigterm_in_evaluation(monkeypatch, at_step=8, at_batch=2)
+    first = DDPTrainer(in_process(tmp_path, **cfg)).train()
+    assert batches.count(4) == 32 and batches.count(8) == 2 and 12 not in batches
+    assert first["preempted"] and first["steps"] == 8
+    assert (tmp_path / "ck" / "PREEMPTED").read_text() == "preempted at step 8"
+    monkeypatch.undo()
+    second = DDPTrainer(in_process(tmp_path, **cfg)).train()
+    assert second["steps"] == 12 and second["model_sha256"] == whole["model_sha256"]
+    rows, expected = read_metrics(tmp_path / "logs" / "metrics.jsonl"), read_metrics(tmp_path / "whole" / "logs" /
+                                                                                      "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(1, 13))
+    assert [(r["step"], r["val/loss"]) for r in rows if "val/loss" in r] == [
+        (r["step"], r["val/loss"]) for r in expected if "val/loss" in r] and len(expected) == 12
+
+
+def test_the_mid_run_preemption_save_runs_under_a_watchdog_phase_of_its_own(tmp_path, monkeypatch):
+    from framework import DDPTrainer
+    from framework.health import Watchdog
+    phases, real = [], Watchdog.phase
+
+    def spy(self, name, *args, **kwargs):
+        phases.append(name)
+        return real(self, name, *args, **kwargs)
+
+    monkeypatch.setattr(Watchdog, "phase", spy)
+    summary = DDPTrainer(in_process(tmp_path, fault_inject="sigterm@step=3", step_timeout_s=30)).train()
+    assert summary["preempted"] and summary["steps"] == 4
+    assert phases == ["preemption save"]
+
+
+def test_on_two_ranks_a_request_on_one_stops_the_evaluation_on_both_and_the_relaunch_evaluates(tmp_path):
+    import re
+
+    from tests.dist_helper import launch_cases
+    cases = {rank: result["cases"] for rank, result in launch_cases("tests/workers/preemption.py", tmp_path).items()}
+    for rank in (0, 1):
+        assert all("error" not in case for case in cases[rank].values()), cases[rank]
+        whole = cases[rank]["whole"]
+        for run, step in (("final", 8), ("mid", 4)):
+            first, relaunch = cases[rank][run], cases[rank][f"{run}_relaunch"]
+            # Rank 1 was asked at the evaluation's start; both ranks agreed before its first batch.
+            assert f"evaluation at step {step} stopped before batch 1 of 5" in first["log"]
+            assert f"preempted: checkpoint of step {step} saved" in first["log"]
+            assert first["summary"]["preempted"] and first["summary"]["steps"] == step
+            assert relaunch["summary"]["steps"] == 8 and not relaunch["summary"]["preempted"]
+            assert relaunch["summary"]["model_sha256"] == whole["summary"]["model_sha256"]
+            assert relaunch["summary"]["final_val_loss"] == whole["summary"]["final_val_loss"]
+        # The relaunch of "mid" evaluates step 4 first, and gets the uninterrupted run's loss.
+        val_4 = re.search(r"step 4 \| val_loss \S+", whole["log"]).group(0)
+        assert val_4 in cases[rank]["mid_relaunch"]["log"].split("resumed from step 4")[1]

@@ -208,3 +208,27 @@ def test_a_rollback_stays_within_its_epoch(tmp_path):
     assert trainer.sampler.epoch == 1
     assert trainer.checkpoints.roll_back(before=6) is None  # the newest before it is of epoch 0
     assert trainer.checkpoints.roll_back(before=7) == 6 and trainer.step == 6
+
+
+def one_process_spike(tmp_path, **over):
+    from framework.metrics import read_metrics
+    from framework.trainer import DDPTrainer
+    cfg = {**BASE, "dataset_size": 256, "max_steps": 30, "spike_guard": "rollback", "record_samples": False,
+           "log_dir": str(tmp_path / "logs"), "checkpoint_dir": str(tmp_path / "ck"), **over}
+    summary = DDPTrainer(cfg, rank=0, world_size=1).train()
+    manifest = [e["step"] for e in json.loads((tmp_path / "ck" / "manifest.json").read_text())]
+    return summary, manifest, read_metrics(tmp_path / "logs" / "metrics.jsonl")
+
+
+def test_a_spike_on_the_last_step_with_nothing_to_roll_back_to_ends_the_run_there(tmp_path):
+    summary, manifest, rows = one_process_spike(tmp_path, save_every_steps=40, fault_inject="bad_data@step=29")
+    assert summary["loss_spikes"] == 1 and summary["rollbacks"] == 0
+    assert summary["steps"] == 30 and manifest == [30] and rows[-1]["step"] == 30
+
+
+def test_a_spike_with_nothing_to_roll_back_to_still_saves_and_evaluates_its_step(tmp_path):
+    summary, manifest, rows = one_process_spike(tmp_path, save_every_steps=20, eval_interval=20,
+                                                fault_inject="bad_data@step=19")
+    assert summary["loss_spikes"] == 1 and summary["rollbacks"] == 0
+    assert summary["steps"] == 30 and manifest == [20, 30]
+    assert "val/loss" in next(r for r in rows if r["step"] == 20)

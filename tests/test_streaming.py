@@ -4,7 +4,10 @@ no hang when one rank's shard runs out a batch early."""
 import json
 
 import pytest
+from torch.utils.data import IterableDataset
 
+from framework import DDPTrainer
+from framework.data import MarkovDataset
 from framework.streaming import StreamPosition
 from tests.dist_helper import ROOT, launch
 
@@ -52,3 +55,78 @@ def test_a_stream_needs_max_steps_and_cannot_halve_its_micro_batch():
         position.last_step(0, SimpleNamespace(max_steps=0))
     with pytest.raises(FatalError, match="a stream cannot do"):
         position.set_micro_batch(2, 2)
+
+
+class Rows(IterableDataset):
+    """A table's rows in order, from the start again in each epoch; counts the rows it reads."""
+
+    def __init__(self, rows: int):
+        self.table, self.reads = MarkovDataset(32, 16, rows, chain_seed=3, sample_seed=1), 0
+
+    def __iter__(self):
+        for i in range(len(self.table)):
+            self.reads += 1
+            yield self.table[i]
+
+
+class StatefulRows(Rows):
+    """Rows whose state is its position: ``__iter__`` continues from a loaded state."""
+
+    pos = 0
+
+    def __iter__(self):
+        while self.pos < len(self.table):
+            self.pos += 1
+            yield self.table[self.pos - 1]
+        self.pos = 0
+
+    def state_dict(self) -> dict:
+        return {"pos": self.pos}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.pos = int(state["pos"])
+
+
+class CrashAt:
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_end(self, trainer, step, metrics) -> None:
+        if step == self.step:
+            raise RuntimeError(f"test crash at step {step}")
+
+
+def stream_config(run_dir, **kw):
+    return dict(vocab_size=32, hidden_size=32, num_layers=1, num_heads=2, seq_len=16, batch_size=4, dropout=0.0,
+                max_steps=1000, num_epochs=2, save_interval=1, save_every_steps=0, eval_interval=0,
+                tensorboard=False, target_loss=0.0, deterministic=True, seed=3, learning_rate=2e-3,
+                log_dir=str(run_dir / "logs"), checkpoint_dir=str(run_dir / "ck"), **kw)
+
+
+def manifest_steps(run_dir) -> list[int]:
+    return [e["step"] for e in json.loads((run_dir / "ck" / "manifest.json").read_text())]
+
+
+def test_a_stream_saves_at_the_end_of_each_epoch_and_resumes_at_the_next(tmp_path):
+    """32 rows, batch 4: 8 steps an epoch. The end of a stream's epoch is the step on which it runs
+    out, one after its last batch: the epoch's checkpoint is written then, and says the epoch is done."""
+    whole = DDPTrainer(stream_config(tmp_path / "whole"), train_dataset=StatefulRows(32)).train()
+    assert whole["steps"] == 16 and whole["epochs"] == 2
+    assert manifest_steps(tmp_path / "whole") == [8, 16]
+    with pytest.raises(RuntimeError, match="test crash at step 11"):
+        DDPTrainer(stream_config(tmp_path), train_dataset=StatefulRows(32), callbacks=[CrashAt(11)]).train()
+    assert manifest_steps(tmp_path) == [8]
+    resumed = DDPTrainer(stream_config(tmp_path), train_dataset=StatefulRows(32))
+    assert (resumed.step, resumed.sampler.epoch, resumed.sampler.consumed) == (8, 1, 0)
+    summary = resumed.train()
+    assert summary["steps"] == 16 and summary["model_sha256"] == whole["model_sha256"]
+
+
+def test_a_stream_without_a_state_resumes_at_the_next_epoch_without_rereading_this_one(tmp_path):
+    whole = DDPTrainer(stream_config(tmp_path / "whole"), train_dataset=Rows(32)).train()
+    with pytest.raises(RuntimeError, match="test crash at step 11"):
+        DDPTrainer(stream_config(tmp_path), train_dataset=Rows(32), callbacks=[CrashAt(11)]).train()
+    data = Rows(32)
+    summary = DDPTrainer(stream_config(tmp_path), train_dataset=data).train()
+    assert summary["steps"] == 16 and summary["model_sha256"] == whole["model_sha256"]
+    assert data.reads == 32  # the second epoch only: the first is not read again to be dropped

@@ -1,0 +1,37 @@
+"""Run under torchrun with 2 ranks: a preemption request on rank 1 only, at the start of the final
+evaluation and of a mid-run one (fault_inject sigterm ... at=eval), each followed by its relaunch.
+Each case's outcome goes into result_rank{r}.json for tests/test_preemption.py."""
+
+from __future__ import annotations
+
+import os
+
+from tests.dist_helper import run_cases
+
+# 40 validation sequences of 16 tokens in batches of 4: 5 batches a rank.
+BASE = dict(vocab_size=32, hidden_size=32, num_layers=1, num_heads=2, seq_len=16, dataset_size=400, batch_size=4,
+            dropout=0.0, num_workers=0, tensorboard=False, eval_interval=4, eval_steps=0, target_loss=0.0, seed=3,
+            learning_rate=3e-3, max_steps=8, save_every_steps=4, log_interval=1, deterministic=True)
+
+# Each run's directory, and its fault: the relaunches reuse the directory of the run they resume.
+CASES = {
+    "whole": dict(run="whole"),
+    "final": dict(run="final", fault_inject="sigterm@step=8,rank=1,at=eval"),
+    "final_relaunch": dict(run="final"),
+    "mid": dict(run="mid", fault_inject="sigterm@step=4,rank=1,at=eval"),
+    "mid_relaunch": dict(run="mid"),
+}
+
+
+def run_case(name, overrides, out_dir):
+    from framework.trainer import DDPTrainer
+
+    overrides = dict(overrides)
+    run = out_dir / overrides.pop("run")
+    cfg = {**BASE, **overrides, "log_dir": str(run / "logs"), "checkpoint_dir": str(run / "ck")}
+    return {"summary": DDPTrainer(cfg).train(), "log": (run / "logs" / f"rank_{os.environ['RANK']}.log").read_text()}
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    run_cases(CASES, run_case)
