@@ -149,6 +149,16 @@ def total_steps(cfg: dict) -> int:
     return MAX_STEPS if cfg["stop"] == "max_steps" or cfg["data"] == "stream" else NUM_EPOCHS * STEPS_PER_EPOCH
 
 
+def is_finished(cfg: dict, summary: dict | None) -> bool:
+    """The run reached its end: max_steps, or every epoch (fewer steps when a rollback excluded
+    samples), and was not preempted."""
+    if not summary or summary.get("preempted"):
+        return False
+    if cfg["stop"] == "num_epochs" and cfg["data"] != "stream":
+        return summary.get("epochs", 0) >= NUM_EPOCHS - 1e-9 and summary.get("steps", 0) <= total_steps(cfg)
+    return summary.get("steps") == total_steps(cfg)
+
+
 def periodic_saves(cfg: dict) -> list[int]:
     """The steps whose checkpoints the schedule makes due, the final one excluded."""
     n, due = total_steps(cfg), set()
@@ -281,6 +291,8 @@ def config_args(trial: dict, lay: Layout, *, resume: str | None = None, foreign_
         args["fault_inject"] = spec
     if fault == "hang":
         args.update(HANG_TIMEOUTS)
+    if fault == "second_launch":  # slow steps (a sleep, the same model), so that the two launches overlap
+        args["fault_inject"] = "slow@step=0,ms=600,restart=*"
     if fault == "user_error":
         args["dataset_size"] = 2
     return args
@@ -593,7 +605,7 @@ def run_trial(trial: dict, workdir: Path, *, reference: bool = False) -> dict:
                 res["timed_out"] = True
                 break
             summary = read_summary(lay)
-            finished = bool(summary) and summary.get("steps") == total_steps(cfg) and not summary.get("preempted")
+            finished = is_finished(cfg, summary)
             fatal = marker_text(lay, "FATAL")
             clean = finished and all(c == 0 for c in launch["codes"])
             if clean or fatal or attempt or 2 in launch["codes"] or fault == "user_error":
@@ -625,9 +637,11 @@ def run_job(trial, job: Job, lay: Layout, foreign: set[str], marker: str, res: d
                                           "sigterm_launcher", "corrupt_newest", "unreadable_newest",
                                           "second_launch") and not injected_fully(trial)
     condition = moment_reached(trial, lay) if needs_signal else None
-    second = None
+    second, second_ended = None, None
     timed_out = False
     while not job.done():
+        if second is not None and second_ended is None and second.done():
+            second_ended = time.monotonic()  # while the first launch still runs
         if condition is not None and condition():
             condition = None
             if fault == "second_launch":
@@ -649,7 +663,8 @@ def run_job(trial, job: Job, lay: Layout, foreign: set[str], marker: str, res: d
             time.sleep(0.05)
         if not second.done():
             timed_out = True
-        res["second"] = {"codes": second.codes(), "stderr_tail": second.stderr()[-1500:]}
+        res["second"] = {"codes": second.codes(), "stderr_tail": second.stderr()[-1500:],
+                         "ended_while_first_ran": second_ended is not None}
         second.kill(marker + "__none__")
     if timed_out:
         res["notes"].append(f"launch still running after {bound:.0f} s; killed")
@@ -710,7 +725,7 @@ def check(trial: dict, res: dict, ref: dict | None) -> dict[str, str | None]:
     spec = FAULTS[fault]
     n = total_steps(cfg)
     summary = res.get("summary")
-    finished = bool(summary) and summary.get("steps") == n and not summary.get("preempted")
+    finished = is_finished(cfg, summary)
     last = res["launches"][-1] if res.get("launches") else {"codes": [], "stderr": ""}
     out: dict[str, str | None] = {}
 
@@ -780,7 +795,7 @@ def check(trial: dict, res: dict, ref: dict | None) -> dict[str, str | None]:
             problems.append(f"a transient fault ({fault}) was not survived: {(why or '')[:300]}")
     if spec.transient and res.get("fatal"):
         problems.append(f"FATAL after a transient fault: {res['fatal'][:300]}")
-    if second and (0 in second["codes"] or "Traceback" in second["stderr_tail"]):
+    if second and ((0 in second["codes"] and second["ended_while_first_ran"]) or "Traceback" in second["stderr_tail"]):
         problems.append(f"the second launch exited {second['codes']}: {tail_error(second['stderr_tail'])}")
     out["explained"] = "; ".join(dict.fromkeys(problems)) or None
 
@@ -850,8 +865,7 @@ class References:
             if key not in self.cache:
                 res = run_trial(trial, self.workdir, reference=True)
                 summary = res["summary"]
-                finished = bool(summary) and summary.get("steps") == total_steps(trial["config"]) and not \
-                    summary.get("preempted")
+                finished = is_finished(trial["config"], summary)
                 self.cache[key] = {"finished": finished, "model_sha256": (summary or {}).get("model_sha256"),
                                    "samples": res["samples"], "dir": res["dir"],
                                    "checks": check({**trial, "fault": "none", "moment": "startup"}, res, None)}
@@ -895,15 +909,17 @@ def simpler(trial: dict):
             yield {**trial, "moment": m}
 
 
-def shrink(result: dict, run, budget: int = 12, log=print) -> dict:
+def shrink(result: dict, run, budget: int = 8, log=print) -> dict:
     """The smallest trial found that still fails one of ``result``'s invariants; ``run(trial)``
-    evaluates a candidate (``evaluate`` bound to the references and the work directory)."""
-    current, failed, runs = result, set(result["failed"]), 0
+    evaluates a candidate (``evaluate`` bound to the references and the work directory). A choice
+    whose simplification made the trial pass is not tried again."""
+    current, failed, runs, needed = result, set(result["failed"]), 0, set()
     progress = True
     while progress and runs < budget:
         progress = False
         for cand in simpler(current["trial"]):
-            if applicable(cand) is not None:
+            change = changed_choice(current["trial"], cand)
+            if applicable(cand) is not None or change in needed:
                 continue
             if runs >= budget:
                 break
@@ -915,9 +931,21 @@ def shrink(result: dict, run, budget: int = 12, log=print) -> dict:
                     shutil.rmtree(current["dir"], ignore_errors=True)
                 current, failed, progress = attempt, failed & set(attempt["failed"]), True
                 break
+            needed.add(change)
             if attempt.get("dir"):
                 shutil.rmtree(attempt["dir"], ignore_errors=True)
     return current
+
+
+def changed_choice(a: dict, b: dict) -> str:
+    diff = [k for k in a["config"] if a["config"][k] != b["config"][k]]
+    return diff[0] if diff else ("fault" if a["fault"] != b["fault"] else "moment")
+
+
+def signature(result: dict) -> tuple:
+    """What a failure looks like with paths, numbers and hashes left out: one shrink per kind."""
+    return tuple(sorted((k, re.sub(r"/\S+|[0-9a-f]{12,}|\d+", "#", result["verdict"][k])[:80])
+                        for k in result["failed"]))
 
 
 def repro(trial: dict) -> str:
@@ -951,7 +979,8 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def explore(n: int, seed: int, jobs: int, workdir: Path, *, do_shrink: bool = True, log=print) -> list[dict]:
+def explore(n: int, seed: int, jobs: int, workdir: Path, *, do_shrink: bool = True, max_shrinks: int = 1000,
+            shrink_budget: int = 8, log=print) -> list[dict]:
     refs = References(workdir)
     trials = [draw(random.Random(seed + i)) for i in range(n)]
 
@@ -966,10 +995,14 @@ def explore(n: int, seed: int, jobs: int, workdir: Path, *, do_shrink: bool = Tr
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         results = list(pool.map(one, range(n)))
     if do_shrink:
+        shrunk: dict[tuple, dict] = {}
         for result in results:
-            if result["failed"]:
+            if result["failed"] and signature(result) in shrunk:
+                result.update(same_as=shrunk[signature(result)]["index"], repro=shrunk[signature(result)]["repro"])
+            elif result["failed"] and len(shrunk) < max_shrinks:
+                shrunk[signature(result)] = result
                 log(f"shrinking trial {result['index']}: {describe(result['trial'])} fails {result['failed']}")
-                small = shrink(result, lambda t: evaluate(t, refs, workdir), log=log)
+                small = shrink(result, lambda t: evaluate(t, refs, workdir), budget=shrink_budget, log=log)
                 result["shrunk"] = {"trial": small["trial"], "failed": small["failed"], "verdict": small["verdict"]}
                 result["repro"] = repro(small["trial"])
                 log(f"    repro: {result['repro']}")
@@ -983,6 +1016,8 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=1)
     parser.add_argument("--out", default="explore.json", help="a file name under bench/results/, or a path")
     parser.add_argument("--no-shrink", action="store_true")
+    parser.add_argument("--max-shrinks", type=int, default=1000, help="shrink at most this many kinds of failure")
+    parser.add_argument("--shrink-budget", type=int, default=8, help="trial runs allowed to shrink one failure")
     parser.add_argument("--replay", help="one trial's JSON, as a failing trial's repro line prints it")
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
     args = parser.parse_args()
@@ -998,7 +1033,8 @@ def main() -> None:
             print(json.dumps({k: result[k] for k in ("trial", "verdict", "failed", "codes", "notes", "dir")},
                              indent=2))
             raise SystemExit(1 if result["failed"] else 0)
-        results = explore(args.trials, args.seed, args.jobs, workdir, do_shrink=not args.no_shrink)
+        results = explore(args.trials, args.seed, args.jobs, workdir, do_shrink=not args.no_shrink,
+                          max_shrinks=args.max_shrinks, shrink_budget=args.shrink_budget)
         print()
         print(table(results))
         for r in results:
@@ -1006,8 +1042,10 @@ def main() -> None:
                 print(f"\ntrial {r['index']} ({describe(r['trial'])}):")
                 for inv in r["failed"]:
                     print(f"  {inv}: {r['verdict'][inv]}")
-                if "repro" in r:
+                if "shrunk" in r:
                     print(f"  shrunk to {describe(r['shrunk']['trial'])}: {r['repro']}")
+                elif "same_as" in r:
+                    print(f"  the same failure as trial {r['same_as']}: {r['repro']}")
         out = Path(args.out) if os.sep in args.out else ROOT / "bench" / "results" / args.out
         out.write_text(json.dumps({"seed": args.seed, "trials": args.trials, "jobs": args.jobs,
                                    "wall_s": round(time.monotonic() - start), "dimensions": DIMS,
