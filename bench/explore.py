@@ -721,19 +721,33 @@ def resumed_foreign(lay: Layout, foreign_files: dict) -> bool:
 # --- the invariants ------------------------------------------------------------------------------
 def check(trial: dict, res: dict, ref: dict | None) -> dict[str, str | None]:
     """invariant -> None (holds), 'n/a', or what broke it. Pure: works on recorded results."""
-    cfg, fault = trial["config"], trial["fault"]
-    spec = FAULTS[fault]
-    n = total_steps(cfg)
-    summary = res.get("summary")
-    finished = is_finished(cfg, summary)
-    last = res["launches"][-1] if res.get("launches") else {"codes": [], "stderr": ""}
-    out: dict[str, str | None] = {}
+    ctx = Context(trial, res, ref)
+    return {"nothing_lost": nothing_lost(ctx), "equivalence": equivalence(ctx), "no_hang": no_hang(ctx),
+            "explained": explained(ctx), "accounting": accounting(ctx)}
 
-    # nothing_lost
+
+class Context:
+    """What every invariant reads about one trial's result."""
+
+    def __init__(self, trial: dict, res: dict, ref: dict | None):
+        self.trial, self.res, self.ref = trial, res, ref
+        self.cfg, self.fault = trial["config"], trial["fault"]
+        self.spec, self.n = FAULTS[self.fault], total_steps(self.cfg)
+        self.summary = res.get("summary")
+        self.finished = is_finished(self.cfg, self.summary)
+        self.last = res["launches"][-1] if res.get("launches") else {"codes": [], "stderr": ""}
+
+
+def joined(problems: list[str]) -> str | None:
+    return "; ".join(dict.fromkeys(problems)) or None
+
+
+def nothing_lost(c: Context) -> str | None:
+    res = c.res
     problems = list(res.get("changed", []))
     if res.get("manifest_missing"):
         problems.append(f"manifest lists missing files {res['manifest_missing']}")
-    if finished or (exit_ok(fault, res) and fault != "user_error"):
+    if c.finished or (exit_ok(c.fault, res) and c.fault != "user_error"):
         missing_logs = [k for k, v in res.get("logs_present", {}).items() if not v]
         if missing_logs:
             problems.append(f"log_dir lacks {missing_logs} after the run finished")
@@ -741,92 +755,94 @@ def check(trial: dict, res: dict, ref: dict | None) -> dict[str, str | None]:
             problems.append("checkpoint_dir has no manifest.json after the run finished")
         if not res.get("export_present"):
             problems.append("no exported model.safetensors after the run finished")
-        if fault == "none":
-            skipped = sorted(s for s in set(periodic_saves(cfg)) - set(res.get("written_steps", []))
-                             if s > start_step(cfg))
+        if c.fault == "none":
+            skipped = sorted(s for s in set(periodic_saves(c.cfg)) - set(res.get("written_steps", []))
+                             if s > start_step(c.cfg))
             if skipped:
                 problems.append(f"due checkpoints never written: steps {skipped}")
-    out["nothing_lost"] = "; ".join(problems) or None
+    return joined(problems)
 
-    # equivalence
-    if not spec.exact:
-        out["equivalence"] = "n/a"
-    elif ref is None or not ref.get("finished"):
-        out["equivalence"] = "n/a" if not finished else None
-    elif res.get("resumed_foreign") and cfg["resume"] != "auto":
-        out["equivalence"] = "n/a"  # the relaunch's resume=auto picked the other run's newer checkpoint
-    elif not finished:
-        out["equivalence"] = "n/a"  # judged by 'explained'
-    elif summary["model_sha256"] != ref["model_sha256"]:
-        out["equivalence"] = (f"model_sha256 {summary['model_sha256'][:12]} != reference "
-                              f"{ref['model_sha256'][:12]}")
-    else:
-        out["equivalence"] = None
 
-    # no_hang
-    hung = [i for i, launch in enumerate(res.get("launches", [])) if launch["timed_out"]]
-    left = sum(launch.get("left_behind", 0) for launch in res.get("launches", []))
-    out["no_hang"] = (f"launch {hung} ran past its bound of {bound_s(trial):.0f} s" if hung else
-                      f"{left} process(es) left behind" if left else None)
-    second = res.get("second")
+def equivalence(c: Context) -> str | None:
+    if not c.spec.exact:
+        return "n/a"
+    if c.ref is None or not c.ref.get("finished"):
+        return "n/a" if not c.finished else None
+    if c.res.get("resumed_foreign") and c.cfg["resume"] != "auto":
+        return "n/a"  # the relaunch's resume=auto picked the other run's newer checkpoint, as documented
+    if not c.finished:
+        return "n/a"  # judged by 'explained'
+    if c.summary["model_sha256"] != c.ref["model_sha256"]:
+        return f"model_sha256 {c.summary['model_sha256'][:12]} != reference {c.ref['model_sha256'][:12]}"
+    return None
+
+
+def no_hang(c: Context) -> str | None:
+    launches = c.res.get("launches", [])
+    hung = [i for i, launch in enumerate(launches) if launch["timed_out"]]
+    left = sum(launch.get("left_behind", 0) for launch in launches)
+    second = c.res.get("second")
     if second and None in second["codes"]:
-        out["no_hang"] = "the second launch did not end"
+        return "the second launch did not end"
+    return (f"launch {hung} ran past its bound of {bound_s(c.trial):.0f} s" if hung else
+            f"{left} process(es) left behind" if left else None)
 
-    # explained
-    stderr = last.get("stderr", "")
+
+def explained(c: Context) -> str | None:
+    res, stderr, codes = c.res, c.last.get("stderr", ""), c.last["codes"]
     problems = []
-    if fault == "user_error":
-        if 2 not in last["codes"]:
+    if c.fault == "user_error":
+        if 2 not in codes:
             problems.append(f"a user's mistake (dataset_size=2, batch_size={BATCH}) passed --check-config "
-                            f"(exit {last['codes']})")
+                            f"(exit {codes})")
         if "Traceback" in stderr:
             problems.append("a user's mistake printed a traceback: " + tail_error(stderr))
-    elif exit_ok(fault, res):
-        if summary is not None and not finished:
-            problems.append(f"exit 0, but the run ended at step {summary.get('steps')} of {n}"
-                            + (" (preempted, after the relaunch too)" if summary.get("preempted") else ""))
+    elif exit_ok(c.fault, res):
+        if c.summary is not None and not c.finished:
+            problems.append(f"exit 0, but the run ended at step {c.summary.get('steps')} of {c.n}"
+                            + (" (preempted, after the relaunch too)" if c.summary.get("preempted") else ""))
     else:
         why = res.get("fatal") or next((ln for ln in stderr.splitlines() if ln.startswith(("fatal:", "error:"))),
                                        None)
         if not why and not res.get("timed_out"):
-            problems.append(f"stopped (exit {last['codes']}) without a FATAL or one-line reason: "
-                            f"{tail_error(stderr)}")
-        if spec.transient and not res.get("timed_out"):
-            problems.append(f"a transient fault ({fault}) was not survived: {(why or '')[:300]}")
-    if spec.transient and res.get("fatal"):
+            problems.append(f"stopped (exit {codes}) without a FATAL or one-line reason: {tail_error(stderr)}")
+        if c.spec.transient and not res.get("timed_out"):
+            problems.append(f"a transient fault ({c.fault}) was not survived: {(why or '')[:300]}")
+    if c.spec.transient and res.get("fatal"):
         problems.append(f"FATAL after a transient fault: {res['fatal'][:300]}")
+    second = res.get("second")
     if second and ((0 in second["codes"] and second["ended_while_first_ran"]) or "Traceback" in second["stderr_tail"]):
         problems.append(f"the second launch exited {second['codes']}: {tail_error(second['stderr_tail'])}")
-    out["explained"] = "; ".join(dict.fromkeys(problems)) or None
+    return joined(problems)
 
-    # accounting
-    problems = []
+
+def accounting(c: Context) -> str | None:
+    res, problems = c.res, []
     rows = res.get("metrics")
     if rows:
         steps = [r["step"] for r in rows]
         repeats = [b for a, b in zip(steps, steps[1:], strict=False) if b <= a]
         if repeats:
             problems.append(f"read_metrics steps not increasing (again at {repeats[:5]})")
-        if finished:
-            losses = [r for r in rows if "train/loss" in r]
-            if losses and losses[-1]["train/loss"] != summary.get("final_train_loss"):
-                problems.append(f"last metrics loss {losses[-1]['train/loss']} != summary's "
-                                f"{summary.get('final_train_loss')}")
-    elif finished:
+        losses = [r for r in rows if "train/loss" in r]
+        if c.finished and losses and losses[-1]["train/loss"] != c.summary.get("final_train_loss"):
+            problems.append(f"last metrics loss {losses[-1]['train/loss']} != summary's "
+                            f"{c.summary.get('final_train_loss')}")
+    elif c.finished:
         problems.append("no metrics.jsonl")
-    if cfg["data"] != "stream":
-        for epoch, counts in res.get("samples", {}).items():
-            twice = sorted(int(i) for i, c in counts.items() if c > 1)
-            if twice:
-                problems.append(f"epoch {epoch}: samples seen twice {twice[:8]}")
-        if spec.exact and finished and ref and ref.get("finished"):
-            done_epochs = n // STEPS_PER_EPOCH if cfg["stop"] == "num_epochs" else MAX_STEPS // STEPS_PER_EPOCH
-            for epoch in map(str, range(done_epochs)):
-                got, want = set(res["samples"].get(epoch, {})), set(ref["samples"].get(epoch, {}))
-                if got != want:
-                    problems.append(f"epoch {epoch}: {len(want - got)} samples missing, {len(got - want)} extra")
-    out["accounting"] = "; ".join(problems) or None
-    return out
+    if c.cfg["data"] == "stream":
+        return joined(problems)  # a stream's samples have no indices to account for
+    for epoch, counts in res.get("samples", {}).items():
+        twice = sorted(int(i) for i, n in counts.items() if n > 1)
+        if twice:
+            problems.append(f"epoch {epoch}: samples seen twice {twice[:8]}")
+    if c.spec.exact and c.finished and c.ref and c.ref.get("finished"):
+        done_epochs = c.n // STEPS_PER_EPOCH if c.cfg["stop"] == "num_epochs" else MAX_STEPS // STEPS_PER_EPOCH
+        for epoch in map(str, range(done_epochs)):
+            got, want = set(res["samples"].get(epoch, {})), set(c.ref["samples"].get(epoch, {}))
+            if got != want:
+                problems.append(f"epoch {epoch}: {len(want - got)} samples missing, {len(got - want)} extra")
+    return joined(problems)
 
 
 def exit_ok(fault: str, res: dict) -> bool:
