@@ -216,6 +216,8 @@ def applicable(trial: dict) -> str | None:
         return "second_launch: one node"
     if fault == "full_disk" and (cfg["layout"] in ("nested", "shared") or cfg["foreign"] or cfg["resume"] == "path"):
         return "full_disk mounts a tmpfs on a checkpoint_dir of its own"
+    if cfg["spike_guard"] == "rollback" and not cfg["save_every_steps"]:
+        return "spike_guard=rollback needs save_every_steps > 0: refused at --check-config by design"
     if cfg["data"] == "stream" and cfg["spike_guard"] == "rollback":
         return "a rollback excludes samples by index: refused for a stream by design (spike.py)"
     if moment == "rollback" and fault in ("nan", "bad_data", "kill_dl_worker"):
@@ -1072,7 +1074,7 @@ def main() -> None:
         if not args.keep and not any(p.name.startswith("trial-") for p in workdir.iterdir()):
             shutil.rmtree(workdir, ignore_errors=True)
         else:
-            print(f"work directory (failing trials) kept: {workdir}")
+            print(f"work directory (failing trials) kept: {workdir}", file=sys.stderr)
 
 
 if __name__ == "__main__":
