@@ -475,7 +475,10 @@ def bound_s(trial: dict) -> float:
     each torchrun restart, and the hang watchdog."""
     cfg = trial["config"]
     per_incarnation = 45.0 + 3.0 * total_steps(cfg) * cfg["accum"]
-    return per_incarnation * (1 + cfg["max_restarts"]) + (20.0 if trial["fault"] == "hang" else 0.0)
+    # After an agent dies on 2 nodes, the other agent waits out torchrun's 300 s exit barrier (a
+    # known limit, see the fault campaign).
+    barrier = 330.0 if trial["fault"] in ("kill9_agent", "kill9_node") and cfg["topology"] == "2x1" else 0.0
+    return per_incarnation * (1 + cfg["max_restarts"]) + (20.0 if trial["fault"] == "hang" else 0.0) + barrier
 
 
 # --- reading what a run left --------------------------------------------------------------------
