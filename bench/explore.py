@@ -1,0 +1,1084 @@
+#!/usr/bin/env python3
+"""Randomized explorer: configurations x faults x moments, each trial checked against invariants.
+
+Each trial draws, from ``random.Random(seed + trial)``, a configuration (topology, restarts, resume
+mode, directory layout, another run's checkpoints in checkpoint_dir, data kind, spike guard,
+accumulation, activation checkpointing, tiled MLP, comm hook, save schedule, keep_last, stop
+rule), a fault and a moment. It trains the tiny built-in GPT (10 or 12 steps, 6 steps an epoch)
+with that fault, relaunches once with ``resume=auto`` when the run stopped without a FATAL (as a
+user or a scheduler would), and checks:
+
+- nothing_lost: files outside the run's own directories, and another lineage's checkpoints, are
+  unchanged; every manifest entry exists; the logs and the export exist after a finished run;
+  an uninterrupted run writes every checkpoint its schedule makes due;
+- equivalence: the final model_sha256 equals an uninterrupted reference run of the same
+  configuration (cached by the configuration's key); bit-exact, for the faults the README promises
+  it (not after nan, bad_data, full_disk: those change the result by design);
+- no_hang: every launch ends within a bound derived from the configuration;
+- explained: exit 0, or a FATAL marker / one-line ``fatal:``/``error:`` line; a user's mistake exits
+  2 without a traceback; a transient fault gets no FATAL and the relaunched run finishes;
+- accounting: read_metrics steps strictly increasing, its last loss equal to summary.json's; with
+  record_samples, no sample twice in an epoch, and each completed epoch's samples equal the
+  reference's.
+
+A failing trial is shrunk (one choice at a time moved to its simplest value while the trial still
+fails the same invariant) and printed as one command: ``python bench/explore.py --replay '<json>'``.
+
+usage: python bench/explore.py [--trials N] [--seed S] [--jobs J] [--out explore.json] [--no-shrink]
+       python bench/explore.py --replay '<json>'
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import hashlib
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+from fault_campaign import (  # noqa: E402  (its launch helpers, shared with the fault campaign)
+    EXCEPTION_LINE, checkpoint_temp, free_port, kill_matching, mount_tmpfs, processes_matching, torchrun_cmd,
+    unmount, worker_env)
+
+# --- the trial's run: the tiny model, 6 steps an epoch ------------------------------------------
+STEPS_PER_EPOCH, MAX_STEPS, NUM_EPOCHS, EVAL_EVERY = 6, 10, 2, 4
+BATCH = 4
+BASE = dict(vocab_size=32, hidden_size=32, num_layers=2, num_heads=2, seq_len=16, batch_size=BATCH, dropout=0.1,
+            eval_interval=EVAL_EVERY, eval_steps=2, log_interval=1, deterministic=True, record_samples=True,
+            tensorboard=False, target_loss=0.0, learning_rate=2e-3, warmup_steps=2, seed=5,
+            spike_warmup=3, spike_window=3, spike_threshold=4.0, straggler_interval=0,
+            consistency_check_interval=0)
+HANG_TIMEOUTS = dict(step_timeout_s=3, step_timeout_factor=2)
+FOREIGN_LR, FOREIGN_STEPS = 5e-3, 4  # the other run whose checkpoints a checkpoint_dir may hold
+
+# The dimensions; the first value of each is the simplest (shrinking moves toward it).
+DIMS = {
+    "topology": ["1", "1x2", "2x1"],
+    "max_restarts": [0, 2],
+    "resume": ["auto", "none", "path"],
+    "layout": ["apart", "default_export", "nested", "shared"],
+    "foreign": [False, True],
+    "data": ["map0", "map2", "stream"],
+    "spike_guard": ["off", "warn", "rollback"],
+    "accum": [1, 2],
+    "act_ckpt": ["off", "non_reentrant", "reentrant", "offload"],
+    "tiled_mlp": [0, 2],
+    "comm_hook": ["none", "fp16", "bf16", "powersgd"],
+    "save_every_steps": [4, 0, 3],
+    "save_interval": [0, 1],
+    "keep_last": [3, 1, 2],
+    "stop": ["max_steps", "num_epochs"],
+}
+LAYOUTS = {
+    "apart": "checkpoint_dir, log_dir and export_dir side by side",
+    "default_export": "export_dir left to its default (checkpoint_dir/export)",
+    "nested": "export_dir=runs/x, checkpoint_dir=runs/x/checkpoints, log_dir=runs/x/logs",
+    "shared": "checkpoint_dir = log_dir = export_dir",
+}
+
+
+@dataclass(frozen=True)
+class Fault:
+    what: str
+    moments: tuple          # where it may be delivered
+    transient: bool = True  # a restart or relaunch must finish the run, with no FATAL
+    exact: bool = True      # the final model must equal the reference's
+
+
+STEP_MOMENTS = ("startup", "mid_step", "epoch_boundary")
+ALL_MOMENTS = ("startup", "mid_step", "epoch_boundary", "eval", "ckpt_write", "rollback", "final_save", "export")
+FAULTS = {
+    "none": Fault("no fault", ("startup",)),
+    "kill9_worker": Fault("kill -9 of the last rank's worker (fault_inject sigkill, or a signal on a log line)",
+                          ALL_MOMENTS),
+    "kill9_agent": Fault("kill -9 of the last node's torchrun agent", ALL_MOMENTS),
+    "kill9_node": Fault("kill -9 of the last node's agent and its workers", ALL_MOMENTS),
+    "sigterm_worker": Fault("SIGTERM to the last rank's worker", ALL_MOMENTS),
+    "sigterm_launcher": Fault("SIGTERM to ./launch_training.sh", ALL_MOMENTS),
+    "hang": Fault("fault_inject hang on the last rank (step_timeout_s=3, factor 2)",
+                  ("startup", "mid_step", "epoch_boundary", "eval", "ckpt_write", "final_save")),
+    "nan": Fault("fault_inject nan in the last rank's gradients", STEP_MOMENTS, exact=False),
+    "bad_data": Fault("fault_inject bad_data on the last rank", STEP_MOMENTS, exact=False),
+    "kill_dl_worker": Fault("fault_inject kill_worker: a DataLoader worker killed in backward", STEP_MOMENTS),
+    "corrupt_newest": Fault("the newest step file truncated to half, then kill -9 of the last worker",
+                            ("mid_step", "epoch_boundary", "eval", "final_save", "export")),
+    "unreadable_newest": Fault("the newest step file replaced by a directory (EISDIR on read), then kill -9 of "
+                               "the last worker", ("mid_step", "epoch_boundary", "eval", "final_save", "export")),
+    "second_launch": Fault("the same command launched again into the same directories", ("startup", "mid_step")),
+    "user_error": Fault("dataset_size smaller than one global batch (a user's mistake): --check-config must "
+                        "refuse it with exit 2 and one line", ("startup",),
+                        transient=False, exact=False),
+    "full_disk": Fault("checkpoint_dir on a tmpfs that fits two checkpoints", ("ckpt_write",),
+                       transient=False, exact=False),
+}
+INVARIANTS = ("nothing_lost", "equivalence", "no_hang", "explained", "accounting")
+NOT_COVERED = [
+    "SIGHUP / SIGUSR1 to the launcher, a double SIGTERM (the fault campaign has the latter)",
+    "an OOM (fault_inject oom needs CUDA to matter), a straggler (slow), a one-ulp divergence",
+    "EIO/ESTALE from a network file system (an unreadable file is simulated by a directory)",
+    "torch.compile, fp16/bf16 autocast, user models and HF models (tests/test_user_pieces.py and others)",
+    "more than 2 ranks, multi-process nodes on 2 nodes (2x2), GPUs",
+    "resume=PATH to a checkpoint of this run's own lineage (PATH is always another run's checkpoint here)",
+]
+
+
+# --- drawing a trial ----------------------------------------------------------------------------
+def world(cfg: dict) -> int:
+    return 1 if cfg["topology"] == "1" else 2
+
+
+def total_steps(cfg: dict) -> int:
+    return MAX_STEPS if cfg["stop"] == "max_steps" or cfg["data"] == "stream" else NUM_EPOCHS * STEPS_PER_EPOCH
+
+
+def is_finished(cfg: dict, summary: dict | None) -> bool:
+    """The run reached its end: max_steps, or every epoch (fewer steps when a rollback excluded
+    samples), and was not preempted."""
+    if not summary or summary.get("preempted"):
+        return False
+    if cfg["stop"] == "num_epochs" and cfg["data"] != "stream":
+        return summary.get("epochs", 0) >= NUM_EPOCHS - 1e-9 and summary.get("steps", 0) <= total_steps(cfg)
+    return summary.get("steps") == total_steps(cfg)
+
+
+def periodic_saves(cfg: dict) -> list[int]:
+    """The steps whose checkpoints the schedule makes due, the final one excluded."""
+    n, due = total_steps(cfg), set()
+    if cfg["save_every_steps"]:
+        due |= set(range(cfg["save_every_steps"], n, cfg["save_every_steps"]))
+    if cfg["save_interval"]:
+        due |= set(range(STEPS_PER_EPOCH, n, STEPS_PER_EPOCH))
+    return sorted(due)
+
+
+def start_step(cfg: dict) -> int:
+    """The step a fresh launch starts from: the other run's checkpoint where it resumes one."""
+    return FOREIGN_STEPS if cfg["resume"] == "path" or (cfg["resume"] == "auto" and cfg["foreign"]) else 0
+
+
+def moment_step(cfg: dict, fault: str, moment: str) -> int | None:
+    """The step K of the fault, or None where the moment does not exist in this configuration."""
+    n, start = total_steps(cfg), start_step(cfg)
+    if moment == "startup":
+        return start
+    if moment == "mid_step":
+        return start + 3
+    if moment == "epoch_boundary":
+        return STEPS_PER_EPOCH - 1 if fault == "kill_dl_worker" else STEPS_PER_EPOCH
+    if moment == "eval":
+        return (start // EVAL_EVERY + 1) * EVAL_EVERY
+    if moment == "ckpt_write":
+        saves = [s for s in periodic_saves(cfg) if s > start]
+        return saves[0] if saves else None
+    if moment == "rollback":
+        saves = [s for s in periodic_saves(cfg) if start < s < 7]
+        return 7 if cfg["spike_guard"] == "rollback" and saves else None
+    if moment in ("final_save", "export"):
+        return n
+    raise ValueError(moment)
+
+
+def applicable(trial: dict) -> str | None:
+    """None when the trial can run as drawn, else why not."""
+    cfg, fault, moment = trial["config"], trial["fault"], trial["moment"]
+    spec = FAULTS[fault]
+    if moment not in spec.moments:
+        return f"{fault} is not delivered at {moment}"
+    if moment_step(cfg, fault, moment) is None:
+        return f"no {moment} moment in this configuration"
+    if cfg["topology"] == "1" and cfg["comm_hook"] == "powersgd":
+        return "powersgd needs 2 ranks to compress anything"
+    if fault == "sigterm_launcher" and (cfg["topology"] == "2x1" or cfg["data"] == "stream"):
+        return "launch_training.sh starts one node of ddp_training.py"
+    if fault in ("kill9_agent", "kill9_node") and cfg["topology"] == "1" and cfg["max_restarts"] == 0:
+        pass  # run under torchrun all the same: the agent is what is killed
+    if fault == "kill_dl_worker" and cfg["data"] != "map2":
+        return "kill_worker needs DataLoader workers"
+    if fault == "second_launch" and cfg["topology"] == "2x1":
+        return "second_launch: one node"
+    if fault == "full_disk" and (cfg["layout"] in ("nested", "shared") or cfg["foreign"] or cfg["resume"] == "path"):
+        return "full_disk mounts a tmpfs on a checkpoint_dir of its own"
+    if cfg["spike_guard"] == "rollback" and not cfg["save_every_steps"]:
+        return "spike_guard=rollback needs save_every_steps > 0: refused at --check-config by design"
+    if cfg["data"] == "stream" and cfg["spike_guard"] == "rollback":
+        return "a rollback excludes samples by index: refused for a stream by design (spike.py)"
+    if moment == "rollback" and fault in ("nan", "bad_data", "kill_dl_worker"):
+        return "the rollback moment is a process fault after a bad_data spike"
+    return None
+
+
+def draw(rng: random.Random) -> dict:
+    while True:
+        cfg = {k: rng.choice(v) for k, v in DIMS.items()}
+        fault = rng.choice(list(FAULTS))
+        moment = rng.choice(FAULTS[fault].moments)
+        trial = {"config": cfg, "fault": fault, "moment": moment}
+        if applicable(trial) is None:
+            return trial
+
+
+# --- where a trial's files go -------------------------------------------------------------------
+@dataclass
+class Layout:
+    work: Path
+    ck: Path
+    logs: Path
+    export: Path | None  # None: the default, checkpoint_dir/export
+    sentinels: list[Path] = field(default_factory=list)
+
+    def own_dirs(self) -> list[Path]:
+        return [p for p in (self.ck, self.logs, self.export or self.ck / "export")]
+
+
+def make_layout(work: Path, cfg: dict) -> Layout:
+    x = work / "runs" / "x"
+    kind = cfg["layout"]
+    if kind == "apart":
+        lay = Layout(work, x / "ck", x / "logs", x / "export")
+    elif kind == "default_export":
+        lay = Layout(work, x / "ck", x / "logs", None)
+    elif kind == "nested":
+        lay = Layout(work, x / "checkpoints", x / "logs", x)
+    else:
+        lay = Layout(work, x, x, x)
+    for d in (lay.ck, lay.logs):
+        d.mkdir(parents=True, exist_ok=True)
+    # A user's files: beside the run, and inside the directory the run's directories sit in.
+    for path in (work / "notes.txt", x / "README.md", work / "runs" / "y" / "data.txt"):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(f"a user's file at {path.name}\n")
+        lay.sentinels.append(path)
+    return lay
+
+
+def config_args(trial: dict, lay: Layout, *, resume: str | None = None, foreign_path: Path | None = None) -> dict:
+    cfg, fault = trial["config"], trial["fault"]
+    w, accum = world(cfg), cfg["accum"]
+    args = dict(BASE, dataset_size=BATCH * STEPS_PER_EPOCH * w * accum, gradient_accumulation_steps=accum,
+                num_workers=2 * w if cfg["data"] == "map2" else 0, spike_guard=cfg["spike_guard"],
+                gradient_checkpointing=cfg["act_ckpt"], tiled_mlp_chunks=cfg["tiled_mlp"],
+                ddp_comm_hook=cfg["comm_hook"], save_every_steps=cfg["save_every_steps"],
+                save_interval=cfg["save_interval"], keep_last=cfg["keep_last"],
+                checkpoint_dir=str(lay.ck), log_dir=str(lay.logs))
+    if cfg["comm_hook"] == "powersgd":
+        args["powersgd_start_iter"] = 2
+    if lay.export is not None:
+        args["export_dir"] = str(lay.export)
+    if cfg["stop"] == "max_steps" or cfg["data"] == "stream":
+        args.update(max_steps=MAX_STEPS, num_epochs=NUM_EPOCHS)
+    else:
+        args.update(max_steps=0, num_epochs=NUM_EPOCHS)
+    mode = resume or cfg["resume"]
+    args["resume"] = str(foreign_path) if mode == "path" else mode
+    spec = injected(trial)
+    if spec:
+        args["fault_inject"] = spec
+    if fault == "hang":
+        args.update(HANG_TIMEOUTS)
+    if fault == "second_launch":  # slow steps (a sleep, the same model), so that the two launches overlap
+        args["fault_inject"] = "slow@step=0,ms=600,restart=*"
+    if fault == "user_error":
+        args["dataset_size"] = 2
+    return args
+
+
+def injected(trial: dict) -> str:
+    """The fault_inject spec of a trial whose fault the framework fires itself ('' if external)."""
+    cfg, fault, moment = trial["config"], trial["fault"], trial["moment"]
+    k, last = moment_step(cfg, fault, moment), world(cfg) - 1
+    spikes = "bad_data@step=7" if moment == "rollback" else ""
+    kinds = {"kill9_worker": "sigkill", "sigterm_worker": "sigterm", "hang": "hang", "nan": "nan",
+             "bad_data": "bad_data", "kill_dl_worker": "kill_worker"}
+    if fault not in kinds or moment in ("rollback", "export"):
+        return spikes
+    at = {"eval": ",at=eval", "ckpt_write": ",at=save", "final_save": ",at=save"}.get(moment, "")
+    return "; ".join(filter(None, [f"{kinds[fault]}@step={k},rank={last}{at}", spikes]))
+
+
+# --- launching ----------------------------------------------------------------------------------
+def flags(args: dict) -> list[str]:
+    return [part for key, value in args.items()
+            for part in (f"--{key.replace('_', '-')}", str(value).lower() if isinstance(value, bool) else str(value))]
+
+
+class Job:
+    """The agents (or the one process) of one launch of a trial, outputs in files."""
+
+    def __init__(self, trial: dict, args: dict, out: Path, tag: str):
+        cfg, fault = trial["config"], trial["fault"]
+        script = ROOT / ("bench/explore_stream.py" if cfg["data"] == "stream" else "ddp_training.py")
+        argv, w, restarts = flags(args), world(cfg), str(cfg["max_restarts"])
+        port = free_port()
+        self.env = worker_env()
+        if fault == "sigterm_launcher":
+            self.cmds = [[str(ROOT / "launch_training.sh"), "--cpu", "--nproc", str(w), "--max-restarts", restarts,
+                          "--", *argv]]
+            self.env = {k: v for k, v in self.env.items() if k != "PYTHONPATH"} | {"PYTHON": sys.executable}
+        elif cfg["topology"] == "1" and cfg["max_restarts"] == 0 and fault not in ("kill9_agent", "kill9_node"):
+            self.cmds = [[sys.executable, str(script), *argv]]
+        elif cfg["topology"] == "2x1":
+            self.cmds = []
+            for _ in range(2):
+                cmd = torchrun_cmd(script, argv, nproc=1, port=port,
+                                   extra=["--max-restarts", restarts, "--rdzv-id", f"ex-{port}"])
+                cmd[cmd.index("--nnodes") + 1] = "2"
+                self.cmds.append(cmd)
+        else:
+            self.cmds = [torchrun_cmd(script, argv, nproc=w, port=port, extra=["--max-restarts", restarts])]
+        self.procs, self.errs = [], []
+        for node, cmd in enumerate(self.cmds):
+            err = out / f"{tag}.node{node}.err"
+            with open(out / f"{tag}.node{node}.out", "wb") as fo, open(err, "wb") as fe:
+                self.procs.append(subprocess.Popen(cmd, cwd=ROOT, env=self.env, stdout=fo, stderr=fe,
+                                                   start_new_session=True))
+            self.errs.append(err)
+
+    def done(self) -> bool:
+        return all(p.poll() is not None for p in self.procs)
+
+    def codes(self) -> list[int | None]:
+        return [p.poll() for p in self.procs]
+
+    def stderr(self) -> str:
+        return "".join(e.read_text(errors="replace") for e in self.errs if e.exists())
+
+    def workers(self) -> dict[int, psutil.Process]:
+        found = {}
+        for agent in self.procs:
+            try:
+                procs = [psutil.Process(agent.pid), *psutil.Process(agent.pid).children(recursive=True)]
+            except psutil.NoSuchProcess:
+                continue
+            for proc in procs:
+                try:
+                    env = proc.environ()
+                except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                    continue
+                if "RANK" in env and "TORCHELASTIC_RESTART_COUNT" in env:
+                    found[int(env["RANK"])] = proc
+                elif len(self.cmds) == 1 and proc.pid == agent.pid and "ddp_training.py" in " ".join(self.cmds[0]):
+                    found.setdefault(0, proc)  # a plain process is rank 0 itself
+        return found
+
+    def kill(self, marker: str) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+        kill_matching(marker)
+        for proc in self.procs:
+            proc.wait()
+
+
+_tails: dict[Path, tuple[int, str]] = {}
+_tails_lock = threading.Lock()
+
+
+def log_has(lay: Layout, needle: str) -> bool:
+    """Whether rank 0's log holds ``needle``; reads only what was appended since the last call."""
+    path = lay.logs / "rank_0.log"
+    with _tails_lock:
+        offset, text = _tails.get(path, (0, ""))
+        try:
+            with open(path, "rb") as f:
+                f.seek(offset)
+                new = f.read()
+        except FileNotFoundError:
+            return False
+        text += new.decode(errors="replace")
+        _tails[path] = (offset + len(new), text)
+    return needle in text
+
+
+def moment_reached(trial: dict, lay: Layout):
+    """A condition, truthy once the trial's moment has come (for the external faults)."""
+    cfg, fault, moment = trial["config"], trial["fault"], trial["moment"]
+    k, n = moment_step(cfg, fault, moment), total_steps(cfg)
+    if moment == "startup":
+        return lambda: log_has(lay, "process group up") or log_has(lay, "data:")
+    if moment in ("mid_step", "epoch_boundary"):
+        return lambda: log_has(lay, f"step {k}/{n} ")
+    if moment == "eval":
+        return lambda: log_has(lay, f"evaluating at step {k}")
+    if moment == "ckpt_write":
+        return lambda: checkpoint_temp(lay.ck, [k]) or log_has(lay, f"checkpoint step {k} written")
+    if moment == "rollback":
+        return lambda: log_has(lay, "rolled back to the checkpoint")
+    if moment == "final_save":
+        return lambda: checkpoint_temp(lay.ck, [n]) or log_has(lay, f"step {n} | val_loss")
+    if moment == "export":
+        return lambda: log_has(lay, f"checkpoint step {n} written")
+    raise ValueError(moment)
+
+
+def newest_own_step_file(lay: Layout, foreign: set[str]) -> Path | None:
+    files = sorted(p for p in lay.ck.glob("step_*.pt") if p.name not in foreign and p.is_file())
+    return files[-1] if files else None
+
+
+def deliver(trial: dict, job: Job, lay: Layout, foreign: set[str], notes: list[str]) -> bool:
+    """Deliver an external fault now; False when its target is gone."""
+    fault, last = trial["fault"], world(trial["config"]) - 1
+    workers = job.workers()
+    try:
+        if fault in ("kill9_worker", "sigterm_worker", "corrupt_newest", "unreadable_newest"):
+            if last not in workers:
+                return False
+            if fault in ("corrupt_newest", "unreadable_newest"):
+                newest = newest_own_step_file(lay, foreign)
+                if newest is None:
+                    notes.append("no step file of this run to damage")
+                    return False
+                if fault == "corrupt_newest":
+                    os.truncate(newest, newest.stat().st_size // 2)
+                else:
+                    newest.rename(lay.work / f"aside-{newest.name}")
+                    newest.mkdir()
+                notes.append(f"damaged {newest.name}")
+            os.kill(workers[last].pid, signal.SIGTERM if fault == "sigterm_worker" else signal.SIGKILL)
+        elif fault in ("kill9_agent", "kill9_node"):
+            agent = job.procs[-1]
+            children = psutil.Process(agent.pid).children(recursive=True) if fault == "kill9_node" else []
+            os.kill(agent.pid, signal.SIGKILL)
+            for child in children:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    child.kill()
+        elif fault == "sigterm_launcher":
+            os.kill(job.procs[0].pid, signal.SIGTERM)
+        else:
+            raise ValueError(fault)
+    except (ProcessLookupError, psutil.NoSuchProcess):
+        return False
+    return True
+
+
+def bound_s(trial: dict) -> float:
+    """How long one launch may take before it counts as a hang: start-up under load, the steps,
+    each torchrun restart, and the hang watchdog."""
+    cfg = trial["config"]
+    per_incarnation = 45.0 + 3.0 * total_steps(cfg) * cfg["accum"]
+    # After an agent dies on 2 nodes, the other agent waits out torchrun's 300 s exit barrier (a
+    # known limit, see the fault campaign).
+    barrier = 330.0 if trial["fault"] in ("kill9_agent", "kill9_node") and cfg["topology"] == "2x1" else 0.0
+    return per_incarnation * (1 + cfg["max_restarts"]) + (20.0 if trial["fault"] == "hang" else 0.0) + barrier
+
+
+# --- reading what a run left --------------------------------------------------------------------
+def sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def read_summary(lay: Layout) -> dict | None:
+    try:
+        return json.loads((lay.logs / "summary.json").read_text())
+    except (FileNotFoundError, ValueError, NotADirectoryError):
+        return None
+
+
+def samples_by_epoch(lay: Layout, w: int) -> tuple[dict[int, collections.Counter], int]:
+    """epoch -> Counter of committed sample indices, the last record of each (epoch, step, rank)
+    winning; and the number of torn lines."""
+    records, torn = {}, 0
+    for rank in range(w):
+        path = lay.logs / f"samples_rank_{rank}.jsonl"
+        if not path.exists():
+            continue
+        for line in path.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+                records[(rec["epoch"], rec["step"], rank)] = rec["indices"]
+            except (ValueError, KeyError, TypeError):
+                torn += 1
+    out: dict[int, collections.Counter] = {}
+    for (epoch, _step, _rank), indices in records.items():
+        out.setdefault(epoch, collections.Counter()).update(indices)
+    return out, torn
+
+
+def metrics_rows(lay: Layout) -> list[dict] | None:
+    from framework.metrics import read_metrics
+    path = lay.logs / "metrics.jsonl"
+    return read_metrics(path) if path.is_file() else None
+
+
+def written_steps(lay: Layout) -> set[int]:
+    try:
+        text = (lay.logs / "rank_0.log").read_text(errors="replace")
+    except FileNotFoundError:
+        return set()
+    return {int(m.group(1)) for m in re.finditer(r"checkpoint step (\d+) written", text)}
+
+
+# --- one run of a trial (the trial itself, or its reference) ------------------------------------
+_foreign_lock = threading.Lock()
+_foreign_cache: dict[tuple, Path] = {}
+
+
+def foreign_template(cfg: dict, workdir: Path) -> Path:
+    """The checkpoint_dir of another run: an earlier run on the same data with another learning
+    rate, stopped after FOREIGN_STEPS steps with a checkpoint every 2. Made once per world size,
+    accumulation and data kind, and copied into every trial that needs one."""
+    w, accum, stream = world(cfg), cfg["accum"], cfg["data"] == "stream"
+    with _foreign_lock:
+        key = (w, accum, stream)
+        if key in _foreign_cache:
+            return _foreign_cache[key]
+        out = workdir / f"foreign-{w}-{accum}-{int(stream)}"
+        shutil.rmtree(out, ignore_errors=True)
+        args = dict(BASE, learning_rate=FOREIGN_LR, dataset_size=BATCH * STEPS_PER_EPOCH * w * accum,
+                    gradient_accumulation_steps=accum, num_workers=0, max_steps=FOREIGN_STEPS, save_every_steps=2,
+                    keep_last=3, export_dir="none", checkpoint_dir=str(out / "ck"), log_dir=str(out / "logs"),
+                    resume="none")
+        script = ROOT / ("bench/explore_stream.py" if stream else "ddp_training.py")
+        argv = [sys.executable, str(script), *flags(args)]
+        if w > 1:
+            argv = torchrun_cmd(script, flags(args), nproc=w)
+        proc = subprocess.run(argv, cwd=ROOT, env=worker_env(), capture_output=True, text=True, timeout=300)
+        if proc.returncode != 0:
+            raise SystemExit(f"the other run (for a checkpoint_dir that holds one) failed:\n{proc.stderr[-3000:]}")
+        _foreign_cache[key] = out / "ck"
+        return out / "ck"
+
+
+def run_trial(trial: dict, workdir: Path, *, reference: bool = False) -> dict:
+    """Run ``trial`` (with its fault, or none for a reference) and return what it left."""
+    cfg = trial["config"]
+    if reference:
+        trial = {"config": cfg, "fault": "none", "moment": "startup"}
+    fault = trial["fault"]
+    work = Path(tempfile.mkdtemp(prefix="ref-" if reference else "trial-", dir=workdir))
+    lay = make_layout(work, cfg)
+    foreign_files: dict[str, str] = {}
+    foreign_path = None
+    if cfg["foreign"] or cfg["resume"] == "path":
+        template = foreign_template(cfg, workdir)
+        if cfg["foreign"]:
+            for f in template.glob("step_*.pt"):
+                shutil.copy2(f, lay.ck / f.name)
+            shutil.copy2(template / "manifest.json", lay.ck / "manifest.json")
+            foreign_files = {f.name: sha(lay.ck / f.name) for f in template.glob("step_*.pt")}
+        foreign_path = work / "elsewhere" / "step_00000004.pt"
+        foreign_path.parent.mkdir()
+        shutil.copy2(template / "step_00000004.pt", foreign_path)
+        lay.sentinels.append(foreign_path)
+    sentinels = {str(p): sha(p) for p in lay.sentinels}
+    res = {"dir": str(work), "launches": [], "notes": [], "hit": None, "timed_out": False}
+    mounted = False
+    if fault == "full_disk":
+        why = mount_tmpfs(lay.ck, 1000)
+        if why:
+            res["notes"].append(f"no tmpfs: {why}")
+        else:
+            mounted = True
+    marker = str(work) + "/"
+    if fault == "user_error":  # the user's pre-flight, as launch_training.sh runs it before torchrun
+        args = config_args(trial, lay, foreign_path=foreign_path)
+        start = time.monotonic()
+        proc = subprocess.run([sys.executable, str(ROOT / "ddp_training.py"), "--check-config", *flags(args)],
+                              cwd=ROOT, env=worker_env(), capture_output=True, text=True, timeout=120)
+        res["launches"].append({"codes": [proc.returncode], "timed_out": False, "stderr": proc.stderr[-6000:],
+                                "wall_s": round(time.monotonic() - start, 1), "left_behind": 0})
+        res.update(verdict_inputs(trial, lay, sentinels, foreign_files))
+        return res
+    try:
+        for attempt in (0, 1):
+            args = config_args(trial, lay, resume="auto" if attempt else None, foreign_path=foreign_path)
+            if attempt:
+                args.pop("fault_inject", None)  # fault_inject fires in the first incarnation only, anyway
+            job = Job(trial, args, work, f"launch{attempt}")
+            launch = run_job(trial, job, lay, set(foreign_files), marker, res, external=attempt == 0)
+            res["launches"].append(launch)
+            if launch["timed_out"]:
+                res["timed_out"] = True
+                break
+            summary = read_summary(lay)
+            finished = is_finished(cfg, summary)
+            fatal = marker_text(lay, "FATAL")
+            clean = finished and all(c == 0 for c in launch["codes"])
+            if clean or fatal or attempt or 2 in launch["codes"] or fault == "user_error":
+                break
+            res["relaunched"] = True
+    finally:
+        kill_matching(marker)
+        if injected(trial) and res["hit"] is None:
+            res["hit"] = any("fault injection: " in p.read_text(errors="replace") for p in lay.logs.glob("rank_*.log"))
+            if not res["hit"]:
+                res["notes"].append("fault_inject never fired")
+        res.update(verdict_inputs(trial, lay, sentinels, foreign_files))
+        if mounted:
+            unmount(lay.ck)
+    return res
+
+
+def marker_text(lay: Layout, name: str) -> str | None:
+    try:
+        return (lay.ck / name).read_text(errors="replace").strip()
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+        return None
+
+
+def run_job(trial, job: Job, lay: Layout, foreign: set[str], marker: str, res: dict, *, external: bool) -> dict:
+    fault = trial["fault"]
+    start, bound = time.monotonic(), bound_s(trial)
+    needs_signal = external and fault in ("kill9_worker", "kill9_agent", "kill9_node", "sigterm_worker",
+                                          "sigterm_launcher", "corrupt_newest", "unreadable_newest",
+                                          "second_launch") and not injected_fully(trial)
+    condition = moment_reached(trial, lay) if needs_signal else None
+    second, second_ended = None, None
+    timed_out = False
+    while not job.done():
+        if second is not None and second_ended is None and second.done():
+            second_ended = time.monotonic()  # while the first launch still runs
+        if condition is not None and condition():
+            condition = None
+            if fault == "second_launch":
+                args = config_args(trial, lay, foreign_path=Path(res["dir"]) / "elsewhere" / "step_00000004.pt")
+                second = Job(trial, args, Path(res["dir"]), "second")
+                res["hit"] = True
+            else:
+                res["hit"] = deliver(trial, job, lay, foreign, res["notes"])
+                res["fault_at_s"] = round(time.monotonic() - start, 1)
+        if time.monotonic() - start > bound:
+            timed_out = True
+            break
+        time.sleep(0.01 if condition is not None else 0.1)
+    if condition is not None and res["hit"] is None:
+        res["hit"] = False
+        res["notes"].append("the run ended before the moment came")
+    if second is not None:
+        while not second.done() and time.monotonic() - start < bound:
+            time.sleep(0.05)
+        if not second.done():
+            timed_out = True
+        res["second"] = {"codes": second.codes(), "stderr_tail": second.stderr()[-1500:],
+                         "ended_while_first_ran": second_ended is not None}
+        second.kill(marker + "__none__")
+    if timed_out:
+        res["notes"].append(f"launch still running after {bound:.0f} s; killed")
+        job.kill(marker)
+    else:
+        time.sleep(0.3)
+    return {"codes": job.codes(), "timed_out": timed_out, "wall_s": round(time.monotonic() - start, 1),
+            "stderr": job.stderr()[-6000:], "left_behind": len(processes_matching(marker))}
+
+
+def injected_fully(trial: dict) -> bool:
+    """The fault is fired by fault_inject alone (no external signal)."""
+    return trial["fault"] in ("kill9_worker", "sigterm_worker") and trial["moment"] not in ("rollback", "export")
+
+
+def verdict_inputs(trial: dict, lay: Layout, sentinels: dict, foreign_files: dict) -> dict:
+    cfg = trial["config"]
+    changed = []
+    for path, digest in sentinels.items():
+        p = Path(path)
+        if not p.is_file() or sha(p) != digest:
+            changed.append(f"{path} {'deleted' if not p.exists() else 'changed'}")
+    for name, digest in foreign_files.items():
+        p = lay.ck / name
+        if not p.is_file() or sha(p) != digest:
+            changed.append(f"another run's {name} {'deleted' if not p.exists() else 'changed'}")
+    manifest_missing = []
+    try:
+        entries = json.loads((lay.ck / "manifest.json").read_text())
+        manifest_missing = [e["file"] for e in entries if not (lay.ck / e["file"]).exists()]
+    except (FileNotFoundError, ValueError, NotADirectoryError, TypeError, KeyError):
+        entries = None
+    samples, torn = samples_by_epoch(lay, world(cfg))
+    export = lay.export or lay.ck / "export"
+    return {"changed": changed, "manifest_present": entries is not None, "manifest_missing": manifest_missing,
+            "summary": read_summary(lay), "fatal": marker_text(lay, "FATAL"),
+            "preempted_marker": marker_text(lay, "PREEMPTED") is not None,
+            "metrics": metrics_rows(lay), "samples": {str(k): dict(v) for k, v in samples.items()}, "torn": torn,
+            "written_steps": sorted(written_steps(lay)),
+            "logs_present": {n: (lay.logs / n).is_file() for n in ("rank_0.log", "metrics.jsonl", "summary.json")},
+            "export_present": (export / "model.safetensors").is_file(),
+            "resumed_foreign": resumed_foreign(lay, foreign_files)}
+
+
+def resumed_foreign(lay: Layout, foreign_files: dict) -> bool:
+    """Whether a launch resumed from one of the other run's checkpoints."""
+    log_path = lay.logs / "rank_0.log"
+    if not foreign_files or not log_path.is_file():
+        return False
+    names = "|".join(map(re.escape, foreign_files))
+    return re.search(rf"resuming from \S*/({names})\b", log_path.read_text(errors="replace")) is not None
+
+
+# --- the invariants ------------------------------------------------------------------------------
+def check(trial: dict, res: dict, ref: dict | None) -> dict[str, str | None]:
+    """invariant -> None (holds), 'n/a', or what broke it. Pure: works on recorded results."""
+    ctx = Context(trial, res, ref)
+    return {"nothing_lost": nothing_lost(ctx), "equivalence": equivalence(ctx), "no_hang": no_hang(ctx),
+            "explained": explained(ctx), "accounting": accounting(ctx)}
+
+
+class Context:
+    """What every invariant reads about one trial's result."""
+
+    def __init__(self, trial: dict, res: dict, ref: dict | None):
+        self.trial, self.res, self.ref = trial, res, ref
+        self.cfg, self.fault = trial["config"], trial["fault"]
+        self.spec, self.n = FAULTS[self.fault], total_steps(self.cfg)
+        self.summary = res.get("summary")
+        self.finished = is_finished(self.cfg, self.summary)
+        self.last = res["launches"][-1] if res.get("launches") else {"codes": [], "stderr": ""}
+
+
+def joined(problems: list[str]) -> str | None:
+    return "; ".join(dict.fromkeys(problems)) or None
+
+
+def nothing_lost(c: Context) -> str | None:
+    res = c.res
+    problems = list(res.get("changed", []))
+    if res.get("manifest_missing"):
+        problems.append(f"manifest lists missing files {res['manifest_missing']}")
+    if c.finished or (exit_ok(c.fault, res) and c.fault != "user_error"):
+        missing_logs = [k for k, v in res.get("logs_present", {}).items() if not v]
+        if missing_logs:
+            problems.append(f"log_dir lacks {missing_logs} after the run finished")
+        if not res.get("manifest_present"):
+            problems.append("checkpoint_dir has no manifest.json after the run finished")
+        if not res.get("export_present"):
+            problems.append("no exported model.safetensors after the run finished")
+        if c.fault == "none":
+            skipped = sorted(s for s in set(periodic_saves(c.cfg)) - set(res.get("written_steps", []))
+                             if s > start_step(c.cfg))
+            if skipped:
+                problems.append(f"due checkpoints never written: steps {skipped}")
+    return joined(problems)
+
+
+def equivalence(c: Context) -> str | None:
+    if not c.spec.exact:
+        return "n/a"
+    if c.ref is None or not c.ref.get("finished"):
+        return "n/a" if not c.finished else None
+    if c.res.get("resumed_foreign") and c.cfg["resume"] != "auto":
+        return "n/a"  # the relaunch's resume=auto picked the other run's newer checkpoint, as documented
+    if not c.finished:
+        return "n/a"  # judged by 'explained'
+    if c.summary["model_sha256"] != c.ref["model_sha256"]:
+        return f"model_sha256 {c.summary['model_sha256'][:12]} != reference {c.ref['model_sha256'][:12]}"
+    return None
+
+
+def no_hang(c: Context) -> str | None:
+    launches = c.res.get("launches", [])
+    hung = [i for i, launch in enumerate(launches) if launch["timed_out"]]
+    left = sum(launch.get("left_behind", 0) for launch in launches)
+    second = c.res.get("second")
+    if second and None in second["codes"]:
+        return "the second launch did not end"
+    return (f"launch {hung} ran past its bound of {bound_s(c.trial):.0f} s" if hung else
+            f"{left} process(es) left behind" if left else None)
+
+
+def explained(c: Context) -> str | None:
+    res, stderr, codes = c.res, c.last.get("stderr", ""), c.last["codes"]
+    problems = []
+    if c.fault == "user_error":
+        if 2 not in codes:
+            problems.append(f"a user's mistake (dataset_size=2, batch_size={BATCH}) passed --check-config "
+                            f"(exit {codes})")
+        if "Traceback" in stderr:
+            problems.append("a user's mistake printed a traceback: " + tail_error(stderr))
+    elif exit_ok(c.fault, res):
+        if c.summary is not None and not c.finished:
+            problems.append(f"exit 0, but the run ended at step {c.summary.get('steps')} of {c.n}"
+                            + (" (preempted, after the relaunch too)" if c.summary.get("preempted") else ""))
+    else:
+        why = res.get("fatal") or next((ln for ln in stderr.splitlines() if ln.startswith(("fatal:", "error:"))),
+                                       None)
+        if not why and not res.get("timed_out"):
+            problems.append(f"stopped (exit {codes}) without a FATAL or one-line reason: {tail_error(stderr)}")
+        if c.spec.transient and not res.get("timed_out"):
+            problems.append(f"a transient fault ({c.fault}) was not survived: {(why or '')[:300]}")
+    if c.spec.transient and res.get("fatal"):
+        problems.append(f"FATAL after a transient fault: {res['fatal'][:300]}")
+    second = res.get("second")
+    if second and ((0 in second["codes"] and second["ended_while_first_ran"]) or "Traceback" in second["stderr_tail"]):
+        problems.append(f"the second launch exited {second['codes']}: {tail_error(second['stderr_tail'])}")
+    return joined(problems)
+
+
+def accounting(c: Context) -> str | None:
+    res, problems = c.res, []
+    rows = res.get("metrics")
+    if rows:
+        steps = [r["step"] for r in rows]
+        repeats = [b for a, b in zip(steps, steps[1:], strict=False) if b <= a]
+        if repeats:
+            problems.append(f"read_metrics steps not increasing (again at {repeats[:5]})")
+        losses = [r for r in rows if "train/loss" in r]
+        if c.finished and losses and losses[-1]["train/loss"] != c.summary.get("final_train_loss"):
+            problems.append(f"last metrics loss {losses[-1]['train/loss']} != summary's "
+                            f"{c.summary.get('final_train_loss')}")
+    elif c.finished:
+        problems.append("no metrics.jsonl")
+    if c.cfg["data"] == "stream":
+        return joined(problems)  # a stream's samples have no indices to account for
+    for epoch, counts in res.get("samples", {}).items():
+        twice = sorted(int(i) for i, n in counts.items() if n > 1)
+        if twice:
+            problems.append(f"epoch {epoch}: samples seen twice {twice[:8]}")
+    if c.spec.exact and c.finished and c.ref and c.ref.get("finished"):
+        done_epochs = c.n // STEPS_PER_EPOCH if c.cfg["stop"] == "num_epochs" else MAX_STEPS // STEPS_PER_EPOCH
+        for epoch in map(str, range(done_epochs)):
+            got, want = set(res["samples"].get(epoch, {})), set(c.ref["samples"].get(epoch, {}))
+            if got != want:
+                problems.append(f"epoch {epoch}: {len(want - got)} samples missing, {len(got - want)} extra")
+    return joined(problems)
+
+
+def exit_ok(fault: str, res: dict) -> bool:
+    """The last launch exited 0 (an agent's own exit by the kill we sent it excepted)."""
+    launches = res.get("launches") or [{"codes": [None]}]
+    return all(c == 0 or (fault in ("kill9_agent", "kill9_node") and c == -9 and len(launches) == 1)
+               for c in launches[-1]["codes"])
+
+
+def tail_error(stderr: str) -> str:
+    errors = [m.group(1).strip() for m in EXCEPTION_LINE.finditer(stderr)
+              if "ChildFailedError" not in m.group(1) and not m.group(1).strip().startswith("raise ")]
+    return (errors[-1] if errors else (stderr.strip().splitlines() or [""])[-1])[:300]
+
+
+# --- references (cached by the configuration's key) ---------------------------------------------
+def ref_key(cfg: dict) -> str:
+    """The choices that can change the final model (a save schedule only through a rollback)."""
+    keys = ["topology", "resume", "foreign", "data", "spike_guard", "accum", "act_ckpt", "tiled_mlp", "comm_hook",
+            "stop"]
+    if cfg["spike_guard"] == "rollback":
+        keys += ["save_every_steps", "save_interval", "keep_last"]
+    return json.dumps({k: cfg[k] for k in keys}, sort_keys=True)
+
+
+class References:
+    def __init__(self, workdir: Path):
+        self.workdir, self.cache, self.locks = workdir, {}, collections.defaultdict(threading.Lock)
+        self.guard = threading.Lock()
+
+    def get(self, trial: dict) -> dict:
+        key = ref_key(trial["config"])
+        with self.guard:
+            lock = self.locks[key]
+        with lock:
+            if key not in self.cache:
+                res = run_trial(trial, self.workdir, reference=True)
+                summary = res["summary"]
+                finished = is_finished(trial["config"], summary)
+                self.cache[key] = {"finished": finished, "model_sha256": (summary or {}).get("model_sha256"),
+                                   "samples": res["samples"], "dir": res["dir"],
+                                   "checks": check({**trial, "fault": "none", "moment": "startup"}, res, None)}
+                if finished:
+                    shutil.rmtree(res["dir"], ignore_errors=True)
+            return self.cache[key]
+
+
+def evaluate(trial: dict, refs: References, workdir: Path) -> dict:
+    """Run a trial and its reference; the verdict (invariant -> None | 'n/a' | problem)."""
+    if trial["fault"] == "user_error":
+        ref = None
+    else:
+        ref = refs.get(trial)
+    res = run_trial(trial, workdir)
+    verdict = check(trial, res, ref)
+    if ref is not None:  # a reference that itself breaks an invariant is this configuration's failure
+        for name, problem in ref["checks"].items():
+            if problem and problem != "n/a" and not verdict.get(name):
+                verdict[name] = f"(uninterrupted run) {problem}"
+    failed = [k for k, v in verdict.items() if v and v != "n/a"]
+    if not failed:
+        shutil.rmtree(res["dir"], ignore_errors=True)
+    return {"trial": trial, "verdict": verdict, "failed": failed, "hit": res.get("hit"), "notes": res["notes"],
+            "codes": [launch["codes"] for launch in res["launches"]], "dir": res["dir"],
+            "wall_s": sum(launch["wall_s"] for launch in res["launches"]), "second": res.get("second")}
+
+
+# --- shrinking ---------------------------------------------------------------------------------
+def simpler(trial: dict):
+    """Trials one choice simpler than ``trial``: each dimension at its simplest value, then no
+    fault, then the simplest moment of the fault."""
+    for dim, values in DIMS.items():
+        if trial["config"][dim] != values[0]:
+            yield {**trial, "config": {**trial["config"], dim: values[0]}}
+    if trial["fault"] != "none":
+        yield {**trial, "fault": "none", "moment": "startup"}
+    moments = FAULTS[trial["fault"]].moments
+    if trial["moment"] != moments[0]:
+        for m in moments[:moments.index(trial["moment"])]:
+            yield {**trial, "moment": m}
+
+
+def shrink(result: dict, run, budget: int = 8, log=print) -> dict:
+    """The smallest trial found that still fails one of ``result``'s invariants; ``run(trial)``
+    evaluates a candidate (``evaluate`` bound to the references and the work directory). A choice
+    whose simplification made the trial pass is not tried again."""
+    current, failed, runs, needed = result, set(result["failed"]), 0, set()
+    progress = True
+    while progress and runs < budget:
+        progress = False
+        for cand in simpler(current["trial"]):
+            change = changed_choice(current["trial"], cand)
+            if applicable(cand) is not None or change in needed:
+                continue
+            if runs >= budget:
+                break
+            runs += 1
+            attempt = run(cand)
+            if failed & set(attempt["failed"]):
+                log(f"    shrunk: {describe(cand)} still fails {sorted(failed & set(attempt['failed']))}")
+                if current is not result and current.get("dir"):
+                    shutil.rmtree(current["dir"], ignore_errors=True)
+                current, failed, progress = attempt, failed & set(attempt["failed"]), True
+                break
+            needed.add(change)
+            if attempt.get("dir"):
+                shutil.rmtree(attempt["dir"], ignore_errors=True)
+    return current
+
+
+def changed_choice(a: dict, b: dict) -> str:
+    diff = [k for k in a["config"] if a["config"][k] != b["config"][k]]
+    return diff[0] if diff else ("fault" if a["fault"] != b["fault"] else "moment")
+
+
+def signature(result: dict) -> tuple:
+    """What a failure looks like with paths, numbers and hashes left out: one shrink per kind."""
+    return tuple(sorted((k, re.sub(r"/\S+|[0-9a-f]{12,}|\d+", "#", result["verdict"][k])[:80])
+                        for k in result["failed"]))
+
+
+def repro(trial: dict) -> str:
+    return f"python bench/explore.py --replay '{json.dumps(trial, separators=(',', ':'))}'"
+
+
+def describe(trial: dict) -> str:
+    cfg = trial["config"]
+    return (f"{trial['fault']}@{trial['moment']} " + " ".join(f"{k}={v}" for k, v in cfg.items()
+                                                             if v != DIMS[k][0]))
+
+
+# --- the table -----------------------------------------------------------------------------------
+def table(results: list[dict]) -> str:
+    lines = ["dimension         value            trials  failing", "-" * 52]
+    dims = {**{k: [r["trial"]["config"][k] for r in results] for k in DIMS},
+            "fault": [r["trial"]["fault"] for r in results], "moment": [r["trial"]["moment"] for r in results]}
+    for dim, values in dims.items():
+        counts = collections.Counter(map(str, values))
+        fails = collections.Counter(str(v) for v, r in zip(values, results, strict=True) if r["failed"])
+        for value in sorted(counts):
+            lines.append(f"{dim:17s} {value:16s} {counts[value]:6d}  {fails[value]:7d}")
+    lines += ["", "invariant       pass   n/a  fail", "-" * 34]
+    for inv in INVARIANTS:
+        v = [r["verdict"].get(inv) for r in results]
+        lines.append(f"{inv:14s} {sum(x is None for x in v):5d} {sum(x == 'n/a' for x in v):5d} "
+                     f"{sum(bool(x) and x != 'n/a' for x in v):5d}")
+    missed = sum(r["hit"] is False for r in results)
+    lines.append(f"\n{len(results)} trials, {sum(bool(r['failed']) for r in results)} failing; "
+                 f"{missed} whose moment never came (run as drawn, the fault undelivered)")
+    return "\n".join(lines)
+
+
+def explore(n: int, seed: int, jobs: int, workdir: Path, *, do_shrink: bool = True, max_shrinks: int = 1000,
+            shrink_budget: int = 8, log=print) -> list[dict]:
+    refs = References(workdir)
+    trials = [draw(random.Random(seed + i)) for i in range(n)]
+
+    def one(i: int) -> dict:
+        result = evaluate(trials[i], refs, workdir)
+        result["index"] = i
+        status = "ok" if not result["failed"] else "FAIL " + "; ".join(
+            f"{k}: {result['verdict'][k][:160]}" for k in result["failed"])
+        log(f"[{i + 1}/{n}] {describe(trials[i])}: {status} ({result['wall_s']:.0f} s)")
+        return result
+
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        results = list(pool.map(one, range(n)))
+    if do_shrink:
+        shrunk: dict[tuple, dict] = {}
+        for result in results:
+            if result["failed"] and signature(result) in shrunk:
+                result.update(same_as=shrunk[signature(result)]["index"], repro=shrunk[signature(result)]["repro"])
+            elif result["failed"] and len(shrunk) < max_shrinks:
+                shrunk[signature(result)] = result
+                log(f"shrinking trial {result['index']}: {describe(result['trial'])} fails {result['failed']}")
+                small = shrink(result, lambda t: evaluate(t, refs, workdir), budget=shrink_budget, log=log)
+                result["shrunk"] = {"trial": small["trial"], "failed": small["failed"], "verdict": small["verdict"]}
+                result["repro"] = repro(small["trial"])
+                log(f"    repro: {result['repro']}")
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--trials", type=int, default=20)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--jobs", type=int, default=1)
+    parser.add_argument("--out", default="explore.json", help="a file name under bench/results/, or a path")
+    parser.add_argument("--no-shrink", action="store_true")
+    parser.add_argument("--max-shrinks", type=int, default=1000, help="shrink at most this many kinds of failure")
+    parser.add_argument("--shrink-budget", type=int, default=8, help="trial runs allowed to shrink one failure")
+    parser.add_argument("--replay", help="one trial's JSON, as a failing trial's repro line prints it")
+    parser.add_argument("--keep", action="store_true", help="keep the work directory")
+    args = parser.parse_args()
+    workdir = Path(tempfile.mkdtemp(prefix="explore-"))
+    start = time.monotonic()
+    try:
+        if args.replay:
+            trial = json.loads(args.replay)
+            why = applicable(trial)
+            if why:
+                parser.error(f"--replay: {why}")
+            result = evaluate(trial, References(workdir), workdir)
+            print(json.dumps({k: result[k] for k in ("trial", "verdict", "failed", "codes", "notes", "dir")},
+                             indent=2))
+            raise SystemExit(1 if result["failed"] else 0)
+        results = explore(args.trials, args.seed, args.jobs, workdir, do_shrink=not args.no_shrink,
+                          max_shrinks=args.max_shrinks, shrink_budget=args.shrink_budget)
+        print()
+        print(table(results))
+        for r in results:
+            if r["failed"]:
+                print(f"\ntrial {r['index']} ({describe(r['trial'])}):")
+                for inv in r["failed"]:
+                    print(f"  {inv}: {r['verdict'][inv]}")
+                if "shrunk" in r:
+                    print(f"  shrunk to {describe(r['shrunk']['trial'])}: {r['repro']}")
+                elif "same_as" in r:
+                    print(f"  the same failure as trial {r['same_as']}: {r['repro']}")
+        out = Path(args.out) if os.sep in args.out else ROOT / "bench" / "results" / args.out
+        out.write_text(json.dumps({"seed": args.seed, "trials": args.trials, "jobs": args.jobs,
+                                   "wall_s": round(time.monotonic() - start), "dimensions": DIMS,
+                                   "faults": {k: v.what for k, v in FAULTS.items()}, "not_covered": NOT_COVERED,
+                                   "results": results}, indent=1, default=str))
+        print(f"\nwrote {out} ({time.monotonic() - start:.0f} s)")
+    finally:
+        if not args.keep and not any(p.name.startswith("trial-") for p in workdir.iterdir()):
+            shutil.rmtree(workdir, ignore_errors=True)
+        else:
+            print(f"work directory (failing trials) kept: {workdir}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
