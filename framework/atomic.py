@@ -9,6 +9,7 @@ instead of following it.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import os
 import tempfile
@@ -60,17 +61,29 @@ def write_bytes(path: str | Path, data: bytes) -> None:
 
 
 class _Hashing:
-    """A write-only file object that counts and hashes what passes through it to ``file``."""
+    """A write-only file object that counts and hashes what passes through it to ``file``, and keeps
+    the OSError of a failed write: torch.save's zip writer turns it into a RuntimeError ("unexpected
+    pos ..."), which would hide a full disk (ENOSPC, EFBIG) behind a generic error."""
 
     def __init__(self, file: BinaryIO):
         self.file = file
         self.sha256 = hashlib.sha256()
         self.bytes = 0
+        self.error: OSError | None = None
 
     def write(self, data) -> int:
-        self.sha256.update(data)
-        self.bytes += memoryview(data).nbytes
-        return self.file.write(data)
+        view = memoryview(data).cast("B")
+        try:
+            written = self.file.write(view)
+        except OSError as err:
+            self.error = err
+            raise
+        if written != len(view):  # a buffered file in blocking mode writes all or raises
+            self.error = OSError(errno.EIO, f"short write: {written} of {len(view)} bytes")
+            raise self.error
+        self.sha256.update(view)
+        self.bytes += len(view)
+        return written
 
     def flush(self) -> None:
         self.file.flush()
@@ -78,10 +91,17 @@ class _Hashing:
 
 def torch_save(obj, path: str | Path) -> tuple[str, int]:
     """torch.save ``obj`` atomically, streamed into the file (no serialised copy in memory);
-    returns the SHA-256 and the size of the bytes written."""
+    returns the SHA-256 and the size of the bytes written. A failed write raises its OSError."""
     import torch
 
     with replacing(path) as f:
         out = _Hashing(f)
-        torch.save(obj, out)
+        try:
+            torch.save(obj, out)
+        except Exception:
+            if out.error is not None:
+                raise out.error from None
+            raise
+        if out.error is not None:
+            raise out.error
     return out.sha256.hexdigest(), out.bytes

@@ -1,8 +1,10 @@
 """Atomic writes: the new file or the old one, and no partial temp file left by a failed write."""
 
+import errno
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 from framework import atomic
 
@@ -62,3 +64,24 @@ def test_a_symlink_planted_at_a_temp_name_or_the_final_name_does_not_redirect_th
     umask = os.umask(0)
     os.umask(umask)
     assert (directory / "f.bin").stat().st_mode & 0o777 == 0o666 & ~umask
+
+
+def test_a_full_disk_during_a_streamed_torch_save_raises_its_oserror(tmp_path):
+    """torch.save's zip writer turns a failed write into "RuntimeError: unexpected pos"; the
+    checkpoint writer must still see the OSError (EFBIG here, ENOSPC on a full disk), which is what
+    makes a full disk a clean FATAL stop instead of a crash that leaves the other ranks waiting."""
+    script = f"""
+import resource, signal, sys
+sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})
+import torch
+from framework import atomic
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, resource.RLIM_INFINITY))
+try:
+    atomic.torch_save({{"w": torch.zeros(100_000)}}, {str(tmp_path / "x.pt")!r})
+except BaseException as err:
+    print(type(err).__name__, getattr(err, "errno", None))
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["OSError", str(errno.EFBIG)], out.stdout + out.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # the partial temp file is gone

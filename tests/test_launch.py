@@ -232,16 +232,19 @@ def test_sigterm_from_another_directory_preempts_and_exits_0(tmp_path):
     assert not leftovers(logs)
 
 
-def test_sigterm_during_the_final_evaluation_finishes_the_run_and_exits_0(tmp_path):
-    """torchrun exits 1 after forwarding a signal even when its workers finished the run."""
+def test_sigterm_during_the_final_evaluation_preempts_it_and_the_relaunch_finishes(tmp_path):
+    """A SIGTERM in the final evaluation stops it at the next batch (a scheduler's grace is too short
+    to wait for a long evaluation): the workers save the last step and write PREEMPTED, and the
+    launcher exits 0 although torchrun exits 1 after forwarding a signal. The same command then
+    evaluates and finishes."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCHER_ENV)}
     # A final evaluation of about 2 s (2,000 validation sequences of 128 tokens).
-    proc = subprocess.Popen([str(SCRIPT), "--cpu", "--nproc", "1", "-l", "logs", "-c", "ck", "--",
-                             "--vocab-size", "64", "--hidden-size", "128", "--num-layers", "2", "--num-heads", "2",
-                             "--seq-len", "128", "--dataset-size", "20000", "--batch-size", "16", "--eval-steps", "125",
-                             "--eval-interval", "0", "--max-steps", "6", "--log-interval", "1", "--num-workers", "0",
-                             "--tensorboard", "false", "--target-loss", "0"],
-                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    command = [str(SCRIPT), "--cpu", "--nproc", "1", "-l", "logs", "-c", "ck", "--",
+               "--vocab-size", "64", "--hidden-size", "128", "--num-layers", "2", "--num-heads", "2",
+               "--seq-len", "128", "--dataset-size", "20000", "--batch-size", "16", "--eval-steps", "125",
+               "--eval-interval", "0", "--max-steps", "6", "--log-interval", "1", "--num-workers", "0",
+               "--tensorboard", "false", "--target-loss", "0"]
+    proc = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     log = tmp_path / "logs" / "rank_0.log"
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and not (log.exists() and "evaluating at step 6" in log.read_text()):
@@ -249,8 +252,13 @@ def test_sigterm_during_the_final_evaluation_finishes_the_run_and_exits_0(tmp_pa
     proc.send_signal(signal.SIGTERM)
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 0, stderr[-3000:]
-    assert "signalled after the last step; the run finished" in stderr
-    assert (tmp_path / "ck" / "final_model.pt").is_file() and not (tmp_path / "ck" / "PREEMPTED").exists()
+    assert "preempted; preempted at step 6" in stderr
+    assert (tmp_path / "ck" / "PREEMPTED").is_file() and not (tmp_path / "ck" / "final_model.pt").exists()
+    relaunch = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+    assert relaunch.returncode == 0, relaunch.stderr[-3000:]
+    assert (tmp_path / "ck" / "final_model.pt").is_file()
+    summary = json.loads((tmp_path / "logs" / "summary.json").read_text())
+    assert summary["steps"] == 6 and summary["final_val_loss"] is not None and not summary["preempted"]
 
 
 def test_sigusr1_an_ssh_drop_and_a_killed_launcher_save_and_leave_no_process(tmp_path):
