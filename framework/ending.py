@@ -11,10 +11,12 @@ from pathlib import Path
 
 import torch
 
-from . import atomic, distributed, export, markers
-from .control import agree
-from .health import model_sha256
-from .metrics import StepLog
+from .ddp import process_group
+from .observability.metrics import StepLog
+from .resilience import markers
+from .resilience.consistency import model_sha256
+from .state import atomic, export
+from .train.control import agree
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +75,7 @@ def finish(trainer, steps: StepLog, preempted: bool) -> dict:
     cfg, env = trainer.cfg, trainer.env
     summary = steps.summary(step=trainer.step, epochs=trainer.sampler.epochs_done(), world_size=env.world_size,
                             model_sha256=model_sha256(trainer.raw_model), preempted=preempted,
-                            skipped_steps=trainer.skips.total, restarts=distributed.incarnation(),
+                            skipped_steps=trainer.skips.total, restarts=process_group.incarnation(),
                             **trainer.spikes.summary())
     if env.is_main:
         if not preempted:

@@ -12,44 +12,49 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from . import ddp_policy, distributed, ending, markers, rng
-from .activation import enable_checkpointing, tile_user_mlps
-from .checkpoint import CheckpointDirLocked, CheckpointError
-from .compiling import compile_model
-from .comm_hooks import CommHook
+from . import ending
 from .config import TrainConfig, resolve_config
-from .control import Agreement
-from .data import builtin_datasets, check_same_datasets
-from .evaluation import Evaluator
-from .faults import FaultPlan
-from .health import ConsistencyCheck, Watchdog
-from .loader import build_stream
-from .logs import log_file_stream, setup_logging
-from .markers import FatalError
-from .memory import GcPolicy
-from .metrics import SampleLog, StepLog, log_run_start
-from .batches import num_tokens
-from .callbacks import Callbacks, user_stateful
-from .model import GPT, GPTConfig, lm_loss
-from .optim import optimizer_and_schedule, precision
-from .preemption import PreemptionHandler
-from .resume import Checkpointer, guard_restart_loop, open_manager
-from .spike import SpikeGuard
-from .straggler import StragglerMonitor
-from .step import SkipBudget, TrainStep, apply_recorded_micro_batch, prepare_model
+from .data.batch_stream import build_stream
+from .data.batches import num_tokens
+from .data.datasets import builtin_datasets, check_same_datasets
+from .ddp import policy, process_group
+from .ddp.comm_hooks import CommHook
+from .ddp.compile import compile_model
+from .model.activation_checkpointing import enable_checkpointing
+from .model.gpt import GPT, GPTConfig, lm_loss
+from .model.tiled_mlp import tile_user_mlps
+from .observability.logs import log_file_stream, setup_logging
+from .observability.metrics import SampleLog, StepLog, log_run_start
+from .resilience import markers
+from .resilience.consistency import ConsistencyCheck
+from .resilience.markers import FatalError
+from .resilience.memory import GcPolicy
+from .resilience.preemption import PreemptionHandler
+from .resilience.spike_guard import SpikeGuard
+from .resilience.straggler import StragglerMonitor
+from .resilience.watchdog import Watchdog
+from .state import rng
+from .state.checkpoint_files import CheckpointDirLocked, CheckpointError
+from .state.checkpointer import Checkpointer, guard_restart_loop, open_manager
+from .testing.faults import FaultPlan
+from .train.callbacks import Callbacks, user_stateful
+from .train.control import Agreement
+from .train.evaluation import Evaluator
+from .train.optim import optimizer_and_schedule, precision
+from .train.step import SkipBudget, TrainStep, apply_recorded_micro_batch, prepare_model
 
 log = logging.getLogger(__name__)
 
 # Errors that leave a FATAL marker: retrying cannot help.
-NON_RETRIABLE = (FatalError, ddp_policy.DDPConfigurationError, CheckpointError)
+NON_RETRIABLE = (FatalError, policy.DDPConfigurationError, CheckpointError)
 
 
 class DDPTrainer:
     """Train the built-in GPT, or a user's ``model`` on ``train_dataset``, on 1..N processes.
     ``config`` is a dict, a TrainConfig or None (defaults); ``rank`` and ``world_size`` default to
     torchrun's environment, or to one process without it. Batches and ``loss_fn``: see
-    framework/batches.py. ``optimizer`` (an Optimizer or a factory ``params -> Optimizer``),
-    ``lr_scheduler`` (a factory ``optimizer -> LRScheduler``), ``callbacks`` (framework/callbacks.py)
+    framework/data/batches.py. ``optimizer`` (an Optimizer or a factory ``params -> Optimizer``),
+    ``lr_scheduler`` (a factory ``optimizer -> LRScheduler``), ``callbacks`` (framework/train/callbacks.py)
     and ``stateful`` ({name: object with state_dict/load_state_dict}) are saved and restored with
     the run. ``doctor=True`` only runs the DDP preflight (``report``, ``decision``). A non-retriable
     error, here or in ``train``, leaves a FATAL marker in checkpoint_dir."""
@@ -71,8 +76,8 @@ class DDPTrainer:
             self.preemption.restore()
             raise
         self._owns_process_group = not dist.is_initialized()
-        self.log_path = setup_logging(distributed.read_env(rank, world_size)[0], cfg.log_dir, debug=debug)
-        self.env = distributed.setup(cfg.backend, cfg.init_timeout_s or cfg.timeout_s, rank=rank,
+        self.log_path = setup_logging(process_group.read_env(rank, world_size)[0], cfg.log_dir, debug=debug)
+        self.env = process_group.setup(cfg.backend, cfg.init_timeout_s or cfg.timeout_s, rank=rank,
                                      world_size=world_size, log_dir=cfg.log_dir)
         with self._fatal_on_error():
             self._build(model, train_dataset, val_dataset, loss_fn, doctor)
@@ -97,7 +102,7 @@ class DDPTrainer:
         builtin_data = train_dataset is None  # checkpoint_dir's lock first: its markers may be a live run's
         self.checkpoints = Checkpointer(self.cfg, self.env, open_manager(self.cfg, self.env), {},
                                         builtin_data=builtin_data, on_save=lambda s: self.callbacks("on_save", self, s))
-        markers.check_at_start(self.cfg.checkpoint_dir, restart_count=distributed.incarnation(),
+        markers.check_at_start(self.cfg.checkpoint_dir, restart_count=process_group.incarnation(),
                                is_main=self.env.is_main)
         if self.cfg.deterministic:
             rng.use_deterministic_kernels()
@@ -144,7 +149,7 @@ class DDPTrainer:
         if self.sampler.steps_remaining() == 0:  # saved at the end of an epoch
             self.sampler.set_epoch(self.sampler.epoch + 1)
             self.skips.new_epoch()
-        if distributed.incarnation() > 0:
+        if process_group.incarnation() > 0:
             apply_recorded_micro_batch(self.sampler, cfg.checkpoint_dir)
         return state
 
@@ -167,7 +172,7 @@ class DDPTrainer:
         cfg, env = self.cfg, self.env
         self.oom_recovery = cfg.oom_recovery == "true" or (cfg.oom_recovery == "auto" and env.device.type == "cuda")
         self.model, self.report, self.decision = prepare_model(
-            lambda: ddp_policy.prepare(self.raw_model, self._peek, self.loss_fn, self._autocast, cfg,
+            lambda: policy.prepare(self.raw_model, self._peek, self.loss_fn, self._autocast, cfg,
                                        env.device, distributed=env.distributed, doctor=doctor,
                                        comm_hook=self.comm_hook),
             self.sampler, cfg.checkpoint_dir, oom_recovery=self.oom_recovery)
@@ -175,11 +180,11 @@ class DDPTrainer:
 
     def _build_run_health(self) -> None:
         cfg, env = self.cfg, self.env
-        self.faults = FaultPlan(cfg.fault_inject, env.rank, distributed.incarnation())
+        self.faults = FaultPlan(cfg.fault_inject, env.rank, process_group.incarnation())
         self.stragglers = StragglerMonitor(cfg, env)
         self.watchdog = Watchdog(step_timeout_s=cfg.step_timeout_s, factor=cfg.step_timeout_factor,
                                  log_file=log_file_stream(self.log_path), rank=env.rank, world_size=env.world_size,
-                                 store=distributed.STORE)
+                                 store=process_group.STORE)
         self.steps = TrainStep(model=self.model, raw_model=self.raw_model, optimizer=self.optimizer,
                                scaler=self.scaler, schedule=self.schedule, loss_fn=self.loss_fn,
                                autocast=self._autocast, env=env, sampler=self.sampler, stream=self.stream,
@@ -308,7 +313,7 @@ class DDPTrainer:
         self.faults.on_gradients(self.step, self.raw_model)
         agreed, lr, grad_norm = self.optimizer_step(loss, preempt=self.preemption.requested is not None)
         self.stragglers.timer.end()
-        distributed.set_steady_timeout(self.cfg.init_timeout_s or self.cfg.timeout_s, self.cfg.timeout_s)
+        process_group.set_steady_timeout(self.cfg.init_timeout_s or self.cfg.timeout_s, self.cfg.timeout_s)
         indices = self.sampler.advance()
         self.step += 1
         self.watchdog.disarm()
@@ -345,5 +350,5 @@ class DDPTrainer:
         if getattr(self, "watchdog", None) is not None:
             self.watchdog.close()
         if self._owns_process_group:
-            distributed.teardown()
+            process_group.teardown()
         self.preemption.restore()  # last: a signal until here is recorded, not fatal

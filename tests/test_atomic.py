@@ -4,7 +4,7 @@ import subprocess
 import sys
 import textwrap
 
-from framework import atomic
+from framework.state import atomic
 
 
 def test_write_replaces_the_file_whole(tmp_path):

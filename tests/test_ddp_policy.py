@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 import ddp_training
-from framework.ddp_policy import ProbeReport, decide, diagnose, probe
+from framework.ddp.policy import ProbeReport, decide, diagnose, probe
 from framework.trainer import DDPTrainer
 from tests.dist_helper import launch_cases
 from tests.workers.reentrant_inputs import CASES, FrozenThenAdapter, dataset

@@ -9,8 +9,9 @@ import pytest
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
-from framework.data import ResumableDistributedSampler, make_loader
-from framework.loader import BatchStream, LoaderFailure
+from framework.data.sampler import ResumableDistributedSampler
+from framework.data.batch_stream import make_loader
+from framework.data.batch_stream import BatchStream, LoaderFailure
 
 N, BATCH, ACCUM = 32, 4, 2  # 4 optimizer steps of 2 micro-batches of 4 samples per epoch
 
@@ -373,7 +374,7 @@ class PlainTokens(Dataset):
     """The synthetic data as a user's map-style dataset: no batched read, so DataLoader workers."""
 
     def __init__(self, n):
-        from framework.data import MarkovDataset
+        from framework.data.datasets import MarkovDataset
         self.inner = MarkovDataset(32, 16, n, 3, 1)
 
     def __len__(self):

@@ -7,11 +7,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from framework import DDPTrainer, markers
-from framework.checkpoint import CheckpointError
+from framework import DDPTrainer
+from framework.resilience import markers
+from framework.state.checkpoint_files import CheckpointError
 from framework.config import build_config
-from framework.optim import lr_at
-from framework.resume import FORMAT, Checkpointer, config_changes, upgrade
+from framework.train.optim import lr_at
+from framework.state.checkpointer import FORMAT, Checkpointer, config_changes, upgrade
 
 TINY = dict(vocab_size=32, hidden_size=32, num_layers=1, num_heads=2, seq_len=16, dataset_size=128, batch_size=8,
             dropout=0.0, num_workers=0, learning_rate=3e-3, target_loss=0.0, eval_steps=2, log_interval=2,
@@ -130,8 +131,9 @@ import errno  # noqa: E402
 import json  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from framework import checkpoint, exclusions  # noqa: E402
-from framework.metrics import read_metrics  # noqa: E402
+from framework.state import checkpoint_files  # noqa: E402
+from framework.resilience import exclusions  # noqa: E402
+from framework.observability.metrics import read_metrics  # noqa: E402
 
 
 def restart(monkeypatch, count: int) -> None:
@@ -185,14 +187,14 @@ def test_a_restart_with_nothing_of_its_own_falls_back_to_the_launchs_resume_mode
 
 def unreadable(monkeypatch, *names: str) -> None:
     """Reading these checkpoint files fails as on a flaky disk or NFS (EIO), whichever way they are read."""
-    read_bytes, load_file = Path.read_bytes, checkpoint.load_file
+    read_bytes, load_file = Path.read_bytes, checkpoint_files.load_file
 
     def check(path) -> None:
         if isinstance(path, (str, Path)) and Path(path).name in names:
             raise OSError(errno.EIO, "Input/output error", str(path))
 
     monkeypatch.setattr(Path, "read_bytes", lambda self: check(self) or read_bytes(self))
-    monkeypatch.setattr(checkpoint, "load_file", lambda path: check(path) or load_file(path))
+    monkeypatch.setattr(checkpoint_files, "load_file", lambda path: check(path) or load_file(path))
 
 
 @pytest.mark.parametrize("manifest", [True, False])

@@ -9,13 +9,13 @@ import re
 
 import pytest
 
-from framework import exclusions
+from framework.resilience import exclusions
 from framework.config import ConfigError, resolve_config
-from framework.data import ResumableDistributedSampler
-from framework.faults import FaultPlan
-from framework.markers import FatalError
-from framework.metrics import read_metrics
-from framework.spike import SpikeGuard, loss_z
+from framework.data.sampler import ResumableDistributedSampler
+from framework.testing.faults import FaultPlan
+from framework.resilience.markers import FatalError
+from framework.observability.metrics import read_metrics
+from framework.resilience.spike_guard import SpikeGuard, loss_z
 from tests.dist_helper import launch_cases
 from tests.workers.spike import BASE
 
@@ -211,7 +211,7 @@ def test_a_rollback_stays_within_its_epoch(tmp_path):
 
 
 def one_process_spike(tmp_path, **over):
-    from framework.metrics import read_metrics
+    from framework.observability.metrics import read_metrics
     from framework.trainer import DDPTrainer
     cfg = {**BASE, "dataset_size": 256, "max_steps": 30, "spike_guard": "rollback", "record_samples": False,
            "log_dir": str(tmp_path / "logs"), "checkpoint_dir": str(tmp_path / "ck"), **over}

@@ -5,10 +5,11 @@ import sys
 import pytest
 import torch
 
-from framework import DDPTrainer, markers
-from framework.data import ResumableDistributedSampler
-from framework.markers import FatalError
-from framework.step import SkipBudget, apply_recorded_micro_batch, halve_micro_batch
+from framework import DDPTrainer
+from framework.resilience import markers
+from framework.data.sampler import ResumableDistributedSampler
+from framework.resilience.markers import FatalError
+from framework.train.step import SkipBudget, apply_recorded_micro_batch, halve_micro_batch
 
 
 def test_halving_keeps_the_global_batch_until_it_cannot():
@@ -81,7 +82,7 @@ def test_cuda_library_allocation_failures_are_recovered_as_oom(tmp_path, error):
 
 
 def test_memory_is_released_after_the_exception_is_gone(tmp_path, monkeypatch):
-    from framework.step import TrainStep
+    from framework.train.step import TrainStep
     seen = []
     original = TrainStep._release_after_oom
 

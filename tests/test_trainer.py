@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from framework import ConfigError, DDPTrainer, TrainConfig
-from framework.health import model_sha256
-from framework.markers import FatalError
+from framework.resilience.consistency import model_sha256
+from framework.resilience.markers import FatalError
 
 TINY = dict(vocab_size=32, hidden_size=32, num_layers=1, num_heads=2, seq_len=16, dataset_size=128, batch_size=8,
             dropout=0.0, num_workers=0, learning_rate=3e-3, target_loss=0.0, eval_steps=2, log_interval=2)
@@ -118,7 +118,7 @@ def test_oom_in_one_process_retries_with_half_the_micro_batch(tmp_path):
 
 
 def test_unwrap_finds_the_module_inside_nested_wrappers():
-    from framework.ddp_policy import unwrap
+    from framework.ddp.policy import unwrap
 
     class Wrapper(torch.nn.Module):
         def __init__(self, module):

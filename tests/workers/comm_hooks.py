@@ -122,8 +122,8 @@ class NanOnce:
 def run_nonfinite_case(name: str, out_dir, keep_finite: bool) -> dict:
     """PowerSGD through one non-finite step (after compression started); ``keep_finite=False``
     disables the reset of the poisoned error feedback, to show that the test can fail."""
-    from framework.comm_hooks import CommHook
-    from framework.model import GPT, GPTConfig
+    from framework.ddp.comm_hooks import CommHook
+    from framework.model.gpt import GPT, GPTConfig
     from framework.config import resolve_config
 
     cfg = {**TRAIN_BASE, **POWERSGD, "max_steps": 16, "save_every_steps": 0, "max_errors_per_epoch": 3}

@@ -25,7 +25,7 @@ GRAD_CASES = {
 
 
 def run_grad_case(name: str, overrides: dict, out_dir, world: int) -> dict:
-    from framework.compiling import is_ddp
+    from framework.ddp.compile import is_ddp
     from framework.trainer import DDPTrainer
 
     cfg = {**BASE, **COMPILED, **overrides, "log_dir": str(out_dir / name), "checkpoint_dir": str(out_dir / name)}

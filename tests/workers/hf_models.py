@@ -227,7 +227,8 @@ def plain_model(kind: str) -> nn.Module:
 
 def run_plain(case: Plain, rank: int) -> dict:
     """Plain DDP with the case's settings, ITERATIONS iterations, on a process group of its own."""
-    from framework.data import ResumableDistributedSampler, fetch
+    from framework.data.sampler import ResumableDistributedSampler
+    from framework.data.batches import fetch
 
     # A rank whose graph changed raises while the other waits in its all-reduce until this timeout.
     group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=10))

@@ -31,7 +31,7 @@ ITERATIONS = 3
 
 def reference_grads(cfg, batches):
     """The plain model (no checkpointing, no tiling, no DDP) on the global micro-batches."""
-    from framework.model import GPT, GPTConfig, lm_loss
+    from framework.model.gpt import GPT, GPTConfig, lm_loss
 
     torch.manual_seed(cfg.seed)
     model = GPT(GPTConfig(cfg.vocab_size, cfg.seq_len, cfg.hidden_size, cfg.num_layers, cfg.num_heads,
@@ -42,7 +42,8 @@ def reference_grads(cfg, batches):
 
 
 def run_case(name, overrides, out_dir, rank, world):
-    from framework.data import ResumableDistributedSampler, fetch
+    from framework.data.sampler import ResumableDistributedSampler
+    from framework.data.batches import fetch
     from framework.trainer import DDPTrainer
 
     overrides = dict(overrides)
@@ -80,7 +81,7 @@ def run_case(name, overrides, out_dir, rank, world):
 def run_sha_case(name, out_dir, rank, world):
     """A block applied twice under reentrant checkpointing: auto picks static_graph; training with
     the probe gives the same model as training with that choice forced."""
-    from framework.model import GPT, GPTConfig
+    from framework.model.gpt import GPT, GPTConfig
     from framework.trainer import DDPTrainer
 
     shas = {}

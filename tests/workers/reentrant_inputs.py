@@ -38,7 +38,8 @@ def dataset(n=64):
 def run_case(name, overrides, out_dir):
     import torch.distributed as dist
 
-    from framework.data import ResumableDistributedSampler, fetch
+    from framework.data.sampler import ResumableDistributedSampler
+    from framework.data.batches import fetch
     from framework.trainer import DDPTrainer
 
     data = dataset()

@@ -74,7 +74,7 @@ class FailsAbove(torch.nn.Module):
 
 
 def run_case(name, overrides, out_dir, rank):
-    from framework.data import build_datasets
+    from framework.data.datasets import build_datasets
     from framework.config import resolve_config
     from framework.trainer import DDPTrainer
 
