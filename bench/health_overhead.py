@@ -103,10 +103,10 @@ def main() -> None:
         cfg, _ = parse_command_line(["--config", "configs/nanogpt_shakespeare_char.toml", "--resume", "none",
                                      "--log-dir", f"{tmp}/logs", "--checkpoint-dir", f"{tmp}/ck"], env={})
         trainer = DDPTrainer(cfg)
-        trainer.stream.start_epoch()
+        trainer._stream.start_epoch()
 
         def step():
-            loss = trainer.forward_backward(trainer.stream.next_step())
+            loss = trainer.forward_backward(trainer._stream.next_step())
             trainer.optimizer_step(loss)
             trainer.sampler.advance()
             trainer.step += 1

@@ -184,4 +184,4 @@ def test_a_one_rank_group_trains_through_ddp_and_switches_to_the_steady_timeout(
         assert trainer.train()["steps"] == 4
     finally:
         dist.destroy_process_group()
-    assert "collective timeout after the first step: 60 s (init timeout 900 s)" in trainer.log_path.read_text()
+    assert "collective timeout after the first step: 60 s (init timeout 900 s)" in trainer._log_path.read_text()

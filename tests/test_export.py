@@ -44,7 +44,7 @@ def test_trainer_exports_the_gpt_at_the_end_and_load_exported_rebuilds_it(tmp_pa
     config = json.loads((export_dir / CONFIG).read_text())
     assert config["model"] == "framework.model.GPT" and config["tie_embeddings"] is True
     loaded = load_exported(export_dir)
-    assert loaded.cfg == GPTConfig.from_train_config(trainer.cfg)
+    assert loaded.cfg == GPTConfig.from_train_config(trainer.config)
     assert loaded.lm_head.weight is loaded.tok_emb.weight  # still tied
     ids = torch.randint(0, 32, (2, 16), generator=torch.Generator().manual_seed(0))
     assert torch.equal(logits_of(loaded, ids), logits_of(trainer.raw_model, ids))

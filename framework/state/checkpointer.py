@@ -343,7 +343,7 @@ class Checkpointer:
                             "a rollback stays within an epoch", before, state["sampler"]["epoch"], epoch)
             return None
         self.restore(state)
-        step = self.components["trainer"].step
+        step = int(state["trainer"]["step"])
         self.restore_rng(state, step)
         return step
 

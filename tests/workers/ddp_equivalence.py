@@ -55,7 +55,7 @@ def run_grad_case(name: str, overrides: dict, out_dir, rank: int, world: int) ->
 
     cfg = {**BASE, **overrides, "log_dir": str(out_dir / name), "checkpoint_dir": str(out_dir / name / "ck")}
     trainer = DDPTrainer(cfg)
-    batches = iter(trainer.loader)
+    batches = iter(trainer._stream.loader)
     micro = [next(batches) for _ in range(trainer.sampler.accumulation)]
     trainer.forward_backward(micro)
     ref = reference_grads(overrides, world)

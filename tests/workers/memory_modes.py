@@ -49,10 +49,10 @@ def run_case(name, overrides, out_dir, rank, world):
     overrides = dict(overrides)
     schedule = overrides.pop("chunk_schedule", None)
     trainer = DDPTrainer({**BASE, **overrides, "log_dir": str(out_dir / name)})
-    cfg = trainer.cfg
-    glob = ResumableDistributedSampler(len(trainer.train_dataset), 1, 0, cfg.batch_size * world,
+    cfg = trainer.config
+    glob = ResumableDistributedSampler(len(trainer._train_dataset), 1, 0, cfg.batch_size * world,
                                        cfg.gradient_accumulation_steps, cfg.seed)
-    mine, full = iter(trainer.loader), iter(glob)
+    mine, full = iter(trainer._stream.loader), iter(glob)
     diffs, rank_gaps = [], []
     for it in range(ITERATIONS):
         if schedule:
@@ -60,7 +60,7 @@ def run_case(name, overrides, out_dir, rank, world):
                 block.mlp.chunks = schedule[it]
         micro = [next(mine) for _ in range(cfg.gradient_accumulation_steps)]
         trainer.forward_backward(micro)
-        ref = reference_grads(cfg, [fetch(trainer.train_dataset, next(full))
+        ref = reference_grads(cfg, [fetch(trainer._train_dataset, next(full))
                                     for _ in range(cfg.gradient_accumulation_steps)])
         grads = {n: p.grad.detach().clone() for n, p in trainer.raw_model.named_parameters()}
         diffs.append(max((grads[n] - ref[n]).abs().max().item() for n in ref))
@@ -73,7 +73,8 @@ def run_case(name, overrides, out_dir, rank, world):
            "static_graph": trainer.decision.static_graph,
            "find_unused_parameters": trainer.decision.find_unused_parameters,
            "reasons": trainer.decision.reasons,
-           "offload_packed": trainer.offload_stats.packed, "offload_unpacked": trainer.offload_stats.unpacked}
+           "offload_packed": trainer._activation_checkpointing.stats.packed,
+           "offload_unpacked": trainer._activation_checkpointing.stats.unpacked}
     trainer.close()
     return out
 
