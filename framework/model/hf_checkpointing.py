@@ -14,8 +14,6 @@ from .offload import OffloadStats, offloaded_checkpoint
 log = logging.getLogger(__name__)
 
 
-# --- Hugging Face models -----------------------------------------------------------------------
-
 def hf_model_in(model: nn.Module) -> nn.Module | None:
     """The outermost ``transformers.PreTrainedModel`` in ``model``: the model itself, the one a
     PEFT model wraps, or one inside a user's wrapper. None when transformers was never imported."""
