@@ -13,7 +13,7 @@ import os
 import sys
 
 # The parent (the agent under torchrun), read before the next import loads torch (seconds): see
-# framework.distributed.die_with_parent.
+# framework.ddp.process_group.die_with_parent.
 LAUNCHER_PID = os.getppid()
 
 from framework.config import ConfigError, help_text, parse_command_line  # noqa: E402
@@ -50,9 +50,9 @@ def main(argv: list[str] | None = None) -> int:
         print(config.checkpoint_dir)  # read by launch_training.sh to find this run's PREEMPTED marker
         return 0
 
-    from framework import distributed
-    from framework.checkpoint import CheckpointDirLocked
-    from framework.ddp_policy import format_report
+    from framework.ddp import process_group
+    from framework.state.checkpoint_files import CheckpointDirLocked
+    from framework.ddp.policy import format_report
     from framework.trainer import DDPTrainer, FatalError
 
     try:
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fatal: {err}", file=sys.stderr)
         return 1
     finally:
-        distributed.teardown()
+        process_group.teardown()
     return 0
 
 
@@ -79,7 +79,7 @@ def cli() -> None:
     """The ``ddp-train`` console script, and ``python ddp_training.py``; never returns."""
     faulthandler.enable()  # a fatal signal (SIGSEGV, SIGABRT from C++) prints every thread's stack
     if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun worker (--check-config and --help import no torch)
-        from framework.distributed import die_with_parent
+        from framework.ddp.process_group import die_with_parent
         die_with_parent(LAUNCHER_PID)
     code = main()
     # Everything is written and the process group is gone. Skip the interpreter's finalisation:

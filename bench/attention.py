@@ -4,7 +4,7 @@ context 64, head size 32; 1 thread).
 
 torch 2.13's CPU flash attention (``scaled_dot_product_attention``) is far slower in bf16 than in
 fp32, which made bf16 autocast barely faster than fp32 for the built-in GPT. The GPT therefore
-attends in fp32 on CPU (framework/model.py). This script measures, interleaved and repeated:
+attends in fp32 on CPU (framework/model/gpt.py). This script measures, interleaved and repeated:
 
   sdpa_fp32        the kernel alone, fp32 inputs, forward + backward
   sdpa_bf16        the same in bf16
@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from framework import model as gpt  # noqa: E402
+from framework.model import gpt  # noqa: E402
 
 B, HEADS, T, HEAD_SIZE = 6, 4, 64, 32
 

@@ -50,7 +50,7 @@ import psutil
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from framework.metrics import read_samples  # noqa: E402
+from framework.observability.metrics import read_samples  # noqa: E402
 from tests.dist_helper import free_port, kill_matching, processes_matching, torchrun_cmd, worker_env  # noqa: E402
 
 # --- the run every cell trains ----------------------------------------------------------------
@@ -152,7 +152,7 @@ for _fault in FAULTS:
 # The trainer logs "evaluating at step N" when an evaluation starts (a recent addition). Without it,
 # the eval moment falls back to the step line just before the evaluation, plus a short delay.
 EVAL_LINE_LOGGED = any("evaluating at step" in p.read_text() for p in (ROOT / "framework").glob("*.py"))
-TMP_FILE = re.compile(r"\.step_(\d{8})\.pt\.tmp\.\w+$")  # framework.atomic: a mkstemp suffix
+TMP_FILE = re.compile(r"\.step_(\d{8})\.pt\.tmp\.\w+$")  # framework.state.atomic: a mkstemp suffix
 
 
 # --- one run: its agents, their outputs, and the rank logs as they grow ------------------------

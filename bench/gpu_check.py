@@ -82,7 +82,7 @@ def check_scaler_overflow(tmp: Path) -> dict:
     """fp16 with a NaN put into a gradient at step 20: the GradScaler skips that step and halves
     its scale (the final checkpoint's scale is below the initial 2**16, which 60 steps cannot grow
     past), and the framework does not count it as a non-finite step."""
-    from framework.checkpoint import load_file, step_file
+    from framework.state.checkpoint_files import load_file, step_file
     summary = train(tmp, "scaler_overflow", use_amp="true", amp_dtype="fp16", fault_inject="nan@step=20")
     scale = load_file(tmp / "scaler_overflow" / "ck" / step_file(summary["steps"]))["scaler"]["scale"]
     ok = (summary["skipped_steps"] == 0 and summary["steps"] == TINY["max_steps"] and "nan at step 20" in summary["log"]

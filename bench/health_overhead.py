@@ -65,7 +65,7 @@ def allgather_worker(out: str) -> None:
 
 def straggler_costs(device) -> tuple[float, float]:
     """Seconds per timed step of the section laps, and of one check's medians and scoring."""
-    from framework.straggler import SECTIONS, TIMED_STEPS, SectionTimer, scores, slow_sections
+    from framework.resilience.straggler import SECTIONS, TIMED_STEPS, SectionTimer, scores, slow_sections
     timer = SectionTimer(device)
 
     def timed_step():
@@ -93,8 +93,9 @@ def main() -> None:
     import torch
     torch.set_num_threads(1)
     from framework.config import parse_command_line
-    from framework.health import Watchdog, parameter_hashes
-    from framework.memory import memory_stats
+    from framework.resilience.watchdog import Watchdog
+    from framework.resilience.consistency import parameter_hashes
+    from framework.resilience.memory import memory_stats
     from framework.trainer import DDPTrainer
 
     os.chdir(ROOT)
@@ -102,10 +103,10 @@ def main() -> None:
         cfg, _ = parse_command_line(["--config", "configs/nanogpt_shakespeare_char.toml", "--resume", "none",
                                      "--log-dir", f"{tmp}/logs", "--checkpoint-dir", f"{tmp}/ck"], env={})
         trainer = DDPTrainer(cfg)
-        trainer.stream.start_epoch()
+        trainer._stream.start_epoch()
 
         def step():
-            loss = trainer.forward_backward(trainer.stream.next_step())
+            loss = trainer.forward_backward(trainer._stream.next_step())
             trainer.optimizer_step(loss)
             trainer.sampler.advance()
             trainer.step += 1

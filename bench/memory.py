@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Activation memory of the built-in GPT and of a LoRA Llama under each memory saver, on this machine.
 
-Model: framework.model.GPT, 8 layers, hidden 384, 6 heads (head size 64), vocab 256, seq_len 2048,
+Model: framework.model.gpt.GPT, 8 layers, hidden 384, 6 heads (head size 64), vocab 256, seq_len 2048,
 batch 1, dropout 0 (nanoGPT's shakespeare-char width; 15.4M parameters), fp32 on CPU. Steps go
 through DDPTrainer (1 process, so no DDP wrapper): ``forward_backward`` then ``optimizer_step``
 (grad clip 1.0, AdamW), on the synthetic Markov data. Every process uses torch.set_num_threads(2).
@@ -129,7 +129,7 @@ CHECKPOINTED = ("non_reentrant", "reentrant", "offload", "nr+tiled8")
 TIMED = ("off", "non_reentrant", "reentrant")  # interleaved step-time comparison
 
 # The LoRA Llama (--model lora-llama): transformers' LlamaForCausalLM from a config, PEFT LoRA on it,
-# the same MODES applied by framework.activation, one thread, every mode in one process.
+# the same MODES applied by framework.model, one thread, every mode in one process.
 LLAMA = dict(vocab_size=256, hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=4)
 LORA = dict(r=8, lora_alpha=16, lora_dropout=0.0,
@@ -233,23 +233,23 @@ class Stepper:
                     with counter.hooks():
                         return self.inner(*a, **kw)
 
-            loss_fn = trainer.loss_fn
+            loss_fn = trainer._loss_fn
 
             def counted_loss(logits, targets):
                 with counter.hooks():
                     return loss_fn(logits, targets)
 
             trainer.model = Counted(trainer.model)  # forward_backward only calls self.model(inputs)
-            trainer.loss_fn = counted_loss
-            steps = getattr(trainer, "steps", None)  # framework.step.TrainStep runs the step with its own references
+            trainer._loss_fn = counted_loss
+            steps = getattr(trainer, "_train_step", None)  # TrainStep runs the step with its own references
             if steps is not None:
                 steps.model, steps.loss_fn = trainer.model, counted_loss
         trainer.model.train()
-        self.batches = iter(trainer.loader)
+        self.batches = iter(trainer._stream.loader)
 
     def step(self) -> dict:
         import torch
-        trainer, counter, stats = self.trainer, self.counter, self.trainer.offload_stats
+        trainer, counter, stats = self.trainer, self.counter, self.trainer._activation_checkpointing.stats
         micro = [next(self.batches) for _ in range(trainer.sampler.accumulation)]
         counter.reset()
         packed0 = stats.packed_bytes
@@ -279,8 +279,8 @@ def worker_mode(args) -> dict:
     steps = [stepper.step() for _ in range(args.steps)]
     ckpt, chunks = MODES[args.mode]
     return dict(mode=args.mode, gradient_checkpointing=ckpt, tiled_mlp_chunks=chunks,
-                checkpointed_modules=len(trainer.checkpointed), device=str(trainer.env.device),
-                amp=bool(trainer.amp), threads=torch.get_num_threads(),
+                checkpointed_modules=len(trainer._activation_checkpointing.wrapped), device=str(trainer.env.device),
+                amp=bool(trainer._amp), threads=torch.get_num_threads(),
                 parameters=sum(p.numel() for p in trainer.raw_model.parameters()), steps=steps,
                 rss_before_steps_kib=rss_before, peak_rss_kib=maxrss_kib(),
                 cuda_peak_bytes=torch.cuda.max_memory_allocated() if stepper.cuda else None)
@@ -369,7 +369,7 @@ def worker_mlp(args) -> dict:
     """Peak intermediate memory of one MLP, plain and tiled, measured (profiler + hooks)."""
     import torch
 
-    from framework.model import MLP, GPTConfig
+    from framework.model.gpt import MLP, GPTConfig
     torch.set_num_threads(THREADS)
     B, T, C = MODEL["batch_size"], args.seq_len, MODEL["hidden_size"]
     results = {}
@@ -408,7 +408,8 @@ def build_lora_llama(mode: str, seq_len: int, checkpoint_modules: str):
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from framework.activation import enable_checkpointing, tile_user_mlps
+    from framework.model.activation_checkpointing import enable_checkpointing
+    from framework.model.tiled_mlp import tile_user_mlps
     torch.manual_seed(LLAMA_SEED)
     base = LlamaForCausalLM(LlamaConfig(**LLAMA, max_position_embeddings=seq_len, use_cache=False,
                                         tie_word_embeddings=False))
@@ -436,7 +437,7 @@ class LlamaStepper:
     def step(self, inputs, targets, count: bool) -> dict:
         import torch
 
-        from framework.model import lm_loss
+        from framework.model.gpt import lm_loss
         counter, stats = self.counter, self.plan.stats
         counter.reset()
         packed0 = stats.packed_bytes
@@ -772,7 +773,7 @@ def run_llama(args, tmp: Path) -> dict:
     print(f"\nLoRA Llama total {elapsed:.0f} s")
     return dict(
         description="PEFT LoRA Llama (transformers) under each memory saver, modes applied with "
-                    "framework.activation.tile_user_mlps and enable_checkpointing; see bench/memory.py docstring",
+                    "framework.model.tiled_mlp.tile_user_mlps and enable_checkpointing; see bench/memory.py docstring",
         quick=args.quick, torch=torch.__version__, python=platform.python_version(), cores=os.cpu_count(),
         threads=res["threads"], device="cpu",
         model=dict(LLAMA, seq_len=T, batch_size=1, attn_implementation=res["attn_implementation"],

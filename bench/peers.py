@@ -5,7 +5,7 @@ processes, in fresh processes, interleaved and repeated.
 
 Everything but the training loop comes from bench/throughput.py: the config
 (configs/nanogpt_shakespeare_char.toml, batch 12 per process, 1 thread per process, fp32 on CPU),
-the model (framework.model.GPT), AdamW with the framework's parameter groups, kernels and warmup/cosine
+the model (framework.model.gpt.GPT), AdamW with the framework's parameter groups, kernels and warmup/cosine
 schedule, clip 1.0, the end-of-step clock, the launch (torchrun, c10d on 127.0.0.1, gloo), and the
 steady-state tokens/s over the same window of steps. The bare loop, Lightning and Accelerate draw
 the same random windows of the same token array (the bare loop's generator); DDPTrainer reads its
@@ -49,7 +49,7 @@ OPTIONAL = {"lightning": "lightning", "accelerate": "accelerate"}
 def windows(cfg, rank: int):
     """The bare loop's batches: the framework's train tokens, random windows from a per-rank generator."""
     import torch
-    from framework.data import build_datasets
+    from framework.data.datasets import build_datasets
     bundle = build_datasets(cfg)
     data = torch.from_numpy(bundle.train.tokens.astype("int64"))
     gen = torch.Generator().manual_seed(cfg.seed + 1 + rank)
@@ -63,9 +63,9 @@ def model_and_optimizer(cfg):
     import dataclasses
 
     import torch
-    from framework.data import build_datasets
-    from framework.model import GPT, GPTConfig
-    from framework.optim import build_optimizer, lr_at
+    from framework.data.datasets import build_datasets
+    from framework.model.gpt import GPT, GPTConfig
+    from framework.train.optim import build_optimizer, lr_at
     cfg = dataclasses.replace(cfg, vocab_size=build_datasets(cfg).vocab_size)
     torch.manual_seed(cfg.seed)
     model = GPT(GPTConfig.from_train_config(cfg))
@@ -82,7 +82,7 @@ def run_lightning(cfg, clock) -> dict:
     import lightning as L
     import torch
     from lightning.pytorch.strategies import DDPStrategy
-    from framework.model import lm_loss
+    from framework.model.gpt import lm_loss
     world = int(os.environ.get("WORLD_SIZE", 1))
     rank = int(os.environ.get("RANK", 0))
     cfg, model, opt, sched = model_and_optimizer(cfg)
@@ -121,7 +121,7 @@ def run_lightning(cfg, clock) -> dict:
 def run_accelerate(cfg, clock) -> dict:
     import torch
     from accelerate import Accelerator
-    from framework.model import lm_loss
+    from framework.model.gpt import lm_loss
     accelerator = Accelerator(cpu=True)
     rank, world = accelerator.process_index, accelerator.num_processes
     cfg, model, opt, sched = model_and_optimizer(cfg)

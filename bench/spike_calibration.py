@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 
 
 def run(tmp: Path, name: str, steps: int, extra: list[str]) -> dict:
-    from framework.metrics import read_metrics
+    from framework.observability.metrics import read_metrics
     from tests.dist_helper import torchrun_cmd, worker_env
 
     logs = tmp / name / "logs"

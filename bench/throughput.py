@@ -2,7 +2,7 @@
 """Training throughput of DDPTrainer against a bare PyTorch loop, on CPU, in one run.
 
 With CUDA, both run on the GPU of their local rank (NCCL between ranks), the bare loop with the
-framework's autocast and GradScaler (framework.optim.precision), and every step's stamp is taken
+framework's autocast and GradScaler (framework.train.optim.precision), and every step's stamp is taken
 after torch.cuda.synchronize(). One GPU cannot hold 2 NCCL ranks: there, run 1-process variants
 only (--variants ab, --compile --max-procs 1), as bench/gpu_check.py does.
 
@@ -13,7 +13,7 @@ every variant. Every process runs one compute thread (OMP_NUM_THREADS=1, torch.s
 Variants, each in fresh processes:
   (a) DDPTrainer, 1 process                        (as users run it: logging, TensorBoard,
   (c) DDPTrainer, 2 processes under torchrun        per-step control all-reduce, default loader)
-  (b) bare loop, 1 process                         (framework.model.GPT + lm_loss, the framework's
+  (b) bare loop, 1 process                         (framework.model.gpt.GPT + lm_loss, the framework's
   (d) bare loop in torch DDP (gloo), 2 processes    AdamW (fused), clip 1.0, same LR schedule; batches
                                                     indexed straight out of the same token array)
   (e) two copies of (b) at once, no communication: the 2-process ceiling of this machine
@@ -137,7 +137,7 @@ def run_framework(cfg, clock: Clock) -> dict:
                    if k.startswith("avg_") or k in ("rebuilt_bucket_sizes", "num_buckets_reduced")} if hasattr(
         ddp, "_get_ddp_logging_data") else {}
     return {"first_step_s": clock.wall[0] - train_start, "ddp_logging": ddp_logging,
-            "loader_workers": trainer.num_workers,
+            "loader_workers": trainer._num_workers,
             "world_size": trainer.env.world_size,
             "rank": trainer.env.rank, "self_reported_tokens_per_sec": summary["tokens_per_sec"],
             "tokens_per_step": cfg.batch_size * cfg.seq_len * trainer.env.world_size}
@@ -149,10 +149,10 @@ def run_bare(cfg, clock: Clock, seed_offset: int = 0) -> dict:
     framework would pick (NCCL), else the CPU (gloo)."""
     import torch
     import torch.distributed as dist
-    from framework.data import build_datasets
-    from framework.distributed import select_device
-    from framework.model import GPT, GPTConfig, lm_loss
-    from framework.optim import build_optimizer, lr_at, precision
+    from framework.data.datasets import build_datasets
+    from framework.ddp.process_group import select_device
+    from framework.model.gpt import GPT, GPTConfig, lm_loss
+    from framework.train.optim import build_optimizer, lr_at, precision
     world = int(os.environ.get("WORLD_SIZE", 1))
     cuda = torch.cuda.is_available()
     device = select_device(int(os.environ.get("LOCAL_RANK", 0)), cuda, torch.cuda.device_count() if cuda else 0)

@@ -33,8 +33,8 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from framework import DDPTrainer  # noqa: E402
 from framework.config import KEYS  # noqa: E402
-from framework.data import TokenWindows  # noqa: E402
-from framework.model import lm_loss  # noqa: E402
+from framework.data.datasets import TokenWindows  # noqa: E402
+from framework.model.gpt import lm_loss  # noqa: E402
 
 SEED = 1337
 

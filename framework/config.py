@@ -353,7 +353,7 @@ def _check_values(cfg: TrainConfig) -> list[str]:
     if cfg.resume not in ("auto", "none") and not Path(cfg.resume).is_file():
         problems.append(f"resume={cfg.resume!r}: allowed: auto, none, or an existing checkpoint file")
     if cfg.fault_inject:
-        from .faults import parse
+        from .testing.faults import parse
         try:
             parse(cfg.fault_inject)
         except ValueError as err:
@@ -377,7 +377,7 @@ def _check_run_health_and_speed(cfg: TrainConfig) -> list[str]:
         problems.append("spike_guard='rollback': needs save_every_steps > 0 (a checkpoint before the spike to "
                         "return to); allowed with save_every_steps=0: off, warn")
     if cfg.exclude_samples:
-        from .exclusions import read
+        from .resilience.exclusions import read
         try:
             read(cfg.exclude_samples)
         except ValueError as err:
@@ -473,7 +473,7 @@ def training_set_problems(cfg: TrainConfig, samples: int, world_size: int, *, he
                 f"allowed: {allowed.format(need=need)}, {smaller}"]
     if not cfg.exclude_samples:
         return []
-    from .exclusions import read
+    from .resilience.exclusions import read
     try:
         excluded = set(read(cfg.exclude_samples))
     except ValueError:  # reported by _check_run_health_and_speed

@@ -1,9 +1,11 @@
 """DDPTrainer: composes config, distributed setup, model, data, DDP policy, the step, checkpoints
-and metrics into a training run."""
+and metrics into a training run, and owns the run's lifecycle: start (or resume), the loop, and the
+ending (the agreed final evaluation and save, or the preempted save, then the export and summary)."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import signal
 from pathlib import Path
@@ -12,49 +14,75 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from . import ddp_policy, distributed, ending, markers, rng
-from .activation import enable_checkpointing, tile_user_mlps
-from .checkpoint import CheckpointDirLocked, CheckpointError
-from .compiling import compile_model
-from .comm_hooks import CommHook
 from .config import TrainConfig, resolve_config
-from .control import Agreement
-from .data import builtin_datasets, check_same_datasets
-from .evaluation import Evaluator
-from .faults import FaultPlan
-from .health import ConsistencyCheck, Watchdog
-from .loader import build_stream
-from .logs import log_file_stream, setup_logging
-from .markers import FatalError
-from .memory import GcPolicy
-from .metrics import SampleLog, StepLog, log_run_start
-from .batches import num_tokens
-from .callbacks import Callbacks, user_stateful
-from .model import GPT, GPTConfig, lm_loss
-from .optim import optimizer_and_schedule, precision
-from .preemption import PreemptionHandler
-from .resume import Checkpointer, guard_restart_loop, open_manager
-from .spike import SpikeGuard
-from .straggler import StragglerMonitor
-from .step import SkipBudget, TrainStep, apply_recorded_micro_batch, prepare_model
+from .data.batch_stream import build_stream
+from .data.batches import num_tokens
+from .data.datasets import builtin_datasets, check_same_datasets
+from .ddp import policy, process_group
+from .ddp.comm_hooks import CommHook
+from .ddp.compile import compile_model
+from .model.activation_checkpointing import enable_checkpointing
+from .model.gpt import GPT, GPTConfig, lm_loss
+from .model.tiled_mlp import tile_user_mlps
+from .observability.logs import log_file_stream, setup_logging
+from .observability.metrics import SampleLog, StepLog, log_run_start
+from .resilience import markers
+from .resilience.consistency import ConsistencyCheck, model_sha256
+from .resilience.markers import FatalError
+from .resilience.memory import GcPolicy
+from .resilience.preemption import PreemptionHandler
+from .resilience.spike_guard import SpikeGuard
+from .resilience.straggler import StragglerMonitor
+from .resilience.watchdog import Watchdog
+from .state import atomic, export, rng
+from .state.checkpoint_files import CheckpointDirLocked, CheckpointError
+from .state.checkpointer import Checkpointer, guard_restart_loop, open_manager
+from .testing.faults import FaultPlan
+from .train.callbacks import Callbacks, user_stateful
+from .train.control import Agreement, agree
+from .train.evaluation import Evaluator
+from .train.optim import optimizer_and_schedule, precision
+from .train.step import SkipBudget, TrainStep, apply_recorded_micro_batch, prepare_model
 
 log = logging.getLogger(__name__)
 
 # Errors that leave a FATAL marker: retrying cannot help.
-NON_RETRIABLE = (FatalError, ddp_policy.DDPConfigurationError, CheckpointError)
+NON_RETRIABLE = (FatalError, policy.DDPConfigurationError, CheckpointError)
+
+
+class _Saved:
+    """A Stateful made of two functions: the trainer's own part of the checkpoint ("trainer")."""
+
+    def __init__(self, state_dict: Callable[[], dict], load_state_dict: Callable[[dict], None]):
+        self.state_dict, self.load_state_dict = state_dict, load_state_dict
 
 
 class DDPTrainer:
     """Train the built-in GPT, or a user's ``model`` on ``train_dataset``, on 1..N processes.
     ``config`` is a dict, a TrainConfig or None (defaults); ``rank`` and ``world_size`` default to
     torchrun's environment, or to one process without it. Batches and ``loss_fn``: see
-    framework/batches.py. ``optimizer`` (an Optimizer or a factory ``params -> Optimizer``),
-    ``lr_scheduler`` (a factory ``optimizer -> LRScheduler``), ``callbacks`` (framework/callbacks.py)
+    framework/data/batches.py. ``optimizer`` (an Optimizer or a factory ``params -> Optimizer``),
+    ``lr_scheduler`` (a factory ``optimizer -> LRScheduler``), ``callbacks`` (framework/train/callbacks.py)
     and ``stateful`` ({name: object with state_dict/load_state_dict}) are saved and restored with
     the run. ``doctor=True`` only runs the DDP preflight (``report``, ``decision``). A non-retriable
-    error, here or in ``train``, leaves a FATAL marker in checkpoint_dir."""
+    error, here or in ``train``, leaves a FATAL marker in checkpoint_dir.
 
-    eval_owed = -1  # the step whose evaluation a preemption request stopped: a run resumed there runs it first
+    Public attributes (everything else is private and may change):
+
+    - ``model``: the model that trains: the DDP wrapper (compiled when ``compile`` says so) or, on
+      one process, the model itself;
+    - ``raw_model``: the unwrapped model, whose state_dict a checkpoint holds;
+    - ``optimizer``: the optimizer (the built-in AdamW or the user's);
+    - ``sampler``: the resumable distributed sampler (epoch, samples consumed, steps remaining);
+    - ``step``: the number of optimizer steps done (an int);
+    - ``config``: the resolved TrainConfig (``cfg`` is a read-only alias);
+    - ``env``: the process's place in the run (rank, world_size, device, distributed);
+    - ``report``, ``decision``: the DDP preflight's findings and the settings it chose.
+
+    Methods: ``train()``, ``evaluate()``, ``save_checkpoint()``, ``close()``, and one step by hand
+    with ``forward_backward()`` and ``optimizer_step()``."""
+
+    _eval_owed = -1  # the step whose evaluation a preemption request stopped: a run resumed there runs it first
 
     def __init__(self, config: TrainConfig | dict | None = None, *, rank: int | None = None,
                  world_size: int | None = None, model: torch.nn.Module | None = None,
@@ -62,20 +90,35 @@ class DDPTrainer:
                  loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, debug: bool = False,
                  doctor: bool = False, optimizer=None, lr_scheduler: Callable | None = None, callbacks=(),
                  stateful: dict[str, Any] | None = None):
-        self.preemption = PreemptionHandler().install()
-        self._user_optim, self.callbacks = (optimizer, lr_scheduler), Callbacks(callbacks)
-        self.user_state = user_stateful(stateful)
+        self._preemption = PreemptionHandler().install()
+        self._user_optim, self._callbacks = (optimizer, lr_scheduler), Callbacks(callbacks)
+        self._user_state = user_stateful(stateful)
         try:
-            self.cfg = cfg = resolve_config(config)
+            self.config = cfg = resolve_config(config)
         except BaseException:
-            self.preemption.restore()
+            self._preemption.restore()
             raise
         self._owns_process_group = not dist.is_initialized()
-        self.log_path = setup_logging(distributed.read_env(rank, world_size)[0], cfg.log_dir, debug=debug)
-        self.env = distributed.setup(cfg.backend, cfg.init_timeout_s or cfg.timeout_s, rank=rank,
-                                     world_size=world_size, log_dir=cfg.log_dir)
+        self._log_path = setup_logging(process_group.read_env(rank, world_size)[0], cfg.log_dir, debug=debug)
+        self.env = process_group.setup(cfg.backend, cfg.init_timeout_s or cfg.timeout_s, rank=rank,
+                                       world_size=world_size, log_dir=cfg.log_dir)
         with self._fatal_on_error():
             self._build(model, train_dataset, val_dataset, loss_fn, doctor)
+
+    @property
+    def cfg(self) -> TrainConfig:
+        """The resolved configuration (``config``'s old name)."""
+        return self.config
+
+    @property
+    def report(self):
+        """The DDP preflight's findings (a ProbeReport)."""
+        return self._report
+
+    @property
+    def decision(self):
+        """The DDP settings the policy chose, with its reasons."""
+        return self._decision
 
     @contextlib.contextmanager
     def _fatal_on_error(self):
@@ -85,143 +128,144 @@ class DDPTrainer:
             self.close()
             raise
         except NON_RETRIABLE as err:
-            markers.write_fatal(self.cfg.checkpoint_dir, self.env.rank, err)
+            markers.write_fatal(self.config.checkpoint_dir, self.env.rank, err)
             self.close()
             raise
         except BaseException as err:
-            markers.record_error(self.cfg.checkpoint_dir, self.env.rank, err)
+            markers.record_error(self.config.checkpoint_dir, self.env.rank, err)
             self.close()
             raise
 
+    # --- start -------------------------------------------------------------------------------
+
     def _build(self, model, train_dataset, val_dataset, loss_fn, doctor: bool) -> None:
         builtin_data = train_dataset is None  # checkpoint_dir's lock first: its markers may be a live run's
-        self.checkpoints = Checkpointer(self.cfg, self.env, open_manager(self.cfg, self.env), {},
-                                        builtin_data=builtin_data, on_save=lambda s: self.callbacks("on_save", self, s))
-        markers.check_at_start(self.cfg.checkpoint_dir, restart_count=distributed.incarnation(),
+        self._checkpointer = Checkpointer(self.config, self.env, open_manager(self.config, self.env), {},
+                                          builtin_data=builtin_data,
+                                          on_save=lambda s: self._callbacks("on_save", self, s))
+        markers.check_at_start(self.config.checkpoint_dir, restart_count=process_group.incarnation(),
                                is_main=self.env.is_main)
-        if self.cfg.deterministic:
+        if self.config.deterministic:
             rng.use_deterministic_kernels()
         if builtin_data:
-            self.cfg, train_dataset, val_dataset = builtin_datasets(self.cfg)
-        self.train_dataset, self.val_dataset = train_dataset, val_dataset
+            self.config, train_dataset, val_dataset = builtin_datasets(self.config)
+        self._train_dataset, self._val_dataset = train_dataset, val_dataset
         self._build_model(model)
-        self.loss_fn = lm_loss if model is None and loss_fn is None else loss_fn
+        self._loss_fn = lm_loss if model is None and loss_fn is None else loss_fn
         # Model init used the shared seed; dropout and everything after draw per-rank streams.
-        rng.seed_all(self.cfg.seed + 1 + self.env.rank)
-        self.amp, self.amp_dtype, self.scaler = precision(self.cfg, self.env.device)
-        self.optimizer, self.schedule = optimizer_and_schedule(self.cfg, self.raw_model, *self._user_optim)
+        rng.seed_all(self.config.seed + 1 + self.env.rank)
+        self._amp, self._amp_dtype, self._scaler = precision(self.config, self.env.device)
+        self.optimizer, self._schedule = optimizer_and_schedule(self.config, self.raw_model, *self._user_optim)
         self._build_data()
         state = self._restore(load=not doctor)
-        self.total_steps = self.schedule.total_steps = self.sampler.last_step(self.step, self.cfg)
-        log_run_start(self.cfg, self.env, self.sampler, model=self.raw_model, amp=self.amp,
-                      total_steps=self.total_steps, num_workers=self.num_workers)
+        self._total_steps = self._schedule.total_steps = self.sampler.last_step(self.step, self.config)
+        log_run_start(self.config, self.env, self.sampler, model=self.raw_model, amp=self._amp,
+                      total_steps=self._total_steps, num_workers=self._num_workers)
         self._wrap(doctor)
         if state is not None:
-            self.checkpoints.restore_rng(state, self.step)
+            self._checkpointer.restore_rng(state, self.step)
         self._build_run_health()
 
     def _restore(self, *, load: bool) -> dict | None:
         """The checkpoint to resume from, loaded into every stateful piece (the RNG comes last,
         after the DDP preflight, which must not consume it)."""
-        cfg, env = self.cfg, self.env
-        self.step = self.tokens_total = 0
-        self.skips = SkipBudget(cfg.max_errors_per_epoch)
-        self.spikes = SpikeGuard(cfg, is_main=env.is_main)
-        self.spikes.attach(self.sampler)
-        self.comm_hook = CommHook(cfg, env)
-        self.checkpoints.attach(cfg, {
-            "trainer": self, "model": self.raw_model, "optimizer": self.optimizer, "scaler": self.scaler,
-            "schedule": self.schedule, "sampler": self.sampler, "stream": self.stream, "skips": self.skips,
-            "spike_guard": self.spikes, "comm_hook": self.comm_hook, **self.user_state, **self.callbacks.stateful()})
-        state = self.checkpoints.load() if load else None
+        cfg, env = self.config, self.env
+        self.step = self._tokens_total = 0
+        self._skips = SkipBudget(cfg.max_errors_per_epoch)
+        self._spike_guard = SpikeGuard(cfg, is_main=env.is_main)
+        self._spike_guard.attach(self.sampler)
+        self._pending_spike = None
+        self._comm_hook = CommHook(cfg, env)
+        self._checkpointer.attach(cfg, {
+            "trainer": _Saved(self._state_dict, self._load_state_dict), "model": self.raw_model,
+            "optimizer": self.optimizer, "scaler": self._scaler, "schedule": self._schedule, "sampler": self.sampler,
+            "stream": self._stream, "skips": self._skips, "spike_guard": self._spike_guard,
+            "comm_hook": self._comm_hook, **self._user_state, **self._callbacks.stateful()})
+        state = self._checkpointer.load() if load else None
         if state is not None:
-            self.checkpoints.restore(state)
+            self._checkpointer.restore(state)
             log.info("resumed from step %d (epoch %d, sample %d of the epoch)", self.step, self.sampler.epoch,
                      self.sampler.consumed)
-            self.spikes.adopt_recorded()
+            self._spike_guard.adopt_recorded()
         if load:
             guard_restart_loop(cfg, env, self.step)
         if self.sampler.steps_remaining() == 0:  # saved at the end of an epoch
             self.sampler.set_epoch(self.sampler.epoch + 1)
-            self.skips.new_epoch()
-        if distributed.incarnation() > 0:
+            self._skips.new_epoch()
+        if process_group.incarnation() > 0:
             apply_recorded_micro_batch(self.sampler, cfg.checkpoint_dir)
         return state
 
     def _build_model(self, model: torch.nn.Module | None) -> None:
-        cfg = self.cfg
+        cfg = self.config
         torch.manual_seed(cfg.seed)
         self.raw_model = (GPT(GPTConfig.from_train_config(cfg)) if model is None else model).to(self.env.device)
         if model is not None:  # the built-in GPT tiles its own MLP
             tile_user_mlps(self.raw_model, cfg.tiled_mlp_chunks, cfg.tiled_mlp_modules)
-        self.checkpointing = enable_checkpointing(self.raw_model, cfg.gradient_checkpointing, cfg.checkpoint_modules)
-        self.checkpointed, self.offload_stats = self.checkpointing.wrapped, self.checkpointing.stats
+        self._activation_checkpointing = enable_checkpointing(self.raw_model, cfg.gradient_checkpointing,
+                                                              cfg.checkpoint_modules)
 
     def _build_data(self) -> None:
         if self.env.distributed:
-            check_same_datasets(self.train_dataset, self.val_dataset)
-        self.sampler, self.stream, self.num_workers = build_stream(self.train_dataset, self.cfg, self.env,
-                                                                   self.val_dataset)
+            check_same_datasets(self._train_dataset, self._val_dataset)
+        self.sampler, self._stream, self._num_workers = build_stream(self._train_dataset, self.config, self.env,
+                                                                     self._val_dataset)
 
     def _wrap(self, doctor: bool) -> None:
-        cfg, env = self.cfg, self.env
-        self.oom_recovery = cfg.oom_recovery == "true" or (cfg.oom_recovery == "auto" and env.device.type == "cuda")
-        self.model, self.report, self.decision = prepare_model(
-            lambda: ddp_policy.prepare(self.raw_model, self._peek, self.loss_fn, self._autocast, cfg,
-                                       env.device, distributed=env.distributed, doctor=doctor,
-                                       comm_hook=self.comm_hook),
-            self.sampler, cfg.checkpoint_dir, oom_recovery=self.oom_recovery)
+        cfg, env = self.config, self.env
+        self._oom_recovery = cfg.oom_recovery == "true" or (cfg.oom_recovery == "auto" and env.device.type == "cuda")
+        self.model, self._report, self._decision = prepare_model(
+            lambda: policy.prepare(self.raw_model, self._peek, self._loss_fn, self._autocast, cfg,
+                                   env.device, distributed=env.distributed, doctor=doctor,
+                                   comm_hook=self._comm_hook),
+            self.sampler, cfg.checkpoint_dir, oom_recovery=self._oom_recovery)
         self.model = self.model if doctor else compile_model(self.model, cfg)
 
     def _build_run_health(self) -> None:
-        cfg, env = self.cfg, self.env
-        self.faults = FaultPlan(cfg.fault_inject, env.rank, distributed.incarnation())
-        self.stragglers = StragglerMonitor(cfg, env)
-        self.watchdog = Watchdog(step_timeout_s=cfg.step_timeout_s, factor=cfg.step_timeout_factor,
-                                 log_file=log_file_stream(self.log_path), rank=env.rank, world_size=env.world_size,
-                                 store=distributed.STORE)
-        self.steps = TrainStep(model=self.model, raw_model=self.raw_model, optimizer=self.optimizer,
-                               scaler=self.scaler, schedule=self.schedule, loss_fn=self.loss_fn,
-                               autocast=self._autocast, env=env, sampler=self.sampler, stream=self.stream,
-                               faults=self.faults, skips=self.skips, cfg=cfg, oom_recovery=self.oom_recovery,
-                               lr_factor=self.spikes.lr_factor, timer=self.stragglers.timer)
-        self.evaluator = Evaluator(self.raw_model, self.val_dataset, self.loss_fn, cfg=cfg, env=env,
-                                   autocast=self._autocast, sampler=self.sampler, faults=self.faults)
-        self.consistency = ConsistencyCheck(self.raw_model, interval=cfg.consistency_check_interval,
-                                            device=env.device, distributed=env.distributed)
+        cfg, env = self.config, self.env
+        self._faults = FaultPlan(cfg.fault_inject, env.rank, process_group.incarnation())
+        self._stragglers = StragglerMonitor(cfg, env)
+        self._watchdog = Watchdog(step_timeout_s=cfg.step_timeout_s, factor=cfg.step_timeout_factor,
+                                  log_file=log_file_stream(self._log_path), rank=env.rank, world_size=env.world_size,
+                                  store=process_group.STORE)
+        self._train_step = TrainStep(model=self.model, raw_model=self.raw_model, optimizer=self.optimizer,
+                                     scaler=self._scaler, schedule=self._schedule, loss_fn=self._loss_fn,
+                                     autocast=self._autocast, env=env, sampler=self.sampler, stream=self._stream,
+                                     faults=self._faults, skips=self._skips, cfg=cfg, oom_recovery=self._oom_recovery,
+                                     lr_factor=self._spike_guard.lr_factor, timer=self._stragglers.timer)
+        self._evaluator = Evaluator(self.raw_model, self._val_dataset, self._loss_fn, cfg=cfg, env=env,
+                                    autocast=self._autocast, sampler=self.sampler, faults=self._faults)
+        self._consistency = ConsistencyCheck(self.raw_model, interval=cfg.consistency_check_interval,
+                                             device=env.device, distributed=env.distributed)
 
     def _peek(self) -> list:
-        return self.stream.peek(2, self.env.device)
+        return self._stream.peek(2, self.env.device)
 
     def _autocast(self):
-        return torch.autocast(self.env.device.type, dtype=self.amp_dtype, enabled=self.amp)
+        return torch.autocast(self.env.device.type, dtype=self._amp_dtype, enabled=self._amp)
 
-    def state_dict(self) -> dict:
-        return {"step": self.step, "tokens_total": self.tokens_total, "eval_owed": self.eval_owed}
+    def _state_dict(self) -> dict:
+        return {"step": self.step, "tokens_total": self._tokens_total, "eval_owed": self._eval_owed}
 
-    def load_state_dict(self, state: dict) -> None:
-        self.step, self.tokens_total = int(state["step"]), int(state["tokens_total"])
-        self.eval_owed = int(state.get("eval_owed", -1))
+    def _load_state_dict(self, state: dict) -> None:
+        self.step, self._tokens_total = int(state["step"]), int(state["tokens_total"])
+        self._eval_owed = int(state.get("eval_owed", -1))
 
-    @property
-    def loader(self):
-        return self.stream.loader
-
-    @property
-    def skipped_this_epoch(self) -> list[int]:
-        return self.skips.steps
+    # --- the public steps --------------------------------------------------------------------
 
     def forward_backward(self, micro_batches: list) -> torch.Tensor:
-        return self.steps.forward_backward(micro_batches, self.step)
+        return self._train_step.forward_backward(micro_batches, self.step)
 
     def optimizer_step(self, loss: torch.Tensor, *, stop: bool = False, preempt: bool = False):
-        return self.steps.optimizer_step(loss, self.step, stop=stop, preempt=preempt)
+        return self._train_step.optimizer_step(loss, self.step, stop=stop, preempt=preempt)
 
     def evaluate(self) -> float | None:
-        return self.evaluator.run(self.step)
+        return self._evaluator.run(self.step)
 
     def save_checkpoint(self, *, blocking: bool = False) -> None:
-        self.checkpoints.save(self.step, blocking=blocking)
+        self._checkpointer.save(self.step, blocking=blocking)
+
+    # --- the loop ----------------------------------------------------------------------------
 
     def train(self) -> dict:
         """Run to max_steps, num_epochs or target_loss, or until preempted; returns the summary
@@ -232,118 +276,181 @@ class DDPTrainer:
         return summary
 
     def _train(self) -> dict:
-        cfg, env = self.cfg, self.env
-        steps = StepLog.open(cfg, env, total_steps=self.total_steps, initial_step=self.step)
+        cfg, env = self.config, self.env
+        step_log = StepLog.open(cfg, env, total_steps=self._total_steps, initial_step=self.step)
         samples_log = SampleLog(Path(cfg.log_dir) / f"samples_rank_{env.rank}.jsonl" if cfg.record_samples else None)
         self.model.train()
-        if self.preemption.installed:
-            self.watchdog.dump_on(signal.SIGTERM)
-        self.callbacks("on_train_start", self)
+        if self._preemption.installed:
+            self._watchdog.dump_on(signal.SIGTERM)
+        self._callbacks("on_train_start", self)
         try:
             with GcPolicy(cfg.cleanup_interval, env.device) as gc_policy:
-                preempted = (self.eval_owed == self.step and ending.evaluate_mid_run(self, steps)) or self._loop(
-                    steps, gc_policy, samples_log)
+                preempted = (self._eval_owed == self.step and self._evaluate_mid_run(step_log)) or self._loop(
+                    step_log, gc_policy, samples_log)
             if not preempted:
-                preempted = ending.final_evaluation_and_save(self, steps)
-            self.checkpoints.close()
-            self.watchdog.close()
+                preempted = self._final_evaluation_and_save(step_log)
+            self._checkpointer.close()
+            self._watchdog.close()
         finally:
-            steps.close()
+            step_log.close()
             samples_log.close()
-        return ending.finish(self, steps, preempted)
+        return self._finish(step_log, preempted)
 
-    def _loop(self, steps: StepLog, gc_policy: GcPolicy, samples_log: SampleLog) -> bool:
+    def _loop(self, step_log: StepLog, gc_policy: GcPolicy, samples_log: SampleLog) -> bool:
         """Train until the run stops; True when it stopped because of a preemption request."""
-        while self.step < self.total_steps and self.sampler.epoch < self.cfg.num_epochs:
-            self.stream.start_epoch()
+        while self.step < self._total_steps and self.sampler.epoch < self.config.num_epochs:
+            self._stream.start_epoch()
             while self.sampler.steps_remaining() > 0:
-                agreed = self._train_step(steps, samples_log)
+                agreed = self._run_step(step_log, samples_log)
                 if agreed is None:  # a stream ran out (on some rank): its epoch ended with the last step
                     self._save(epoch_ended=True)
                     break
-                if self.spike is not None and self._roll_back(steps):
+                if self._pending_spike is not None and self._roll_back(step_log):
                     continue
                 gc_policy.step(self.step)
-                if self.consistency.should_run(self.step):
-                    with self.watchdog.phase("consistency check"):
-                        self.consistency.maybe_check(self.step)
+                if self._consistency.should_run(self.step):
+                    with self._watchdog.phase("consistency check"):
+                        self._consistency.maybe_check(self.step)
                 if agreed.preempt:
-                    ending.save_preempted(self)
+                    self._save_preempted()
                     return True
                 if self._should_stop(agreed):
                     return False
                 self._save(epoch_ended=self.sampler.steps_remaining() == 0)
-                if self.evaluator.should_run(self.step) and ending.evaluate_mid_run(self, steps):
+                if self._evaluator.should_run(self.step) and self._evaluate_mid_run(step_log):
                     return True
             self.sampler.set_epoch(self.sampler.epoch + 1)
-            self.skips.new_epoch()
+            self._skips.new_epoch()
         return False
 
-    def _roll_back(self, steps: StepLog) -> bool:
-        spike, self.spike = self.spike, None
-        restored = self.checkpoints.roll_back(before=spike.step)
-        self.spikes.roll_back(spike, restored)
+    def _roll_back(self, step_log: StepLog) -> bool:
+        spike, self._pending_spike = self._pending_spike, None
+        restored = self._checkpointer.roll_back(before=spike.step)
+        self._spike_guard.roll_back(spike, restored)
         if restored is not None:
-            self.stream.rewind()
-            steps.purge_from(self.step + 1)
-            self.total_steps = self.schedule.total_steps = self.sampler.last_step(self.step, self.cfg)
+            self._stream.rewind()
+            step_log.purge_from(self.step + 1)
+            self._total_steps = self._schedule.total_steps = self.sampler.last_step(self.step, self.config)
         return restored is not None  # False: nothing to go back to, and the step's bookkeeping runs
 
     def _save(self, *, epoch_ended: bool) -> None:
-        if self.checkpoints.should_save(self.step, self.sampler.epoch, epoch_ended):
-            with self.watchdog.phase("checkpoint save", scale=10):
-                self.checkpoints.maybe_save(self.step, self.sampler.epoch, epoch_ended)
-                self.faults.fire_process_faults(self.step, at="save")
+        if self._checkpointer.should_save(self.step, self.sampler.epoch, epoch_ended):
+            with self._watchdog.phase("checkpoint save", scale=10):
+                self._checkpointer.maybe_save(self.step, self.sampler.epoch, epoch_ended)
+                self._faults.fire_process_faults(self.step, at="save")
 
-    def _train_step(self, steps: StepLog, samples_log: SampleLog) -> Agreement | None:
-        self.watchdog.arm(self.step)
-        self.faults.fire_process_faults(self.step)
-        self.stragglers.begin_step(self.step)
-        micro = self.stream.next_step()
-        self.stragglers.timer.lap("data")
+    def _run_step(self, step_log: StepLog, samples_log: SampleLog) -> Agreement | None:
+        self._watchdog.arm(self.step)
+        self._faults.fire_process_faults(self.step)
+        self._stragglers.begin_step(self.step)
+        micro = self._stream.next_step()
+        self._stragglers.timer.lap("data")
         if micro is None:
-            self.watchdog.disarm()
+            self._watchdog.disarm()
             return None
-        loss = self.steps.forward_backward_with_retry(micro, self.step)
-        self.faults.on_gradients(self.step, self.raw_model)
-        agreed, lr, grad_norm = self.optimizer_step(loss, preempt=self.preemption.requested is not None)
-        self.stragglers.timer.end()
-        distributed.set_steady_timeout(self.cfg.init_timeout_s or self.cfg.timeout_s, self.cfg.timeout_s)
+        loss = self._train_step.forward_backward_with_retry(micro, self.step)
+        self._faults.on_gradients(self.step, self.raw_model)
+        agreed, lr, grad_norm = self.optimizer_step(loss, preempt=self._preemption.requested is not None)
+        self._stragglers.timer.end()
+        process_group.set_steady_timeout(self.config.init_timeout_s or self.config.timeout_s, self.config.timeout_s)
         indices = self.sampler.advance()
         self.step += 1
-        self.watchdog.disarm()
-        self.faults.on_step_end(self.step, self.raw_model)
-        if self.stragglers.should_check(self.step):
-            with self.watchdog.phase("straggler check"):
-                self.stragglers.check(self.step)
+        self._watchdog.disarm()
+        self._faults.on_step_end(self.step, self.raw_model)
+        if self._stragglers.should_check(self.step):
+            with self._watchdog.phase("straggler check"):
+                self._stragglers.check(self.step)
         step_tokens = sum(num_tokens(b) for b in micro) * self.env.world_size
-        self.tokens_total += step_tokens
+        self._tokens_total += step_tokens
         samples_log.write(self.sampler.epoch, self.step, indices)
-        self.spike = self.spikes.observe(self.step, agreed.loss, skipped=agreed.nonfinite)
-        steps.record(self.step, self.sampler.epoch, agreed.loss, lr, grad_norm, step_tokens,
-                     health={**self.spikes.scalars(), **self.stragglers.scalars(),
-                             "health/skipped_steps": self.skips.total})
-        if self.callbacks:
+        self._pending_spike = self._spike_guard.observe(self.step, agreed.loss, skipped=agreed.nonfinite)
+        step_log.record(self.step, self.sampler.epoch, agreed.loss, lr, grad_norm, step_tokens,
+                        health={**self._spike_guard.scalars(), **self._stragglers.scalars(),
+                                "health/skipped_steps": self._skips.total})
+        if self._callbacks:
             metrics = {"loss": agreed.loss, "lr": lr, "grad_norm": float(grad_norm), "tokens": step_tokens}
-            self.callbacks("on_step_end", self, self.step, metrics)
+            self._callbacks("on_step_end", self, self.step, metrics)
         return agreed
 
     def _should_stop(self, agreed: Agreement) -> bool:
-        target = self.cfg.target_loss
-        return self.step >= self.total_steps or agreed.stop or (target > 0 and agreed.loss <= target)
+        target = self.config.target_loss
+        return self.step >= self._total_steps or agreed.stop or (target > 0 and agreed.loss <= target)
+
+    # --- the ending --------------------------------------------------------------------------
+
+    def _final_evaluation_and_save(self, step_log: StepLog) -> bool:
+        """The final evaluation and save; True when a preemption request came in after the last
+        step or during the evaluation, in which case (agreed by every rank) the evaluation is left
+        to the resumed run."""
+        cfg, env = self.config, self.env
+        if step_log.loss is not None and 0 < cfg.target_loss and step_log.loss <= cfg.target_loss:
+            log.info("target_loss %g reached at step %d (loss %.4f)", cfg.target_loss, self.step, step_log.loss)
+        preempted = agree(loss=torch.zeros((), device=env.device), world_size=env.world_size,
+                          distributed=env.distributed, preempt=self._preemption.requested is not None).preempt
+        if preempted or not self._evaluate_and_record(step_log):
+            self._save_preempted()
+            return True
+        with self._watchdog.phase("checkpoint save", scale=10):
+            self._faults.fire_process_faults(self.step, at="save")
+            self._checkpointer.save_final(self.step)
+        return False
+
+    def _evaluate_and_record(self, step_log: StepLog) -> bool:
+        """Evaluate at this step and record the validation loss; False, with nothing recorded, when
+        a preemption request stopped the evaluation (every rank at the same batch)."""
+        with self._watchdog.phase("evaluation", scale=self._evaluator.batches):
+            val_loss = self._evaluator.run(self.step, stop=lambda: self._preemption.requested is not None)
+        if self._evaluator.interrupted:
+            return False
+        step_log.record_val(self.step, val_loss)
+        self._callbacks("on_evaluate", self, self.step, val_loss)
+        return True
+
+    def _evaluate_mid_run(self, step_log: StepLog) -> bool:
+        """An evaluation between steps; True when a preemption request stopped it. The step is then
+        saved with its evaluation owed (``eval_owed``, in the trainer's state): a run resumed there
+        runs it first."""
+        with step_log.paused():
+            stopped = not self._evaluate_and_record(step_log)
+        self._eval_owed = self.step if stopped else -1
+        if stopped:
+            self._save_preempted()
+        return stopped
+
+    def _save_preempted(self) -> None:
+        with self._watchdog.phase("preemption save", scale=10):
+            self.save_checkpoint(blocking=True)
+        if self.env.is_main:
+            markers.write(self.config.checkpoint_dir, markers.PREEMPTED, f"preempted at step {self.step}")
+        log.warning("preempted: checkpoint of step %d saved; exiting", self.step)
+
+    def _finish(self, step_log: StepLog, preempted: bool) -> dict:
+        """Export the final weights (unless preempted) and write summary.json (rank 0); returns the summary."""
+        cfg, env = self.config, self.env
+        summary = step_log.summary(step=self.step, epochs=self.sampler.epochs_done(), world_size=env.world_size,
+                                   model_sha256=model_sha256(self.raw_model), preempted=preempted,
+                                   skipped_steps=self._skips.total, restarts=process_group.incarnation(),
+                                   **self._spike_guard.summary())
+        if env.is_main:
+            if not preempted:
+                export.save_final_weights(self.raw_model, cfg)  # final_model.pt and the safetensors export
+            atomic.write_bytes(Path(cfg.log_dir) / "summary.json", json.dumps(summary, indent=2).encode())
+        log.info("%s: %s", "preempted" if preempted else "done", json.dumps(summary))
+        self._callbacks("on_train_end", self, summary)
+        return summary
 
     def close(self) -> None:
         """Wait for the checkpoint write in flight, release the loader's workers and, if this
         trainer created it, the process group. Safe to call more than once."""
-        if getattr(self, "checkpoints", None) is not None:
+        if getattr(self, "_checkpointer", None) is not None:
             try:
-                self.checkpoints.close()
+                self._checkpointer.close()
             except (OSError, FatalError) as err:  # raised already where it mattered; the run is ending anyway
                 log.error("the last checkpoint write failed: %s", err)
-        if getattr(self, "stream", None) is not None:
-            self.stream.shutdown()
-        if getattr(self, "watchdog", None) is not None:
-            self.watchdog.close()
+        if getattr(self, "_stream", None) is not None:
+            self._stream.shutdown()
+        if getattr(self, "_watchdog", None) is not None:
+            self._watchdog.close()
         if self._owns_process_group:
-            distributed.teardown()
-        self.preemption.restore()  # last: a signal until here is recorded, not fatal
+            process_group.teardown()
+        self._preemption.restore()  # last: a signal until here is recorded, not fatal

@@ -15,6 +15,6 @@ def _teardown_process_group_and_logging():
     import torch.distributed as dist
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
-    from framework.logs import close_logging
+    from framework.observability.logs import close_logging
     close_logging()
     logging.getLogger().setLevel(logging.WARNING)

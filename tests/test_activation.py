@@ -8,8 +8,10 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from framework.activation import MODES, OffloadStats, apply_checkpointing, enable_checkpointing, tiled_mlp
-from framework.model import GPT, GPTConfig, lm_loss
+from framework.model.activation_checkpointing import MODES, apply_checkpointing, enable_checkpointing
+from framework.model.offload import OffloadStats
+from framework.model.tiled_mlp import tiled_mlp
+from framework.model.gpt import GPT, GPTConfig, lm_loss
 from tests.workers.reentrant_inputs import FrozenThenAdapter
 
 
@@ -152,7 +154,7 @@ def test_reentrant_module_without_grad_inputs_switches_to_non_reentrant(targets,
     ref(XS).square().mean().backward()
     model = FrozenThenAdapter()
     plan = enable_checkpointing(model, "reentrant", ",".join(targets))
-    with caplog.at_level(logging.WARNING, logger="framework.activation"):
+    with caplog.at_level(logging.WARNING, logger="framework.model"):
         model(XS).square().mean().backward()
     assert plan.mode == "non_reentrant"
     assert "switched from reentrant to non_reentrant" in caplog.text and "'adapter'" in caplog.text

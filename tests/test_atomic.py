@@ -6,7 +6,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from framework import atomic
+from framework.state import atomic
 
 
 def test_write_replaces_the_file_whole(tmp_path):

@@ -22,20 +22,21 @@ import numpy as np
 import pytest
 import torch
 
-from framework import atomic, checkpoint, rng
-from framework.checkpoint import CheckpointDirLocked, CheckpointError, CheckpointManager, load_file, step_file
-from framework.markers import FATAL, PREEMPTED
-from framework.markers import clear as clear_marker
-from framework.markers import read as read_marker
-from framework.markers import write as write_marker
-from framework.resume import check_model_shapes
+from framework.state import atomic, checkpoint_files, rng
+from framework.state.checkpoint_files import (CheckpointDirLocked, CheckpointError, CheckpointManager, load_file,
+                                              step_file)
+from framework.resilience.markers import FATAL, PREEMPTED
+from framework.resilience.markers import clear as clear_marker
+from framework.resilience.markers import read as read_marker
+from framework.resilience.markers import write as write_marker
+from framework.state.checkpointer import check_model_shapes
 
 
 def choose_checkpoint(resume_value: str, manager: CheckpointManager, env) -> dict | None:
     """What rank 0 resumes from (``resume`` = auto | none | PATH), as the trainer chooses it."""
     from types import SimpleNamespace
 
-    from framework.resume import Checkpointer
+    from framework.state.checkpointer import Checkpointer
     if resume_value == "none":
         return None
     checkpointer = Checkpointer(SimpleNamespace(resume=resume_value), env, manager, {}, builtin_data=True)
@@ -115,7 +116,7 @@ def test_a_symlink_planted_in_checkpoint_dir_does_not_redirect_a_write(tmp_path)
 MEMORY_PROBE = """
 import sys
 import torch
-from framework.checkpoint import CheckpointManager
+from framework.state.checkpoint_files import CheckpointManager
 
 def status(key):
     with open("/proc/self/status") as f:
@@ -231,7 +232,7 @@ def test_writer_error_surfaces_from_the_next_save(tmp_path, monkeypatch):
         raise RuntimeError("boom")
 
     manager = CheckpointManager(tmp_path)
-    monkeypatch.setattr(checkpoint.torch, "save", broken_save)
+    monkeypatch.setattr(checkpoint_files.torch, "save", broken_save)
     manager.save(state_at(1), 1)
     with pytest.raises(RuntimeError, match="boom"):
         manager.save(state_at(2), 2)
@@ -242,7 +243,7 @@ def test_truncated_newest_falls_back_to_previous(tmp_path, caplog):
     save_steps(tmp_path, [1, 2, 3])
     newest = tmp_path / "step_00000003.pt"
     os.truncate(newest, newest.stat().st_size // 2)
-    with caplog.at_level(logging.WARNING, logger="framework.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="framework.state.checkpoint_files"):
         path, state = CheckpointManager(tmp_path).latest_valid()
     assert path.name == "step_00000002.pt" and state["step"] == 2
     assert "step_00000003.pt" in caplog.text and "truncated" in caplog.text
@@ -254,7 +255,7 @@ def test_flipped_byte_is_a_checksum_mismatch(tmp_path, caplog):
     data = bytearray(newest.read_bytes())
     data[len(data) // 2] ^= 0xFF
     newest.write_bytes(bytes(data))
-    with caplog.at_level(logging.WARNING, logger="framework.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="framework.state.checkpoint_files"):
         path, state = CheckpointManager(tmp_path).latest_valid()
     assert state["step"] == 2
     assert "step_00000003.pt" in caplog.text and "checksum mismatch" in caplog.text
@@ -265,7 +266,7 @@ def test_missing_manifest_scans_files_and_skips_truncated(tmp_path, caplog):
     (tmp_path / "manifest.json").unlink()
     newest = tmp_path / "step_00000003.pt"
     os.truncate(newest, newest.stat().st_size // 2)
-    with caplog.at_level(logging.WARNING, logger="framework.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="framework.state.checkpoint_files"):
         path, state = CheckpointManager(tmp_path).latest_valid()
     assert path.name == "step_00000002.pt" and state["step"] == 2
     assert "manifest.json is missing" in caplog.text and "step_00000003.pt" in caplog.text
@@ -311,7 +312,7 @@ def test_malicious_pickle_is_refused_and_never_runs(tmp_path, caplog):
     entries = manifest(tmp_path) + [{"file": evil.name, "step": 2, "bytes": len(data),
                                      "sha256": hashlib.sha256(data).hexdigest()}]
     (tmp_path / "manifest.json").write_text(json.dumps(entries))
-    with caplog.at_level(logging.WARNING, logger="framework.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="framework.state.checkpoint_files"):
         assert CheckpointManager(tmp_path).latest_valid()[1]["step"] == 1
     assert "step_00000002.pt" in caplog.text and "refused" in caplog.text
     assert not marker.exists()
@@ -426,7 +427,7 @@ def contents(directory, names):
 def test_fresh_run_in_a_used_directory_keeps_both_runs_checkpoints(tmp_path, caplog):
     first = save_steps(tmp_path, [100, 200, 300])
     old = contents(tmp_path, step_names(tmp_path))
-    with caplog.at_level(logging.WARNING, logger="framework.checkpoint"), \
+    with caplog.at_level(logging.WARNING, logger="framework.state.checkpoint_files"), \
             CheckpointManager(tmp_path, keep_last=3) as second:
         assert choose_checkpoint("none", second, MAIN) is None
         second.save(state_at(50), 50, blocking=True)
@@ -470,7 +471,7 @@ def test_rollback_keeps_the_resumed_from_file_and_resumes_the_newest_written(tmp
 
 def test_restart_continues_the_lineage_and_keeps_its_origin(tmp_path, caplog):
     first = save_steps(tmp_path, [100, 200, 300])
-    with caplog.at_level(logging.WARNING, logger="framework.checkpoint"), \
+    with caplog.at_level(logging.WARNING, logger="framework.state.checkpoint_files"), \
             CheckpointManager(tmp_path, keep_last=3) as restarted:
         assert choose_checkpoint("auto", restarted, MAIN)["step"] == 300
         assert restarted.lineage == first.lineage
@@ -596,7 +597,7 @@ def test_lock_goes_with_the_manager_and_a_save_after_close_takes_it_again(tmp_pa
 
 
 HOLD_LOCK = ("import sys, time\n"
-             "from framework.checkpoint import CheckpointManager\n"
+             "from framework.state.checkpoint_files import CheckpointManager\n"
              "manager = CheckpointManager(sys.argv[1])\n"
              "print('locked', flush=True)\n"
              "time.sleep(120)\n")
@@ -652,7 +653,7 @@ def test_a_second_run_on_a_busy_checkpoint_dir_exits_2_with_one_line(tmp_path):
 # --- issue 19: transient read errors, candidates by lineage -----------------------------------
 def test_an_unreadable_checkpoint_is_skipped_naming_its_errno_and_none_left_raises_unreadable(
         tmp_path, monkeypatch, caplog):
-    from framework.checkpoint import CheckpointUnreadable
+    from framework.state.checkpoint_files import CheckpointUnreadable
     save_steps(tmp_path, [1, 2])
     read_bytes = Path.read_bytes
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import ddp_training
-from framework.comm_hooks import capture_powersgd, restore_powersgd
+from framework.ddp.comm_hooks import capture_powersgd, restore_powersgd
 from tests.dist_helper import ROOT, cli_args, launch, launch_cases
 from tests.workers.comm_hooks import POWERSGD, RESUME_AT, STATIC_ACCUM, TRAIN_BASE
 
@@ -43,8 +43,8 @@ def test_compressed_gradients_within_tolerance_of_fp32(two_ranks, rank, name, to
     out = case(two_ranks, rank, name)
     assert out["max_rel_diff"] <= tol, out
     assert out["max_abs_diff"] > 0, f"{name} gradients are bit-identical to fp32 ones: the hook did not run"
-    assert out["logged"] == [f"framework.comm_hooks: DDP communication hook: {name} (gradients all-reduced in {name}, "
-                             "averaged, then cast back)"]
+    assert out["logged"] == [f"framework.ddp.comm_hooks: DDP communication hook: {name} (gradients all-reduced in "
+                             f"{name}, averaged, then cast back)"]
 
 
 @pytest.mark.parametrize("rank", [0, 1])
@@ -66,9 +66,10 @@ def test_powersgd_loss_within_margin_of_plain_all_reduce(two_ranks):
     assert psgd["buckets_with_state"] == [0, 1]
     assert p["model_sha256"] != n["model_sha256"]
     assert case(two_ranks, 1, "powersgd")["summary"]["model_sha256"] == p["model_sha256"]
-    assert none["logged"] == ["framework.comm_hooks: DDP communication hook: none (fp32 all-reduce)"]
-    assert psgd["logged"] == [f"framework.comm_hooks: DDP communication hook: powersgd (rank 8, error feedback, warm "
-                              f"start; plain all-reduce until iteration {POWERSGD['powersgd_start_iter']}, now at 0)"]
+    assert none["logged"] == ["framework.ddp.comm_hooks: DDP communication hook: none (fp32 all-reduce)"]
+    assert psgd["logged"] == [f"framework.ddp.comm_hooks: DDP communication hook: powersgd (rank 8, error feedback, "
+                              f"warm start; plain all-reduce until iteration"
+                              f" {POWERSGD['powersgd_start_iter']}, now at 0)"]
 
 
 @pytest.mark.parametrize("rank", [0, 1])
@@ -171,7 +172,7 @@ def test_powersgd_state_loaded_after_registration_applies_at_once():
     """An in-process rollback (spike_guard) restores a checkpoint while the hook is running."""
     from types import SimpleNamespace
 
-    from framework.comm_hooks import CommHook
+    from framework.ddp.comm_hooks import CommHook
     from framework.config import resolve_config
 
     cfg = resolve_config({"ddp_comm_hook": "powersgd", "powersgd_rank": 2, "powersgd_start_iter": 3})

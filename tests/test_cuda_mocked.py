@@ -10,11 +10,11 @@ from unittest import mock
 import pytest
 import torch
 
-from framework import distributed
-from framework.activation import CpuOffload, OffloadStats
+from framework.ddp import process_group
+from framework.model.offload import CpuOffload, OffloadStats
 from framework.config import resolve_config
-from framework.ddp_policy import Decision, wrap
-from framework.optim import precision
+from framework.ddp.policy import Decision, wrap
+from framework.train.optim import precision
 
 
 @pytest.mark.parametrize("local_rank, cuda, count, expected", [
@@ -22,21 +22,21 @@ from framework.optim import precision
     (1, False, 0, "cpu"), (0, True, 0, "cpu"),
 ])
 def test_each_local_rank_gets_its_gpu(local_rank, cuda, count, expected):
-    assert distributed.select_device(local_rank, cuda, count) == torch.device(expected)
+    assert process_group.select_device(local_rank, cuda, count) == torch.device(expected)
 
 
 def test_setup_pins_a_single_process_to_its_gpu(monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "1")
     with mock.patch("torch.cuda.is_available", return_value=True), \
             mock.patch("torch.cuda.device_count", return_value=2), mock.patch("torch.cuda.set_device") as set_device:
-        env = distributed.setup("auto", rank=0, world_size=1)
+        env = process_group.setup("auto", rank=0, world_size=1)
     assert env.device == torch.device("cuda", 1) and not env.distributed
     set_device.assert_called_once_with(torch.device("cuda", 1))
 
 
 @pytest.mark.parametrize("device, device_ids", [(torch.device("cuda", 1), [1]), (torch.device("cpu"), None)])
 def test_ddp_gets_the_rank_s_gpu_as_device_ids(device, device_ids):
-    with mock.patch("framework.ddp_policy.DDP") as ddp:
+    with mock.patch("framework.ddp.policy.DDP") as ddp:
         wrap(torch.nn.Linear(2, 2), device, Decision(False, False, []), bucket_cap_mb=25, gradient_as_bucket_view=False,
              broadcast_buffers=True)
     assert ddp.call_args.kwargs["device_ids"] == device_ids
@@ -78,7 +78,7 @@ def test_offload_copies_a_cuda_tensor_into_pinned_host_memory_without_blocking()
 
 
 def test_nccl_gets_torchtitan_s_settings_but_never_overrides_the_user_s(tmp_path):
-    got = distributed.nccl_environment(str(tmp_path), {"TORCH_NCCL_TRACE_BUFFER_SIZE": "5"})
+    got = process_group.nccl_environment(str(tmp_path), {"TORCH_NCCL_TRACE_BUFFER_SIZE": "5"})
     assert got == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
                    "TORCH_FR_DUMP_TEMP_FILE": os.path.join(str(tmp_path), "nccl_trace_rank_")}
 
@@ -97,7 +97,7 @@ def test_nccl_settings_are_in_place_before_the_process_group_starts(monkeypatch,
             mock.patch("torch.cuda.device_count", return_value=2), mock.patch("torch.cuda.set_device"), \
             mock.patch("torch.distributed.init_process_group", side_effect=init_process_group), \
             mock.patch("torch.distributed.is_initialized", return_value=False):
-        env = distributed.setup("auto", 1800, rank=1, world_size=2, log_dir=str(tmp_path))
+        env = process_group.setup("auto", 1800, rank=1, world_size=2, log_dir=str(tmp_path))
     assert env.backend == "nccl" and env.device == torch.device("cuda", 1)
     assert seen["backend"] == "nccl" and seen["device_id"] == torch.device("cuda", 1)
     assert seen["timeout"] == datetime.timedelta(seconds=1800)
@@ -113,7 +113,7 @@ def test_nccl_settings_are_in_place_before_the_process_group_starts(monkeypatch,
 ])
 def test_torchrun_s_async_error_handling_default_is_replaced_but_a_user_s_value_is_kept(tmp_path, environ,
                                                                                        expected):
-    assert distributed.nccl_environment(str(tmp_path), environ).get("TORCH_NCCL_ASYNC_ERROR_HANDLING") == expected
+    assert process_group.nccl_environment(str(tmp_path), environ).get("TORCH_NCCL_ASYNC_ERROR_HANDLING") == expected
 
 
 def test_under_torchrun_a_worker_gets_async_error_handling_3(tmp_path):
@@ -121,7 +121,7 @@ def test_under_torchrun_a_worker_gets_async_error_handling_3(tmp_path):
     import subprocess
     from tests.dist_helper import torchrun_cmd, worker_env
     script = tmp_path / "show.py"
-    script.write_text("import os, sys\nfrom framework.distributed import nccl_environment\n"
+    script.write_text("import os, sys\nfrom framework.ddp.process_group import nccl_environment\n"
                       "sys.stdout.write(os.environ['TORCH_NCCL_ASYNC_ERROR_HANDLING'] + ' '\n"
                       "                 + nccl_environment('logs', os.environ)['TORCH_NCCL_ASYNC_ERROR_HANDLING'])\n")
     env = {k: v for k, v in worker_env().items() if k != "TORCH_NCCL_ASYNC_ERROR_HANDLING"}
@@ -132,7 +132,7 @@ def test_under_torchrun_a_worker_gets_async_error_handling_3(tmp_path):
 
 @pytest.mark.parametrize("user", [{"TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/mine/fr_"}, {"TORCH_FR_BUFFER_SIZE": "7"}])
 def test_the_flight_recorder_s_other_names_count_as_set_by_the_user(tmp_path, user):
-    got = distributed.nccl_environment(str(tmp_path), user)
+    got = process_group.nccl_environment(str(tmp_path), user)
     assert not {"TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"} <= {*got, *user}
     assert not {"TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_FR_BUFFER_SIZE"} <= {*got, *user}
     assert got["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"
@@ -150,7 +150,7 @@ def test_one_process_builds_an_nccl_group_only_when_nccl_is_asked_for_under_torc
             mock.patch("torch.cuda.device_count", return_value=1), mock.patch("torch.cuda.set_device"), \
             mock.patch("torch.distributed.init_process_group") as init, \
             mock.patch("torch.distributed.is_initialized", return_value=False):
-        env = distributed.setup(backend, rank=0, world_size=1, log_dir=str(tmp_path))
+        env = process_group.setup(backend, rank=0, world_size=1, log_dir=str(tmp_path))
         nccl_env = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")
     assert env.distributed is group and init.called is group
     if group:
@@ -159,11 +159,11 @@ def test_one_process_builds_an_nccl_group_only_when_nccl_is_asked_for_under_torc
 
 
 def test_the_steady_timeout_replaces_the_init_timeout_once(monkeypatch):
-    monkeypatch.setattr(distributed, "_steady", False)
+    monkeypatch.setattr(process_group, "_steady", False)
     with mock.patch("torch.distributed.is_initialized", return_value=True), \
             mock.patch("torch.distributed.distributed_c10d._set_pg_timeout") as set_timeout:
-        distributed.set_steady_timeout(1800, 300)
-        distributed.set_steady_timeout(1800, 300)
+        process_group.set_steady_timeout(1800, 300)
+        process_group.set_steady_timeout(1800, 300)
     set_timeout.assert_called_once_with(datetime.timedelta(seconds=300), None)
 
 
@@ -184,4 +184,4 @@ def test_a_one_rank_group_trains_through_ddp_and_switches_to_the_steady_timeout(
         assert trainer.train()["steps"] == 4
     finally:
         dist.destroy_process_group()
-    assert "collective timeout after the first step: 60 s (init timeout 900 s)" in trainer.log_path.read_text()
+    assert "collective timeout after the first step: 60 s (init timeout 900 s)" in trainer._log_path.read_text()

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from framework.config import ConfigError, resolve_config
-from framework.data import (MARKOV_ENTROPY, MarkovDataset, ResumableDistributedSampler, TokenWindows,
-                            build_datasets, encode_text, eval_indices)
-from framework.markers import FatalError
+from framework.data.datasets import MARKOV_ENTROPY, MarkovDataset, TokenWindows, build_datasets, encode_text
+from framework.data.sampler import ResumableDistributedSampler, eval_indices
+from framework.resilience.markers import FatalError
 
 
 def shards(n, world, batch, accum, seed=3, epoch=0):
@@ -156,7 +156,7 @@ def test_input_known_only_at_run_time_stops_with_fatal(case, tmp_path):
     config given from Python) stops with one line and a FATAL marker, which a restart obeys at
     once, not with a traceback retried on every restart."""
     from framework import DDPTrainer
-    from framework.markers import FATAL
+    from framework.resilience.markers import FATAL
     overrides, pieces, expected = RUN_TIME_CASES[case]
     (tmp_path / "ex.json").write_text("[3, 500]")
     ex = str(tmp_path / "ex.json")

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from framework.config import resolve_config
-from framework.model import GPT, GPTConfig
+from framework.model.gpt import GPT, GPTConfig
 from framework.trainer import DDPTrainer
 from tests.dist_helper import launch_cases
 from tests.workers.ddp_equivalence import BASE, EVAL_CASE, GRAD_CASES, TRAIN_CASES

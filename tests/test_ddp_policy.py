@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 import ddp_training
-from framework.ddp_policy import ProbeReport, decide, diagnose, probe
+from framework.ddp.policy import ProbeReport, decide, diagnose, probe
 from framework.trainer import DDPTrainer
 from tests.dist_helper import launch_cases
 from tests.workers.reentrant_inputs import CASES, FrozenThenAdapter, dataset
@@ -177,7 +177,7 @@ def test_reentrant_module_whose_inputs_need_no_grad_is_switched_and_trained(targ
                         doctor=True)
     doctor.close()
     assert doctor.report.unused == [] and doctor.decision.safe
-    assert doctor.checkpointing.mode == "non_reentrant"
+    assert doctor._activation_checkpointing.mode == "non_reentrant"
     assert any("non_reentrant" in r and "'adapter'" in r for r in doctor.decision.reasons), doctor.decision.reasons
     model = FrozenThenAdapter()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}

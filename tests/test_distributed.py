@@ -1,4 +1,4 @@
-"""framework.distributed under torchrun, end to end on loopback with gloo: a multi-node elastic
+"""framework.ddp.process_group under torchrun, end to end on loopback with gloo: a multi-node elastic
 restart forms its new process group, and a worker does not outlive its agent."""
 
 import json
@@ -158,7 +158,7 @@ def test_workers_die_with_their_agent(tmp_path):
 def test_a_worker_whose_agent_died_before_it_armed_the_death_signal_ends():
     """The agent may die before the worker arms the signal (then it never comes): the worker
     sees that its parent is no longer the agent and ends itself."""
-    code = "from framework.distributed import die_with_parent; die_with_parent(parent=0); print('survived')"
+    code = "from framework.ddp.process_group import die_with_parent; die_with_parent(parent=0); print('survived')"
     env = worker_env({"TORCHELASTIC_RUN_ID": "test"})
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == -signal.SIGTERM, proc.stdout + proc.stderr

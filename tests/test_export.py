@@ -12,8 +12,8 @@ import torch
 
 from framework import ConfigError, DDPTrainer
 from framework.config import build_config
-from framework.export import ALIASES, CONFIG, WEIGHTS, export_model, load_exported, load_weights
-from framework.model import GPT, GPTConfig
+from framework.state.export import ALIASES, CONFIG, WEIGHTS, export_model, load_exported, load_weights
+from framework.model.gpt import GPT, GPTConfig
 from tests.dist_helper import ROOT
 
 TINY = dict(vocab_size=32, hidden_size=32, num_layers=1, num_heads=2, seq_len=16, dataset_size=128, batch_size=8,
@@ -44,7 +44,7 @@ def test_trainer_exports_the_gpt_at_the_end_and_load_exported_rebuilds_it(tmp_pa
     config = json.loads((export_dir / CONFIG).read_text())
     assert config["model"] == "framework.model.GPT" and config["tie_embeddings"] is True
     loaded = load_exported(export_dir)
-    assert loaded.cfg == GPTConfig.from_train_config(trainer.cfg)
+    assert loaded.cfg == GPTConfig.from_train_config(trainer.config)
     assert loaded.lm_head.weight is loaded.tok_emb.weight  # still tied
     ids = torch.randint(0, 32, (2, 16), generator=torch.Generator().manual_seed(0))
     assert torch.equal(logits_of(loaded, ids), logits_of(trainer.raw_model, ids))
@@ -105,7 +105,7 @@ def test_a_re_export_replaces_only_its_own_files_and_a_failed_one_changes_nothin
     def disk_full(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr("framework.export.save_weights", disk_full)
+    monkeypatch.setattr("framework.state.export.save_weights", disk_full)
     with pytest.raises(OSError, match="No space"):
         export_model(torch.nn.Linear(2, 4), out)
     assert sorted(p.name for p in out.iterdir()) == [".framework_export.json", WEIGHTS, "notes.txt"]

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from framework.data import ResumableDistributedSampler
-from framework.metrics import read_metrics, read_samples
+from framework.data.sampler import ResumableDistributedSampler
+from framework.observability.metrics import read_metrics, read_samples
 from tests.dist_helper import ROOT, cli_args, free_port, launch, processes_matching, torchrun_cmd, worker_env
 
 # 32 steps per epoch (256 samples, 2 ranks x batch 4); 48 steps cross an epoch boundary.
@@ -237,7 +237,7 @@ def test_two_nodes_on_loopback_match_one_node(reference, tmp_path):
 
 def test_damaged_or_malicious_checkpoint_in_one_process(tmp_path):
     from framework import DDPTrainer
-    from framework.checkpoint import CheckpointError
+    from framework.state.checkpoint_files import CheckpointError
 
     cfg = dict(CONFIG, max_steps=12, save_every_steps=4, record_samples=False, tensorboard=False,
                log_dir=str(tmp_path / "logs"), checkpoint_dir=str(tmp_path / "ck"))

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from framework.faults import ANY_RESTART, KINDS, Fault, FaultPlan, middle_module, nudge_one_ulp, parse
+from framework.testing.faults import ANY_RESTART, KINDS, Fault, FaultPlan, middle_module, nudge_one_ulp, parse
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -37,7 +37,7 @@ def no_hooks_left(model: nn.Module) -> bool:
 
 
 def run_micro(plan, model, step, micro, last_micro, kill=lambda: None, calls=None):
-    """One micro-step as framework.step runs it: forward, on_loss(loss), backward."""
+    """One micro-step as framework.train.step runs it: forward, on_loss(loss), backward."""
     with plan.micro_step(step, micro, last_micro, model, kill) as on_loss:
         loss = model(torch.ones(2, 3))
         on_loss(loss)
@@ -275,7 +275,7 @@ def test_sigterm_fault_signals_this_process_once_at_its_step():
 
 
 def test_sigkill_fault_kills_the_process():
-    code = ("from framework.faults import FaultPlan\n"
+    code = ("from framework.testing.faults import FaultPlan\n"
             "plan = FaultPlan('sigkill@step=1', 0, 0)\n"
             "plan.fire_process_faults(0)\n"
             "print('step 0 ok', flush=True)\n"

@@ -9,8 +9,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from framework.ddp_policy import unwrap
-from framework.health import ConsistencyCheck, Watchdog, first_divergent, model_sha256, parameter_hashes
+from framework.ddp.policy import unwrap
+from framework.resilience.consistency import ConsistencyCheck, first_divergent, model_sha256, parameter_hashes
+from framework.resilience.watchdog import Watchdog
 
 
 def small_model(seed: int = 0) -> nn.Module:
@@ -187,7 +188,7 @@ def test_heartbeat_and_straggler_report(log_file, caplog):
     store = dist.HashStore()
     w = watchdog(log_file, world_size=2, store=store)
     try:
-        with caplog.at_level(logging.ERROR, logger="framework.health"):
+        with caplog.at_level(logging.ERROR, logger="framework.resilience"):
             w.arm(7)  # faulthandler armed at 80 s: close() cancels it long before
             w._deadline = 0.4  # the monitor beats after a quarter and reports after three quarters
             end = time.monotonic() + 10
@@ -210,7 +211,7 @@ def test_every_rank_stuck_report(log_file, caplog):
     store.set("heartbeat/1", "4 0.0")
     w = watchdog(log_file, world_size=2, store=store)
     try:
-        with caplog.at_level(logging.ERROR, logger="framework.health"):
+        with caplog.at_level(logging.ERROR, logger="framework.resilience"):
             w._name_stragglers(4)
             w._name_stragglers(5)
         assert "every rank is stuck inside it" in caplog.records[0].getMessage()

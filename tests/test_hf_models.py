@@ -11,16 +11,11 @@ import pytest
 import torch
 import torch.nn as nn
 
-from framework.activation import (
-    TiledSwiGLUFunction,
-    _offloaded_checkpoint,
-    apply_checkpointing,
-    checkpointing_of,
-    enable_checkpointing,
-    hf_model_in,
-    tile_user_mlps,
-)
-from framework.ddp_policy import probe
+from framework.model.tiled_mlp import TiledSwiGLUFunction, tile_user_mlps
+from framework.model.offload import offloaded_checkpoint
+from framework.model.activation_checkpointing import apply_checkpointing, checkpointing_of, enable_checkpointing
+from framework.model.hf_checkpointing import hf_model_in
+from framework.ddp.policy import probe
 from framework.trainer import DDPTrainer
 from tests.dist_helper import launch_cases
 from tests.workers.hf_models import (
@@ -173,7 +168,7 @@ def test_forced_ddp_settings_stop_with_the_fix(two_ranks, name):
 def test_hf_model_uses_its_own_checkpointing(mode, lora, caplog):
     ref = grads(llama(lora))
     model = llama(lora)
-    with caplog.at_level(logging.INFO, logger="framework.activation"):
+    with caplog.at_level(logging.INFO, logger="framework.model"):
         plan = enable_checkpointing(model, mode, "Block")
     assert checkpointing_of(model) is plan and plan.mode == mode
     layers = [m for m in model.modules() if type(m).__name__ == "LlamaDecoderLayer"]
@@ -183,7 +178,7 @@ def test_hf_model_uses_its_own_checkpointing(mode, lora, caplog):
         assert "LlamaForCausalLM" in caplog.text and "'s own activation checkpointing" in caplog.text
         func = layers[0]._gradient_checkpointing_func
         if mode == "offload":
-            assert func.func is _offloaded_checkpoint
+            assert func.func is offloaded_checkpoint
         else:
             assert func.keywords["use_reentrant"] is (mode == "reentrant")
     model.train()
@@ -194,7 +189,7 @@ def test_hf_model_uses_its_own_checkpointing(mode, lora, caplog):
 def test_framework_wraps_hf_layers_when_checkpoint_modules_names_them(caplog):
     ref = grads(llama(True))
     model = llama(True)
-    with caplog.at_level(logging.INFO, logger="framework.activation"):
+    with caplog.at_level(logging.INFO, logger="framework.model"):
         plan = enable_checkpointing(model, "reentrant", "LlamaDecoderLayer")
     assert plan.path == "framework" and plan.wrapped == [f"base_model.model.model.layers.{i}" for i in (0, 1)]
     assert not any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
@@ -226,13 +221,13 @@ def test_checkpointing_the_user_enabled_is_kept_and_logged(caplog):
     model = llama(True)
     hf_model_in(model).activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": True})
     func = hf_model_in(model).model.layers[0]._gradient_checkpointing_func
-    with caplog.at_level(logging.INFO, logger="framework.activation"):
+    with caplog.at_level(logging.INFO, logger="framework.model"):
         plan = enable_checkpointing(model, "non_reentrant", "LlamaDecoderLayer")
     assert (plan.path, plan.mode, len(plan.wrapped)) == ("user", "reentrant", 2)
     assert hf_model_in(model).model.layers[0]._gradient_checkpointing_func is func
     assert [r.levelname for r in caplog.records if "enabled by the user" in r.getMessage()] == ["WARNING"]
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="framework.activation"):
+    with caplog.at_level(logging.INFO, logger="framework.model"):
         assert enable_checkpointing(model, "off", "Block").path == "user"
     assert [r.levelname for r in caplog.records if "enabled by the user" in r.getMessage()] == ["INFO"]
 
@@ -378,7 +373,7 @@ def test_untileable_mlps_stay_untiled_named_in_one_warning(caplog):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         model = get_peft_model(base, LoraConfig(r=4, use_dora=True, target_modules=["gate_proj"]))
-    with caplog.at_level(logging.WARNING, logger="framework.activation"):
+    with caplog.at_level(logging.WARNING, logger="framework.model"):
         with pytest.raises(ValueError, match="no submodule matches"):
             tile_user_mlps(model, 4, "GPTMLP")
         assert tile_user_mlps(model, 4, "LlamaMLP") == []
@@ -397,7 +392,7 @@ def test_tiled_mlp_modules_config_mistakes():
 def test_user_model_without_tiled_mlp_modules_keeps_the_warning(tmp_path, caplog):
     cfg = dict(tiled_mlp_chunks=4, batch_size=2, num_workers=0, tensorboard=False, log_dir=str(tmp_path),
                checkpoint_dir=str(tmp_path / "ck"))
-    with caplog.at_level(logging.WARNING, logger="framework.activation"):
+    with caplog.at_level(logging.WARNING, logger="framework.model"):
         trainer = DDPTrainer(cfg, rank=0, world_size=1, model=llama(False), train_dataset=DATA, loss_fn=lm_loss)
     trainer.close()
     assert "tiled_mlp_chunks applies to the built-in model only" in caplog.text
@@ -432,9 +427,9 @@ def doctor(tmp_path, model, **overrides):
 
 
 def test_doctor_switches_reentrant_moe_to_non_reentrant(tmp_path, caplog):
-    with caplog.at_level(logging.WARNING, logger="framework.activation"):
+    with caplog.at_level(logging.WARNING, logger="framework.model"):
         trainer = doctor(tmp_path, moe(), gradient_checkpointing="reentrant", checkpoint_modules="MoELayer")
-    assert trainer.checkpointing.mode == "non_reentrant" and trainer.decision.safe
+    assert trainer._activation_checkpointing.mode == "non_reentrant" and trainer.decision.safe
     assert trainer.decision.reasons[0].startswith("gradient checkpointing switched from reentrant to non_reentrant")
     assert (trainer.decision.static_graph, trainer.decision.find_unused_parameters) == (False, True)
     assert "switched from reentrant to non_reentrant (framework path, 2 modules)" in caplog.text
@@ -442,14 +437,14 @@ def test_doctor_switches_reentrant_moe_to_non_reentrant(tmp_path, caplog):
 
 def test_doctor_keeps_reentrant_when_a_setting_fits(tmp_path):
     trainer = doctor(tmp_path, llama(True), gradient_checkpointing="reentrant", batch_size=BATCH)
-    assert trainer.checkpointing.mode == "reentrant" and trainer.decision.safe
+    assert trainer._activation_checkpointing.mode == "reentrant" and trainer.decision.safe
     assert not any("switched" in r for r in trainer.decision.reasons)
 
 
 def test_doctor_does_not_switch_forced_settings(tmp_path):
     trainer = doctor(tmp_path, moe(), gradient_checkpointing="reentrant", checkpoint_modules="MoELayer",
                      ddp_static_graph="true")
-    assert trainer.checkpointing.mode == "reentrant" and not trainer.decision.safe
+    assert trainer._activation_checkpointing.mode == "reentrant" and not trainer.decision.safe
 
 
 def test_hf_switch_keeps_the_users_checkpoint_function_otherwise():

@@ -129,7 +129,7 @@ def test_debug_runs_with_every_memory_mode(tmp_path, mode):
                        "--", "--gradient-checkpointing", mode, "--tiled-mlp-chunks", "4", "--max-steps", "6"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     log = (tmp_path / "logs" / "rank_0.log").read_text()
-    assert "DEBUG framework.metrics: step 6: loss" in log
+    assert "DEBUG framework.observability.metrics: step 6: loss" in log
     assert "TORCH_DISTRIBUTED_DEBUG=INFO" in log  # DETAIL segfaults on gloo in torch 2.13
     assert json.loads((tmp_path / "logs" / "summary.json").read_text())["steps"] == 6
     assert not leftovers(str(tmp_path))

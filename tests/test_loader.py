@@ -9,8 +9,9 @@ import pytest
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
-from framework.data import ResumableDistributedSampler, make_loader
-from framework.loader import BatchStream, LoaderFailure
+from framework.data.sampler import ResumableDistributedSampler
+from framework.data.batch_stream import make_loader
+from framework.data.batch_stream import BatchStream, LoaderFailure
 
 N, BATCH, ACCUM = 32, 4, 2  # 4 optimizer steps of 2 micro-batches of 4 samples per epoch
 
@@ -373,7 +374,7 @@ class PlainTokens(Dataset):
     """The synthetic data as a user's map-style dataset: no batched read, so DataLoader workers."""
 
     def __init__(self, n):
-        from framework.data import MarkovDataset
+        from framework.data.datasets import MarkovDataset
         self.inner = MarkovDataset(32, 16, n, 3, 1)
 
     def __len__(self):
@@ -390,14 +391,14 @@ def train(tmp_path, name, n, **over):
     before = signal.getsignal(signal.SIGCHLD)
     cfg = {**RUN, **over, "log_dir": str(tmp_path / name / "logs"), "checkpoint_dir": str(tmp_path / name / "ck")}
     trainer = DDPTrainer(cfg, rank=0, world_size=1, train_dataset=PlainTokens(n), val_dataset=PlainTokens(8))
-    assert trainer.num_workers == (1 if over.get("num_workers") else 0)  # 2 asked, 1 on a 2-core machine
+    assert trainer._num_workers == (1 if over.get("num_workers") else 0)  # 2 asked, 1 on a 2-core machine
     pids = []
-    original = trainer.stream.start_epoch
+    original = trainer._stream.start_epoch
 
     def start_epoch():
         original()
-        pids.extend(trainer.stream.worker_pids())
-    trainer.stream.start_epoch = start_epoch
+        pids.extend(trainer._stream.worker_pids())
+    trainer._stream.start_epoch = start_epoch
     summary = trainer.train()
     assert alive(pids) == [] and multiprocessing.active_children() == []
     assert signal.getsignal(signal.SIGCHLD) == before

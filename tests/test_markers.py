@@ -4,8 +4,8 @@ import os
 
 import pytest
 
-from framework import markers
-from framework.markers import FATAL, MICRO_BATCH, PREEMPTED, FatalError
+from framework.resilience import markers
+from framework.resilience.markers import FATAL, MICRO_BATCH, PREEMPTED, FatalError
 
 
 def test_write_read_clear(tmp_path):
@@ -75,7 +75,7 @@ def test_restart_keeps_the_recorded_micro_batch(tmp_path):
 
 
 def test_restarts_count_only_while_they_resume_from_the_same_step(tmp_path):
-    from framework import markers
+    from framework.resilience import markers
     assert markers.note_restart(tmp_path, 8, limit=2) is None
     assert markers.note_restart(tmp_path, 16, limit=2) is None  # progress: the count starts again
     assert markers.note_restart(tmp_path, 16, limit=2) is None
@@ -88,7 +88,7 @@ def test_restarts_count_only_while_they_resume_from_the_same_step(tmp_path):
 
 
 def test_a_damaged_restart_count_starts_afresh(tmp_path):
-    from framework import markers
+    from framework.resilience import markers
     (tmp_path / markers.RESTARTS).write_text("{not json")
     assert markers.note_restart(tmp_path, 8, limit=1) is None
     assert markers.note_restart(tmp_path, 8, limit=1).startswith("2 restarts in a row resumed from step 8")
@@ -107,7 +107,7 @@ def test_a_fatal_message_stays_the_original_cause_on_every_restart(tmp_path):
 
 def test_a_second_launch_into_a_live_runs_checkpoint_dir_changes_none_of_its_markers(tmp_path):
     from framework import DDPTrainer
-    from framework.checkpoint import CheckpointDirLocked, CheckpointManager
+    from framework.state.checkpoint_files import CheckpointDirLocked, CheckpointManager
 
     ck = tmp_path / "ck"
     live = CheckpointManager(ck)  # the live run holds checkpoint_dir's lock

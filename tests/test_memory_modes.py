@@ -52,8 +52,8 @@ def test_probe_and_forced_settings_train_the_same_model(two_ranks):
 def test_one_process_matches_plain_model(tmp_path, name):
     trainer = DDPTrainer({**BASE, **COMBOS[name], "log_dir": str(tmp_path), "checkpoint_dir": str(tmp_path / "ck")},
                          rank=0, world_size=1)
-    cfg = trainer.cfg
-    batches = iter(trainer.loader)
+    cfg = trainer.config
+    batches = iter(trainer._stream.loader)
     for _ in range(2):
         micro = [next(batches)]
         trainer.forward_backward(micro)

@@ -3,7 +3,7 @@
 import json
 
 from framework import DDPTrainer
-from framework.metrics import read_metrics
+from framework.observability.metrics import read_metrics
 
 TINY = dict(vocab_size=32, hidden_size=32, num_layers=1, num_heads=2, seq_len=16, dataset_size=128, batch_size=8,
             dropout=0.0, num_workers=0, learning_rate=3e-3, target_loss=0.0, eval_steps=2, log_interval=2,
@@ -46,8 +46,8 @@ def test_skipped_steps_are_counted_in_the_summary(tmp_path):
 def test_restarts_with_and_without_a_checkpoint_keep_steps_increasing_and_samples_once(tmp_path, monkeypatch):
     """8 steps an epoch. The first incarnation crashes at step 5 with no checkpoint; the second
     starts again at 0, saves step 6 and crashes at step 10; the third resumes from 6."""
-    from framework.data import ResumableDistributedSampler
-    from framework.metrics import read_samples
+    from framework.data.sampler import ResumableDistributedSampler
+    from framework.observability.metrics import read_samples
 
     cfg = tiny(tmp_path, dataset_size=64, max_steps=12, save_every_steps=6, record_samples=True,
                fault_inject="crash@step=5; crash@step=10,restart=1")

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from framework.model import GPT, GPTConfig, lm_loss
+from framework.model.gpt import GPT, GPTConfig, lm_loss
 
 
 def make(tie=False, dropout=0.0):
@@ -47,7 +47,7 @@ def test_too_long_sequence_is_rejected():
 def test_attention_runs_in_fp32_on_cpu_even_under_bf16_autocast(amp, monkeypatch):
     """torch 2.13's CPU flash attention is ~4x slower in bf16 (bench/attention.py): the built-in GPT
     attends in fp32 there, and hands the next layer autocast's dtype back."""
-    import framework.model as model_module
+    import framework.model.gpt as model_module
 
     seen = []
     real = model_module.F.scaled_dot_product_attention

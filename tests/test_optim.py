@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from framework.optim import build_optimizer, lr_at
+from framework.train.optim import build_optimizer, lr_at
 
 
 def test_warmup_is_linear_from_zero():

@@ -35,7 +35,7 @@ def test_pip_builds_the_metadata_offline_and_needs_nothing_new(tmp_path):
 def test_the_console_script_runs_the_entry_point(tmp_path):
     assert PYPROJECT["project"]["scripts"] == {"ddp-train": "ddp_training:cli"}
     setuptools = PYPROJECT["tool"]["setuptools"]
-    assert (setuptools["packages"], setuptools["py-modules"]) == (["framework"], ["ddp_training"])
+    assert setuptools["py-modules"] == ["ddp_training"]
     module, function = PYPROJECT["project"]["scripts"]["ddp-train"].split(":")
     call = f"import {module}; {module}.{function}()"  # what the generated script does
     ok = subprocess.run([sys.executable, "-c", call, "--check-config", "--log-dir", str(tmp_path / "logs"),
@@ -45,6 +45,14 @@ def test_the_console_script_runs_the_entry_point(tmp_path):
     bad = subprocess.run([sys.executable, "-c", call, "--no-such-key", "1"], capture_output=True, text=True,
                          cwd=ROOT, timeout=60)
     assert bad.returncode == 2 and bad.stderr.startswith("error: command line: unknown key 'no_such_key'")
+
+
+def test_the_package_holds_every_subpackage():
+    """What setuptools finds with pyproject's include is framework/ and every package under it."""
+    from setuptools import find_packages
+    found = find_packages(where=str(ROOT), **PYPROJECT["tool"]["setuptools"]["packages"]["find"])
+    on_disk = [".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "framework").rglob("__init__.py")]
+    assert sorted(found) == sorted(on_disk) and "framework.state" in found and "framework" in found
 
 
 def test_dependencies_agree_with_the_requirement_files():

@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from framework.preemption import DUPLICATE_WINDOW_S
+from framework.resilience.preemption import DUPLICATE_WINDOW_S
 from tests.dist_helper import ROOT, cli_args, worker_env
 
 # A long final evaluation (about 2 s here): 2,000 validation sequences of 128 tokens.
@@ -128,7 +128,7 @@ def in_process(run_dir: Path, **over) -> dict:
 def sigterm_in_evaluation(monkeypatch, at_step: int, at_batch: int) -> list[int]:
     """SIGTERM to this process during the ``at_batch``-th batch of the evaluation at ``at_step``;
     returns the steps of the evaluation batches that ran, one entry per batch."""
-    from framework import evaluation
+    from framework.train import evaluation
     batches, real, trainer_step = [], evaluation.batch_loss, []
 
     def counting(model, batch, loss_fn):
@@ -169,7 +169,7 @@ def test_sigterm_in_the_final_evaluation_stops_it_at_the_next_batch_saves_and_th
 def test_sigterm_in_a_mid_run_evaluation_stops_it_saves_and_the_resume_evaluates_that_step_first(
         tmp_path, monkeypatch):
     from framework import DDPTrainer
-    from framework.metrics import read_metrics
+    from framework.observability.metrics import read_metrics
     cfg = dict(eval_interval=4, max_steps=12, save_every_steps=4)
     whole = DDPTrainer(in_process(tmp_path / "whole", **cfg)).train()
     batches = sigterm_in_evaluation(monkeypatch, at_step=8, at_batch=2)
@@ -189,7 +189,7 @@ def test_sigterm_in_a_mid_run_evaluation_stops_it_saves_and_the_resume_evaluates
 
 def test_the_mid_run_preemption_save_runs_under_a_watchdog_phase_of_its_own(tmp_path, monkeypatch):
     from framework import DDPTrainer
-    from framework.health import Watchdog
+    from framework.resilience.watchdog import Watchdog
     phases, real = [], Watchdog.phase
 
     def spy(self, name, *args, **kwargs):

@@ -7,11 +7,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from framework import DDPTrainer, markers
-from framework.checkpoint import CheckpointError
+from framework import DDPTrainer
+from framework.resilience import markers
+from framework.state.checkpoint_files import CheckpointError
 from framework.config import build_config
-from framework.optim import lr_at
-from framework.resume import FORMAT, Checkpointer, config_changes, upgrade
+from framework.train.optim import lr_at
+from framework.state.checkpointer import FORMAT, Checkpointer, config_changes, upgrade
 
 TINY = dict(vocab_size=32, hidden_size=32, num_layers=1, num_heads=2, seq_len=16, dataset_size=128, batch_size=8,
             dropout=0.0, num_workers=0, learning_rate=3e-3, target_loss=0.0, eval_steps=2, log_interval=2,
@@ -59,7 +60,7 @@ def test_resume_with_another_batch_size_recomputes_the_schedule(tmp_path):
     trainer = DDPTrainer(tiny(tmp_path, num_epochs=2, batch_size=16))
     # 48 of 128 samples done in epoch 0: 5 more steps of 16, then 8 in epoch 1 (not 2 x 8 = 16 in all).
     assert trainer.step == 6 and trainer.sampler.batch_size == 16
-    assert trainer.total_steps == trainer.schedule.total_steps == 19
+    assert trainer._total_steps == trainer._schedule.total_steps == 19
     summary = trainer.train()
     assert summary["steps"] == 19 and summary["epochs"] == 2.0
     # The last step ran at its place on the recomputed cosine, not past its end.
@@ -130,8 +131,9 @@ import errno  # noqa: E402
 import json  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from framework import checkpoint, exclusions  # noqa: E402
-from framework.metrics import read_metrics  # noqa: E402
+from framework.state import checkpoint_files  # noqa: E402
+from framework.resilience import exclusions  # noqa: E402
+from framework.observability.metrics import read_metrics  # noqa: E402
 
 
 def restart(monkeypatch, count: int) -> None:
@@ -185,14 +187,14 @@ def test_a_restart_with_nothing_of_its_own_falls_back_to_the_launchs_resume_mode
 
 def unreadable(monkeypatch, *names: str) -> None:
     """Reading these checkpoint files fails as on a flaky disk or NFS (EIO), whichever way they are read."""
-    read_bytes, load_file = Path.read_bytes, checkpoint.load_file
+    read_bytes, load_file = Path.read_bytes, checkpoint_files.load_file
 
     def check(path) -> None:
         if isinstance(path, (str, Path)) and Path(path).name in names:
             raise OSError(errno.EIO, "Input/output error", str(path))
 
     monkeypatch.setattr(Path, "read_bytes", lambda self: check(self) or read_bytes(self))
-    monkeypatch.setattr(checkpoint, "load_file", lambda path: check(path) or load_file(path))
+    monkeypatch.setattr(checkpoint_files, "load_file", lambda path: check(path) or load_file(path))
 
 
 @pytest.mark.parametrize("manifest", [True, False])
@@ -227,10 +229,10 @@ def test_a_rollback_takes_only_its_own_lineages_checkpoints(tmp_path):
     other = {p.name: p.read_bytes() for p in ck.glob("step_*.pt")}
     (other_lineage,) = lineages(ck)
     trainer = DDPTrainer(tiny(tmp_path, max_steps=8, save_every_steps=2, resume="none", spike_guard="rollback"))
-    assert trainer.checkpoints.roll_back(before=9) is None and trainer.step == 0  # nothing of its own yet
+    assert trainer._checkpointer.roll_back(before=9) is None and trainer.step == 0  # nothing of its own yet
     trainer.train()
-    assert trainer.checkpoints.manager.lineage != other_lineage
-    assert trainer.checkpoints.roll_back(before=7) == 6  # its own
+    assert trainer._checkpointer.manager.lineage != other_lineage
+    assert trainer._checkpointer.roll_back(before=7) == 6  # its own
     assert {p.name: p.read_bytes() for p in ck.glob("step_*.pt") if p.name in other} == other
 
 
@@ -242,11 +244,11 @@ def test_recorded_exclusions_apply_only_to_their_own_lineage(tmp_path):
     (ck / exclusions.FILE).write_text(json.dumps({"samples": [5, 6], "rollbacks": [rollback],
                                                   "lineage": "0therrun0000"}))
     trainer = DDPTrainer(tiny(tmp_path, max_steps=8))  # resumes this lineage's step 4
-    assert trainer.step == 4 and trainer.spikes.excluded == set()
+    assert trainer.step == 4 and trainer._spike_guard.excluded == set()
     trainer.close()
     (ck / exclusions.FILE).write_text(json.dumps({"samples": [5, 6], "rollbacks": [rollback], "lineage": own}))
     trainer = DDPTrainer(tiny(tmp_path, max_steps=8))
-    assert trainer.step == 4 and trainer.spikes.excluded == {5, 6}
+    assert trainer.step == 4 and trainer._spike_guard.excluded == {5, 6}
     trainer.close()
 
 

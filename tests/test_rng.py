@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from framework import rng
+from framework.state import rng
 
 
 def draws() -> dict:
@@ -77,7 +77,7 @@ def test_restore_of_a_state_missing_keys_fails():
     rng.seed_all(3)
     for missing in ("python", "torch", "numpy", "numpy_generator"):
         partial = {k: v for k, v in state.items() if k != missing}
-        with pytest.raises(ValueError, match=f"lacks \\['{missing}'\\].*framework.rng.capture"):
+        with pytest.raises(ValueError, match=f"lacks \\['{missing}'\\].*framework.state.rng.capture"):
             rng.restore(partial)
     with pytest.raises(ValueError, match="'python', 'torch', 'numpy', 'numpy_generator'"):
         rng.restore({})

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from framework.data import ResumableDistributedSampler
+from framework.data.sampler import ResumableDistributedSampler
 from tests.dist_helper import ROOT, launch, launch_cases
 from tests.test_fault_tolerance import args_for, rank_log, summary
 from tests.workers.run_health import BASE

@@ -9,13 +9,13 @@ import re
 
 import pytest
 
-from framework import exclusions
+from framework.resilience import exclusions
 from framework.config import ConfigError, resolve_config
-from framework.data import ResumableDistributedSampler
-from framework.faults import FaultPlan
-from framework.markers import FatalError
-from framework.metrics import read_metrics
-from framework.spike import SpikeGuard, loss_z
+from framework.data.sampler import ResumableDistributedSampler
+from framework.testing.faults import FaultPlan
+from framework.resilience.markers import FatalError
+from framework.observability.metrics import read_metrics
+from framework.resilience.spike_guard import SpikeGuard, loss_z
 from tests.dist_helper import launch_cases
 from tests.workers.spike import BASE
 
@@ -206,12 +206,12 @@ def test_a_rollback_stays_within_its_epoch(tmp_path):
     trainer = DDPTrainer(cfg, rank=0, world_size=1)
     trainer.train()
     assert trainer.sampler.epoch == 1
-    assert trainer.checkpoints.roll_back(before=6) is None  # the newest before it is of epoch 0
-    assert trainer.checkpoints.roll_back(before=7) == 6 and trainer.step == 6
+    assert trainer._checkpointer.roll_back(before=6) is None  # the newest before it is of epoch 0
+    assert trainer._checkpointer.roll_back(before=7) == 6 and trainer.step == 6
 
 
 def one_process_spike(tmp_path, **over):
-    from framework.metrics import read_metrics
+    from framework.observability.metrics import read_metrics
     from framework.trainer import DDPTrainer
     cfg = {**BASE, "dataset_size": 256, "max_steps": 30, "spike_guard": "rollback", "record_samples": False,
            "log_dir": str(tmp_path / "logs"), "checkpoint_dir": str(tmp_path / "ck"), **over}

@@ -5,10 +5,11 @@ import sys
 import pytest
 import torch
 
-from framework import DDPTrainer, markers
-from framework.data import ResumableDistributedSampler
-from framework.markers import FatalError
-from framework.step import SkipBudget, apply_recorded_micro_batch, halve_micro_batch
+from framework import DDPTrainer
+from framework.resilience import markers
+from framework.data.sampler import ResumableDistributedSampler
+from framework.resilience.markers import FatalError
+from framework.train.step import SkipBudget, apply_recorded_micro_batch, halve_micro_batch
 
 
 def test_halving_keeps_the_global_batch_until_it_cannot():
@@ -81,7 +82,7 @@ def test_cuda_library_allocation_failures_are_recovered_as_oom(tmp_path, error):
 
 
 def test_memory_is_released_after_the_exception_is_gone(tmp_path, monkeypatch):
-    from framework.step import TrainStep
+    from framework.train.step import TrainStep
     seen = []
     original = TrainStep._release_after_oom
 
@@ -95,14 +96,14 @@ def test_memory_is_released_after_the_exception_is_gone(tmp_path, monkeypatch):
 
 def test_a_non_finite_loss_counts_against_the_budget_with_a_grad_scaler(tmp_path):
     trainer = tiny_run(tmp_path, torch.nn.Linear(4, 1), max_errors_per_epoch=1)
-    trainer.steps.scaler = trainer.scaler = torch.amp.GradScaler("cpu", enabled=True)  # fp16's scaler, on CPU
+    trainer._train_step.scaler = trainer._scaler = torch.amp.GradScaler("cpu", enabled=True)  # fp16's scaler, on CPU
     trainer.optimizer.zero_grad()
-    trainer.scaler.scale(trainer.raw_model(torch.ones(1, 4)).sum()).backward()
-    agreed, _, _ = trainer.steps.optimizer_step(torch.tensor(float("inf")), 0)
-    assert agreed.nonfinite and trainer.skipped_this_epoch == [0]
-    trainer.scaler.scale(trainer.raw_model(torch.ones(1, 4)).sum()).backward()
+    trainer._scaler.scale(trainer.raw_model(torch.ones(1, 4)).sum()).backward()
+    agreed, _, _ = trainer._train_step.optimizer_step(torch.tensor(float("inf")), 0)
+    assert agreed.nonfinite and trainer._skips.steps == [0]
+    trainer._scaler.scale(trainer.raw_model(torch.ones(1, 4)).sum()).backward()
     with pytest.raises(markers.FatalError, match="more than max_errors_per_epoch=1"):
-        trainer.steps.optimizer_step(torch.tensor(float("nan")), 1)
+        trainer._train_step.optimizer_step(torch.tensor(float("nan")), 1)
     trainer.close()
 
 
@@ -110,17 +111,17 @@ def test_a_grad_scaler_overflow_is_skipped_by_the_scaler_and_not_counted_as_non_
     """gpu_check's scaler_overflow row on CPU: a finite loss with an inf gradient (what fp16 overflow
     gives) is the GradScaler's to skip; it lowers its scale and the skip budget is untouched."""
     trainer = tiny_run(tmp_path, torch.nn.Linear(4, 1), max_errors_per_epoch=0)
-    trainer.steps.scaler = trainer.scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, enabled=True)
+    trainer._train_step.scaler = trainer._scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, enabled=True)
     before = [p.detach().clone() for p in trainer.raw_model.parameters()]
     trainer.optimizer.zero_grad()
     loss = trainer.raw_model(torch.ones(1, 4)).sum()
-    trainer.scaler.scale(loss).backward()
+    trainer._scaler.scale(loss).backward()
     trainer.raw_model.weight.grad.view(-1)[0] = float("inf")
-    agreed, _, grad_norm = trainer.steps.optimizer_step(loss.detach(), 0)
-    assert not agreed.nonfinite and trainer.skipped_this_epoch == [] and not torch.isfinite(grad_norm)
-    assert trainer.scaler.get_scale() == 512.0
+    agreed, _, grad_norm = trainer._train_step.optimizer_step(loss.detach(), 0)
+    assert not agreed.nonfinite and trainer._skips.steps == [] and not torch.isfinite(grad_norm)
+    assert trainer._scaler.get_scale() == 512.0
     assert all(torch.equal(a, b) for a, b in zip(before, trainer.raw_model.parameters(), strict=True))
-    trainer.scaler.scale(trainer.raw_model(torch.ones(1, 4)).sum()).backward()
-    trainer.steps.optimizer_step(torch.tensor(1.0), 1)  # a finite step: the scaler steps the optimizer
+    trainer._scaler.scale(trainer.raw_model(torch.ones(1, 4)).sum()).backward()
+    trainer._train_step.optimizer_step(torch.tensor(1.0), 1)  # a finite step: the scaler steps the optimizer
     assert not all(torch.equal(a, b) for a, b in zip(before, trainer.raw_model.parameters(), strict=True))
     trainer.close()

@@ -7,11 +7,11 @@ import socket
 import pytest
 import torch
 
-from framework.faults import parse
-from framework.metrics import read_metrics
+from framework.testing.faults import parse
+from framework.observability.metrics import read_metrics
 from framework.config import TrainConfig
-from framework.distributed import DistEnv
-from framework.straggler import SECTIONS, StragglerMonitor, scores, slow_sections, timed_step
+from framework.ddp.process_group import DistEnv
+from framework.resilience.straggler import SECTIONS, StragglerMonitor, scores, slow_sections, timed_step
 from tests.dist_helper import launch_cases
 
 # Sections: data, forward_backward, synced_backward, optimizer (ms).
@@ -110,8 +110,9 @@ def test_the_medians_are_gathered_from_the_rank_s_device(monkeypatch):
         devices.append(mine.device)
         gathered[:] = [torch.tensor(row, dtype=torch.float64) for row in (FAST, [1.0, 45.0, 2.0, 3.0])]
 
-    monkeypatch.setattr("framework.straggler.dist.all_gather", all_gather)
-    monkeypatch.setattr("framework.straggler.dist.all_gather_object", lambda out, host: out.__setitem__(0, "a"))
+    monkeypatch.setattr("framework.resilience.straggler.dist.all_gather", all_gather)
+    monkeypatch.setattr("framework.resilience.straggler.dist.all_gather_object",
+                        lambda out, host: out.__setitem__(0, "a"))
     monitor = StragglerMonitor(TrainConfig(straggler_interval=5), env)
     monitor.check(5)
     assert devices == [torch.device("meta")]

@@ -7,8 +7,8 @@ import pytest
 from torch.utils.data import IterableDataset
 
 from framework import DDPTrainer
-from framework.data import MarkovDataset
-from framework.streaming import StreamPosition
+from framework.data.datasets import MarkovDataset
+from framework.data.iterable_stream import StreamPosition
 from tests.dist_helper import ROOT, launch
 
 WORKER = ROOT / "tests" / "workers" / "streaming.py"
@@ -49,7 +49,7 @@ def test_a_rank_with_one_batch_fewer_ends_the_epoch_on_both(tmp_path):
 def test_a_stream_needs_max_steps_and_cannot_halve_its_micro_batch():
     from types import SimpleNamespace
 
-    from framework.markers import FatalError
+    from framework.resilience.markers import FatalError
     position = StreamPosition(world_size=2, batch_size=4, accumulation=1)
     with pytest.raises(ValueError, match="max_steps"):
         position.last_step(0, SimpleNamespace(max_steps=0))

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from framework import ConfigError, DDPTrainer, TrainConfig
-from framework.health import model_sha256
-from framework.markers import FatalError
+from framework.resilience.consistency import model_sha256
+from framework.resilience.markers import FatalError
 
 TINY = dict(vocab_size=32, hidden_size=32, num_layers=1, num_heads=2, seq_len=16, dataset_size=128, batch_size=8,
             dropout=0.0, num_workers=0, learning_rate=3e-3, target_loss=0.0, eval_steps=2, log_interval=2)
@@ -68,11 +68,11 @@ def test_user_model_dataset_and_loss(tmp_path):
 def test_nonfinite_step_is_skipped(tmp_path):
     trainer = DDPTrainer(tiny(tmp_path, max_steps=4))
     before = {k: v.clone() for k, v in trainer.raw_model.state_dict().items()}
-    batches = iter(trainer.loader)
+    batches = iter(trainer._stream.loader)
     loss = trainer.forward_backward([next(batches)])
     next(trainer.raw_model.parameters()).grad[0, 0] = float("nan")
     agreed, _, _ = trainer.optimizer_step(loss)
-    assert agreed.nonfinite and trainer.skipped_this_epoch == [0]
+    assert agreed.nonfinite and trainer._skips.steps == [0]
     after = trainer.raw_model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
     assert all(p.grad is None for p in trainer.raw_model.parameters())
@@ -118,7 +118,7 @@ def test_oom_in_one_process_retries_with_half_the_micro_batch(tmp_path):
 
 
 def test_unwrap_finds_the_module_inside_nested_wrappers():
-    from framework.ddp_policy import unwrap
+    from framework.ddp.policy import unwrap
 
     class Wrapper(torch.nn.Module):
         def __init__(self, module):
@@ -159,7 +159,7 @@ def test_eval_steps_zero_evaluates_the_whole_validation_split(tmp_path):
     def val_loss(eval_steps):
         trainer = DDPTrainer(tiny(tmp_path, eval_steps=eval_steps))
         try:
-            return trainer.evaluate(), trainer.evaluator.batches, len(trainer.val_dataset)
+            return trainer.evaluate(), trainer._evaluator.batches, len(trainer._val_dataset)
         finally:
             trainer.close()
 

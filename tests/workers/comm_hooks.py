@@ -33,7 +33,7 @@ def grads_after_one_step(name: str, overrides: dict, out_dir) -> dict[str, torch
 
     trainer = DDPTrainer({**GRAD_BASE, **overrides, "log_dir": str(out_dir / name),
                           "checkpoint_dir": str(out_dir / name / "ck")})
-    micro = [next(iter(trainer.loader))]
+    micro = [next(iter(trainer._stream.loader))]
     trainer.forward_backward(micro)
     grads = {n: p.grad.detach().clone() for n, p in trainer.raw_model.named_parameters()}
     trainer.close()
@@ -67,7 +67,7 @@ def train(name: str, overrides: dict, out_dir, **kwargs) -> dict:
     cfg = {**TRAIN_BASE, **overrides, "log_dir": str(out_dir / name), "checkpoint_dir": str(out_dir / name / "ck")}
     trainer = DDPTrainer(cfg, **kwargs)
     summary = trainer.train()
-    state = trainer.comm_hook.state
+    state = trainer._comm_hook.state
     log = (out_dir / name / f"rank_{dist.get_rank()}.log").read_text()
     return {"summary": summary, "powersgd_iter": None if state is None else state.iter,
             "static_graph": trainer.decision.static_graph,
@@ -122,8 +122,8 @@ class NanOnce:
 def run_nonfinite_case(name: str, out_dir, keep_finite: bool) -> dict:
     """PowerSGD through one non-finite step (after compression started); ``keep_finite=False``
     disables the reset of the poisoned error feedback, to show that the test can fail."""
-    from framework.comm_hooks import CommHook
-    from framework.model import GPT, GPTConfig
+    from framework.ddp.comm_hooks import CommHook
+    from framework.model.gpt import GPT, GPTConfig
     from framework.config import resolve_config
 
     cfg = {**TRAIN_BASE, **POWERSGD, "max_steps": 16, "save_every_steps": 0, "max_errors_per_epoch": 3}

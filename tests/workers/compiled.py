@@ -25,7 +25,7 @@ GRAD_CASES = {
 
 
 def run_grad_case(name: str, overrides: dict, out_dir, world: int) -> dict:
-    from framework.compiling import is_ddp
+    from framework.ddp.compile import is_ddp
     from framework.trainer import DDPTrainer
 
     cfg = {**BASE, **COMPILED, **overrides, "log_dir": str(out_dir / name), "checkpoint_dir": str(out_dir / name)}
@@ -35,7 +35,7 @@ def run_grad_case(name: str, overrides: dict, out_dir, world: int) -> dict:
     graphs_before = counters["frames"]["ok"]
     trainer = DDPTrainer(cfg)
     assert is_ddp(trainer.model) and trainer.model is not trainer.raw_model
-    batches = iter(trainer.loader)
+    batches = iter(trainer._stream.loader)
     trainer.forward_backward([next(batches) for _ in range(trainer.sampler.accumulation)])
     ref = reference_grads({**COMPILED, **overrides}, world)
     diffs = {n: (p.grad - ref[n]).abs().max().item() for n, p in trainer.raw_model.named_parameters()}

@@ -31,8 +31,10 @@ EVAL_CASE = dict(batch_size=7, eval_steps=5)  # 35 samples: unequal shards of 18
 def reference_grads(cfg_overrides: dict, world_size: int) -> dict[str, torch.Tensor]:
     """One plain process, no DDP, on the global micro-batches of the first step."""
     from framework.config import resolve_config
-    from framework.data import ResumableDistributedSampler, build_datasets, fetch
-    from framework.model import GPT, GPTConfig, lm_loss
+    from framework.data.sampler import ResumableDistributedSampler
+    from framework.data.datasets import build_datasets
+    from framework.data.batches import fetch
+    from framework.model.gpt import GPT, GPTConfig, lm_loss
 
     cfg = resolve_config({**BASE, **cfg_overrides})
     torch.manual_seed(cfg.seed)
@@ -53,7 +55,7 @@ def run_grad_case(name: str, overrides: dict, out_dir, rank: int, world: int) ->
 
     cfg = {**BASE, **overrides, "log_dir": str(out_dir / name), "checkpoint_dir": str(out_dir / name / "ck")}
     trainer = DDPTrainer(cfg)
-    batches = iter(trainer.loader)
+    batches = iter(trainer._stream.loader)
     micro = [next(batches) for _ in range(trainer.sampler.accumulation)]
     trainer.forward_backward(micro)
     ref = reference_grads(overrides, world)

@@ -149,7 +149,7 @@ def _plain_mlp(x, chunks, fc, proj):
 
 
 def _sturdy_mlp(x, chunks, fc, proj):
-    from framework.activation import tiled_mlp
+    from framework.model.tiled_mlp import tiled_mlp
     return tiled_mlp(x, chunks, fc, proj)
 
 
@@ -211,7 +211,7 @@ def branch_switching() -> Pairs:
     """Vectors whose last feature is positive exactly in global micro-batch 1 of the sampler's
     epoch-0 order: BranchNet leaves ``extra`` unused in iteration 1 and uses it in iteration 2,
     on both ranks, and the framework's probe (first two micro-batches) sees the change."""
-    from framework.data import ResumableDistributedSampler
+    from framework.data.sampler import ResumableDistributedSampler
     perm = ResumableDistributedSampler(SAMPLES, WORLD, 0, BATCH, 1, SEED).permutation(0)
     data = vectors()
     sign = -torch.ones(SAMPLES)
@@ -342,7 +342,8 @@ def compare(case: Case, used: list, grads: list, error: dict | None, chunks: lis
 
 def run_plain(case: Case, rank: int) -> dict:
     """Part A: plain DDP with the case's settings on a process group of its own."""
-    from framework.data import ResumableDistributedSampler, fetch
+    from framework.data.sampler import ResumableDistributedSampler
+    from framework.data.batches import fetch
     group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=30))
     model = case.build()
     ddp = DDP(model, process_group=group, **case.plain)
@@ -376,7 +377,7 @@ def run_framework(name: str, case: Case, rank: int, out_dir) -> dict:
     trainer = DDPTrainer(cfg, model=model, train_dataset=case.data(), loss_fn=F.mse_loss)
     used, grads, error = [], [], None
     try:
-        batches = iter(trainer.loader)
+        batches = iter(trainer._stream.loader)
         for it in range(ITERATIONS):
             set_chunks(trainer.raw_model, case.framework_chunks, it)
             micro = [next(batches) for _ in range(trainer.sampler.accumulation)]

@@ -31,7 +31,7 @@ ITERATIONS = 3
 
 def reference_grads(cfg, batches):
     """The plain model (no checkpointing, no tiling, no DDP) on the global micro-batches."""
-    from framework.model import GPT, GPTConfig, lm_loss
+    from framework.model.gpt import GPT, GPTConfig, lm_loss
 
     torch.manual_seed(cfg.seed)
     model = GPT(GPTConfig(cfg.vocab_size, cfg.seq_len, cfg.hidden_size, cfg.num_layers, cfg.num_heads,
@@ -42,16 +42,17 @@ def reference_grads(cfg, batches):
 
 
 def run_case(name, overrides, out_dir, rank, world):
-    from framework.data import ResumableDistributedSampler, fetch
+    from framework.data.sampler import ResumableDistributedSampler
+    from framework.data.batches import fetch
     from framework.trainer import DDPTrainer
 
     overrides = dict(overrides)
     schedule = overrides.pop("chunk_schedule", None)
     trainer = DDPTrainer({**BASE, **overrides, "log_dir": str(out_dir / name)})
-    cfg = trainer.cfg
-    glob = ResumableDistributedSampler(len(trainer.train_dataset), 1, 0, cfg.batch_size * world,
+    cfg = trainer.config
+    glob = ResumableDistributedSampler(len(trainer._train_dataset), 1, 0, cfg.batch_size * world,
                                        cfg.gradient_accumulation_steps, cfg.seed)
-    mine, full = iter(trainer.loader), iter(glob)
+    mine, full = iter(trainer._stream.loader), iter(glob)
     diffs, rank_gaps = [], []
     for it in range(ITERATIONS):
         if schedule:
@@ -59,7 +60,7 @@ def run_case(name, overrides, out_dir, rank, world):
                 block.mlp.chunks = schedule[it]
         micro = [next(mine) for _ in range(cfg.gradient_accumulation_steps)]
         trainer.forward_backward(micro)
-        ref = reference_grads(cfg, [fetch(trainer.train_dataset, next(full))
+        ref = reference_grads(cfg, [fetch(trainer._train_dataset, next(full))
                                     for _ in range(cfg.gradient_accumulation_steps)])
         grads = {n: p.grad.detach().clone() for n, p in trainer.raw_model.named_parameters()}
         diffs.append(max((grads[n] - ref[n]).abs().max().item() for n in ref))
@@ -72,7 +73,8 @@ def run_case(name, overrides, out_dir, rank, world):
            "static_graph": trainer.decision.static_graph,
            "find_unused_parameters": trainer.decision.find_unused_parameters,
            "reasons": trainer.decision.reasons,
-           "offload_packed": trainer.offload_stats.packed, "offload_unpacked": trainer.offload_stats.unpacked}
+           "offload_packed": trainer._activation_checkpointing.stats.packed,
+           "offload_unpacked": trainer._activation_checkpointing.stats.unpacked}
     trainer.close()
     return out
 
@@ -80,7 +82,7 @@ def run_case(name, overrides, out_dir, rank, world):
 def run_sha_case(name, out_dir, rank, world):
     """A block applied twice under reentrant checkpointing: auto picks static_graph; training with
     the probe gives the same model as training with that choice forced."""
-    from framework.model import GPT, GPTConfig
+    from framework.model.gpt import GPT, GPTConfig
     from framework.trainer import DDPTrainer
 
     shas = {}

@@ -1,6 +1,6 @@
 """Two tiled-MLP designs that are NOT safe under DDP, kept as test doubles for the failure matrix.
 
-Both compute ``proj(gelu(fc(x)))`` over sequence chunks like framework.activation.tiled_mlp,
+Both compute ``proj(gelu(fc(x)))`` over sequence chunks like framework.model.tiled_mlp.tiled_mlp,
 but the MLP weights are not inputs of the autograd Function: backward reaches them through
 nested autograd calls on the recomputed chunks.
 

@@ -38,7 +38,8 @@ def dataset(n=64):
 def run_case(name, overrides, out_dir):
     import torch.distributed as dist
 
-    from framework.data import ResumableDistributedSampler, fetch
+    from framework.data.sampler import ResumableDistributedSampler
+    from framework.data.batches import fetch
     from framework.trainer import DDPTrainer
 
     data = dataset()
@@ -46,8 +47,8 @@ def run_case(name, overrides, out_dir):
            "log_dir": str(out_dir / name), "checkpoint_dir": str(out_dir / name / "ck"), **overrides}
     trainer = DDPTrainer(cfg, model=FrozenThenAdapter(), train_dataset=data, loss_fn=nn.functional.mse_loss)
     world = dist.get_world_size()
-    glob = ResumableDistributedSampler(len(data), 1, 0, trainer.cfg.batch_size * world, 1, trainer.cfg.seed)
-    mine, full = iter(trainer.loader), iter(glob)
+    glob = ResumableDistributedSampler(len(data), 1, 0, trainer.config.batch_size * world, 1, trainer.config.seed)
+    mine, full = iter(trainer._stream.loader), iter(glob)
     diffs = []
     for _ in range(3):
         trainer.forward_backward([next(mine)])
@@ -59,7 +60,7 @@ def run_case(name, overrides, out_dir):
             diffs.append(0.0 if p.grad is None and r is None else
                          float("inf") if p.grad is None or r is None else (p.grad - r).abs().max().item())
         trainer.optimizer.zero_grad(set_to_none=True)
-    out = {"max_abs_diff": max(diffs), "mode": trainer.checkpointing.mode, "unused": trainer.report.unused,
+    out = {"max_abs_diff": max(diffs), "mode": trainer._activation_checkpointing.mode, "unused": trainer.report.unused,
            "find_unused_parameters": trainer.decision.find_unused_parameters, "reasons": trainer.decision.reasons}
     trainer.close()
     return out

@@ -74,7 +74,7 @@ class FailsAbove(torch.nn.Module):
 
 
 def run_case(name, overrides, out_dir, rank):
-    from framework.data import build_datasets
+    from framework.data.datasets import build_datasets
     from framework.config import resolve_config
     from framework.trainer import DDPTrainer
 
@@ -110,13 +110,13 @@ def run_case(name, overrides, out_dir, rank):
         return {"error": f"{type(err).__name__}: {err}", "steps_per_epoch": None}
     worker_pids = []
     if dataset == "plain":
-        original = trainer.stream.kill_a_worker
+        original = trainer._stream.kill_a_worker
 
         def kill_and_remember():
             pid = original()
             worker_pids.append(pid)
             return pid
-        trainer.stream.kill_a_worker = kill_and_remember
+        trainer._stream.kill_a_worker = kill_and_remember
     out = {}
     limit = resource.getrlimit(resource.RLIMIT_FSIZE)
     if file_size_limit and rank == 0:

@@ -28,7 +28,7 @@ CASES = {
 
 def buffered_model(cfg):
     from framework.config import resolve_config
-    from framework.model import GPT, GPTConfig
+    from framework.model.gpt import GPT, GPTConfig
 
     model = GPT(GPTConfig.from_train_config(resolve_config(cfg)))
     model.register_buffer("seen", torch.zeros(1))

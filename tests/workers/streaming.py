@@ -18,7 +18,7 @@ from torch.utils.data import IterableDataset
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from framework import DDPTrainer  # noqa: E402
-from framework.data import MarkovDataset  # noqa: E402
+from framework.data.datasets import MarkovDataset  # noqa: E402
 
 
 class ShardedRows(IterableDataset):

@@ -17,12 +17,14 @@ from typing import Callable, Protocol
 import torch
 import torch.distributed as dist
 
-from . import __version__, distributed, markers, rng
-from . import checkpoint
-from .checkpoint import CheckpointDirLocked, CheckpointError, CheckpointManager, CheckpointUnreadable
-from .config import TrainConfig, as_dict
-from .ddp_policy import unwrap
-from .markers import FatalError
+from .. import __version__
+from ..config import TrainConfig, as_dict
+from ..ddp import process_group
+from ..ddp.policy import unwrap
+from ..resilience import markers
+from ..resilience.markers import FatalError
+from . import checkpoint_files, rng
+from .checkpoint_files import CheckpointDirLocked, CheckpointError, CheckpointManager, CheckpointUnreadable
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +121,7 @@ def gather_rng(distributed: bool, world_size: int) -> list[dict]:
 def guard_restart_loop(cfg: TrainConfig, env, resumed_step: int) -> None:
     """After an elastic restart: stop with FATAL when more than max_no_progress_restarts restarts
     in a row resumed from the same step (rank 0 counts in checkpoint_dir and tells the others)."""
-    if distributed.incarnation() == 0:
+    if process_group.incarnation() == 0:
         return
     verdict = [markers.note_restart(cfg.checkpoint_dir, resumed_step, cfg.max_no_progress_restarts)
                if env.is_main else None]
@@ -255,7 +257,7 @@ class Checkpointer:
             raise (CheckpointUnreadable if choice[2] else CheckpointError)(choice[1])
         if choice[0] is None:
             return None
-        return upgrade(state if state is not None else checkpoint.load_file(Path(choice[0])))
+        return upgrade(state if state is not None else checkpoint_files.load_file(Path(choice[0])))
 
     def _choose(self, before: int | None = None) -> tuple[Path | None, dict | None]:
         if before is not None:
@@ -269,11 +271,11 @@ class Checkpointer:
         found = self.manager.latest_valid(lineages=ours) if ours else None
         if found is not None:
             log.info("restart %d of this launch: continuing its own lineage from %s (resume=%s chose the launch's "
-                     "start)", distributed.incarnation(), found[0].name, self.cfg.resume)
+                     "start)", process_group.incarnation(), found[0].name, self.cfg.resume)
         elif self.cfg.resume == "auto":
             found = self.manager.latest_valid()
         elif self.cfg.resume != "none":
-            found = Path(self.cfg.resume), checkpoint.load_file(self.cfg.resume)
+            found = Path(self.cfg.resume), checkpoint_files.load_file(self.cfg.resume)
         path, state = found or (None, None)
         if path is not None:
             self.manager.mark_resumed(path)  # protected from pruning; a restart continues its lineage
@@ -285,7 +287,7 @@ class Checkpointer:
 
     def _launch_lineages(self) -> list[str]:
         """A restart's: the lineages its launch has written in."""
-        if distributed.incarnation() == 0:
+        if process_group.incarnation() == 0:
             return []
         record = markers.recorded_lineages(self.manager.directory, restart=True)
         return [] if record is None else record["lineages"]
@@ -341,7 +343,7 @@ class Checkpointer:
                             "a rollback stays within an epoch", before, state["sampler"]["epoch"], epoch)
             return None
         self.restore(state)
-        step = self.components["trainer"].step
+        step = int(state["trainer"]["step"])
         self.restore_rng(state, step)
         return step
 

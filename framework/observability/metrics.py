@@ -12,9 +12,10 @@ from pathlib import Path
 
 import torch
 
-from . import __version__, atomic
-from .config import as_dict
-from .memory import in_use_gb, memory_stats
+from .. import __version__
+from ..config import as_dict
+from ..resilience.memory import in_use_gb, memory_stats
+from ..state import atomic
 
 log = logging.getLogger(__name__)
 

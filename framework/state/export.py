@@ -44,18 +44,19 @@ from pathlib import Path, PurePosixPath
 
 import torch
 
-from . import __version__, atomic
-from .checkpoint import to_cpu
-from .config import EXPORT_RECORD, export_path, export_record
-from .ddp_policy import unwrap
-from .model import GPT, GPTConfig
+from .. import __version__
+from ..config import EXPORT_RECORD, export_path, export_record
+from ..ddp.policy import unwrap
+from ..model.gpt import GPT, GPTConfig
+from . import atomic
+from .checkpoint_files import to_cpu
 
 log = logging.getLogger(__name__)
 
 FINAL_MODEL = "final_model.pt"
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
-GPT_MARKER = "framework.model.GPT"
+GPT_MARKER = "framework.model.GPT"  # the format's name for the built-in GPT (framework/model/gpt.py), kept
 ALIASES = "framework.aliases"  # metadata key: JSON {dropped name: the name written}
 INSTALL_HINT = "pip install -e .[hf]"
 PARTIAL = ".framework_export.partial."  # the private temp directory of an export in progress
@@ -173,7 +174,7 @@ def load_exported(export_dir: str | Path, device: str | torch.device = "cpu") ->
     config = json.loads((directory / CONFIG).read_text())
     if config.pop("model", None) != GPT_MARKER:
         raise ValueError(f"{directory / CONFIG}: not an export of {GPT_MARKER}; load {WEIGHTS} with "
-                         "framework.export.load_weights into your own model")
+                         "framework.state.export.load_weights into your own model")
     config.pop("framework_version", None)
     model = GPT(GPTConfig(**config))
     model.load_state_dict(load_weights(directory / WEIGHTS), strict=True)

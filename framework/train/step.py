@@ -16,13 +16,14 @@ from typing import Callable
 
 import torch
 
-from . import ddp_policy, markers
-from .batches import batch_loss, to_device
-from .compiling import is_ddp, uncompiled
+from ..data.batches import batch_loss, to_device
+from ..ddp import policy
+from ..ddp.compile import is_ddp, uncompiled
+from ..resilience import markers
+from ..resilience.markers import FatalError
+from ..resilience.memory import is_oom
+from ..resilience.straggler import SectionTimer, off_the_clock_buffer_broadcast
 from .control import Agreement, agree
-from .markers import FatalError
-from .memory import is_oom
-from .straggler import SectionTimer, off_the_clock_buffer_broadcast
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +55,7 @@ def prepare_model(prepare: Callable[[], tuple], sampler, checkpoint_dir, *, oom_
     while True:
         try:
             return prepare()
-        except ddp_policy.PreflightOOM as err:
+        except policy.PreflightOOM as err:
             if not oom_recovery:
                 raise FatalError(f"{err}: lower batch_size or seq_len, or turn on gradient_checkpointing or "
                                  f"oom_recovery") from None
@@ -149,7 +150,7 @@ class TrainStep:
         try:
             return self._accumulate(micro_batches, step)
         except RuntimeError as err:
-            diagnosed = ddp_policy.diagnose(err)
+            diagnosed = policy.diagnose(err)
             if diagnosed is None:
                 raise
             raise diagnosed from err

@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset
 
+from ..resilience.markers import FatalError
 from .batches import to_device
-from .markers import FatalError
 
 log = logging.getLogger(__name__)
 

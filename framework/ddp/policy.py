@@ -31,9 +31,9 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from .activation import Checkpointing, checkpointing_of
-from .batches import batch_loss, num_samples
-from .memory import is_oom
+from ..data.batches import batch_loss, num_samples
+from ..model.activation_checkpointing import Checkpointing, checkpointing_of
+from ..resilience.memory import is_oom
 
 log = logging.getLogger(__name__)
 
@@ -317,7 +317,7 @@ def format_report(report: ProbeReport, decision: Decision) -> str:
 def wrap_for_training(model: nn.Module, batches: list, loss_fn, autocast, cfg, device: torch.device,
                       comm_hook=None) -> tuple[DDP, ProbeReport, Decision]:
     """Probe, decide (logging one line per decision), wrap, warm up a static graph (or PowerSGD's
-    buckets), and register ``comm_hook`` (framework/comm_hooks.py) after the warm-up.
+    buckets), and register ``comm_hook`` (framework/ddp/comm_hooks.py) after the warm-up.
     ``batches`` are this rank's first micro-batches (on the device); the first is the warm-up's."""
     report, decision = preflight(model, batches, loss_fn, autocast, cfg)
     for reason in decision.reasons:
@@ -398,7 +398,7 @@ def _switched_in_probe(model: nn.Module, batches: list, loss_fn, autocast, plan:
                        ) -> tuple[ProbeReport, str]:
     """The agreed probe, and why the checkpointing switched to non_reentrant during it ('' if it
     did not): a reentrant-checkpointed module without inputs that require grad switches it
-    (framework/activation.py). Then every rank switches, and the model is probed again: the
+    (framework/model/activation_checkpointing.py). Then every rank switches, and the model is probed again: the
     first probe ran partly reentrant."""
     before = plan.mode if plan is not None else None
     report = _agreed_probe(model, batches, loss_fn, autocast)

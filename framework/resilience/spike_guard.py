@@ -6,7 +6,7 @@ step; the deviation is the line's residual standard deviation, widened by the ex
 own uncertainty. A step whose loss lies more than ``threshold`` deviations above the prediction
 is a spike: ``warn`` logs it, ``rollback`` (carried out by the trainer) restores the newest
 checkpoint before it and excludes the spiking step's global samples from every epoch's
-permutation, for the rest of the run and in every later checkpoint (framework/exclusions.py
+permutation, for the rest of the run and in every later checkpoint (framework/resilience/exclusions.py
 keeps the list in checkpoint_dir, where a restart finds it).
 """
 

@@ -14,8 +14,9 @@ from collections.abc import Mapping
 from typing import Any, Callable
 
 import torch
+from torch.utils.data import Dataset, default_collate
 
-from .model import lm_loss
+from ..model.gpt import lm_loss
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
@@ -69,3 +70,10 @@ def num_samples(batch: Any) -> int:
     """Samples in ``batch``: the first dimension of ``input_ids``, else of the first tensor."""
     tensor = _first_tensor(batch)
     return 0 if tensor is None or tensor.dim() == 0 else tensor.shape[0]
+
+
+def fetch(dataset: Dataset, indices: list[int]):
+    """One batch read directly (no worker processes), as the loader would collate it."""
+    if hasattr(dataset, "__getitems__"):
+        return dataset.__getitems__(indices)
+    return default_collate([dataset[i] for i in indices])

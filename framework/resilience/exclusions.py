@@ -14,7 +14,8 @@ import json
 import logging
 from pathlib import Path
 
-from . import atomic, markers
+from ..state import atomic
+from . import markers
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""The stream of micro-batches, one optimizer step at a time, that survives DataLoader workers
+"""The DataLoader, and the stream of micro-batches, one optimizer step at a time, that survives DataLoader workers
 dying or timing out.
 
 PyTorch's SIGCHLD handler raises a worker's death at whatever bytecode the main thread happens
@@ -13,16 +13,51 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import signal
 from typing import Callable
 
-from torch.utils.data import DataLoader, IterableDataset
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate
 
-from .data import (MarkovDataset, ResumableDistributedSampler, TokenWindows, check_datasets, make_loader,
-                   peek_batches, workers_per_rank)
-from .streaming import IterableStream, StreamPosition
+from .datasets import MarkovDataset, TokenWindows, check_datasets
+from .iterable_stream import IterableStream, StreamPosition
+from .sampler import ResumableDistributedSampler, peek_batches
 
 log = logging.getLogger(__name__)
+
+
+def workers_per_rank(requested: int, local_world_size: int) -> int:
+    """Scale the node's workers down by the local ranks, leaving each rank one core of its own;
+    at least one when any were asked for."""
+    if requested == 0:
+        return 0
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(requested, cores // local_world_size - 1))
+
+
+def _seed_worker(worker_id: int) -> None:
+    seed = torch.initial_seed() % 2**32
+    np.random.seed(seed)
+    random.seed(seed)
+
+
+def _passthrough(batch):
+    return batch
+
+
+def make_loader(dataset: Dataset, batch_sampler, *, num_workers: int, pin_memory: bool,
+                seed: int, timeout_s: float = 120.0) -> DataLoader:
+    collate = _passthrough if hasattr(dataset, "__getitems__") else default_collate
+    extra = {}
+    if num_workers > 0:
+        extra = dict(persistent_workers=True, timeout=timeout_s, worker_init_fn=_seed_worker, prefetch_factor=2)
+    # A generator of its own even without workers: every iter() draws a base seed, and drawing it
+    # from the global RNG would shift the dropout stream of a resumed run.
+    return DataLoader(dataset, batch_sampler=batch_sampler, num_workers=num_workers, pin_memory=pin_memory,
+                      collate_fn=collate, generator=torch.Generator().manual_seed(seed), **extra)
+
 
 
 class LoaderFailure(RuntimeError):
@@ -196,7 +231,7 @@ class BatchStream:
 
 def build_stream(dataset, cfg, env, val_dataset=None) -> tuple[ResumableDistributedSampler, BatchStream, int]:
     """This rank's sampler over ``dataset``, the stream of its micro-batches, and the loader's
-    number of worker processes. An IterableDataset gets a stream of its own (framework/streaming.py)."""
+    number of worker processes. An IterableDataset gets a stream of its own (framework/data/iterable_stream.py)."""
     check_datasets(dataset, val_dataset, cfg, env.world_size)
     if isinstance(dataset, IterableDataset):
         position = StreamPosition(env.world_size, cfg.batch_size, cfg.gradient_accumulation_steps)

@@ -4,7 +4,7 @@ check a new incarnation makes at start.
 
 A FATAL marker stops every later incarnation of the same launch at once (torchrun would
 otherwise retry a deterministic failure --max-restarts times); a fresh launch clears it.
-LINEAGE.json names the lineages this launch writes (framework/checkpoint.py): a restart continues
+LINEAGE.json names the lineages this launch writes (framework/state/checkpoint_files.py): a restart continues
 them whatever ``resume`` says, and a rollback's recorded exclusions belong to them.
 """
 
@@ -15,7 +15,7 @@ import logging
 import os
 from pathlib import Path
 
-from . import atomic
+from ..state import atomic
 
 log = logging.getLogger(__name__)
 

@@ -70,7 +70,7 @@ def restore(state: dict) -> None:
     """Set every generator to the state ``capture()`` returned."""
     missing = [k for k in _REQUIRED if k not in state]
     if missing:
-        raise ValueError(f"RNG state lacks {missing}: it was not written by framework.rng.capture()")
+        raise ValueError(f"RNG state lacks {missing}: it was not written by framework.state.rng.capture()")
     version, internal, gauss_next = state["python"]
     random.setstate((version, tuple(internal), gauss_next))
     torch.set_rng_state(state["torch"])

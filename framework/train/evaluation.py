@@ -9,9 +9,9 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from .batches import batch_loss, num_samples, to_device
+from ..data.batches import batch_loss, fetch, num_samples, to_device
+from ..data.sampler import eval_indices
 from .control import agree
-from .data import eval_indices, fetch
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .activation import tiled_mlp
+from .tiled_mlp import tiled_mlp
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ class MLP(nn.Module):
         self.fc = nn.Linear(cfg.hidden_size, 4 * cfg.hidden_size)
         self.proj = nn.Linear(4 * cfg.hidden_size, cfg.hidden_size)
         self.drop = nn.Dropout(cfg.dropout)
-        self.chunks = cfg.tiled_mlp_chunks  # > 0: tiled over the sequence (framework/activation.py)
+        self.chunks = cfg.tiled_mlp_chunks  # > 0: tiled over the sequence (framework/model/activation_checkpointing.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.chunks > 0:

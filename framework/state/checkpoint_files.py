@@ -371,7 +371,7 @@ class CheckpointManager:
                     len(others), len(lineages), ", ".join(lineages), self.lineage)
 
     def _remove_stale_temp_files(self) -> None:
-        """Remove the temp files of interrupted writes (framework.atomic's ``.NAME.tmp.XXXXXXXX``)."""
+        """Remove the temp files of interrupted writes (framework.state.atomic's ``.NAME.tmp.XXXXXXXX``)."""
         if not self.directory.is_dir():
             return
         for path in self.directory.glob(".*.tmp.*"):

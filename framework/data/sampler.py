@@ -1,0 +1,166 @@
+"""The resumable distributed sampler: each rank's shard of a global batch, resumable
+mid-epoch, with samples excluded; the evaluation shard; peeking at the next batches."""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+from typing import Iterator
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from ..resilience.exclusions import FILE as EXCLUDED_FILE
+from ..resilience.markers import FatalError
+from .batches import fetch, to_device
+
+log = logging.getLogger(__name__)
+
+
+class ResumableDistributedSampler(torch.utils.data.Sampler[list[int]]):
+    """Yields this rank's micro-batches of indices.
+
+    Each epoch draws one seeded permutation of the dataset, the same for any world size. The
+    permutation is cut into global micro-batches of ``world_size * batch_size`` samples, and rank
+    r takes slice r of each. An epoch covers the first ``floor(N / G) * G`` samples, G being the
+    global batch per optimizer step (``world_size * batch_size * accumulation``); the rest is
+    dropped. ``consumed`` counts the global samples of committed steps in the current epoch, and
+    iteration starts there, so a resumed run continues at the exact sample. ``excluded`` samples
+    (a loss-spike rollback's, framework/resilience/spike_guard.py) are dropped from every epoch's permutation.
+    """
+
+    def __init__(self, num_samples: int, world_size: int, rank: int, batch_size: int,
+                 accumulation: int = 1, seed: int = 0):
+        self.num_samples = num_samples
+        self.world_size = world_size
+        self.rank = rank
+        self.batch_size = batch_size
+        self.accumulation = accumulation
+        self.seed = seed
+        self.epoch = 0
+        self.consumed = 0
+        self.excluded: frozenset[int] = frozenset()
+        self._perm: tuple[int, torch.Tensor] | None = None  # (epoch, its permutation); exclude() clears it
+        # What __iter__ handed out and the trainer has not yet committed, oldest first.
+        self.delivered: collections.deque[list[int]] = collections.deque()
+
+    @property
+    def global_batch(self) -> int:
+        return self.world_size * self.batch_size * self.accumulation
+
+    @property
+    def epoch_samples(self) -> int:
+        return self.num_samples - len(self.excluded)
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.epoch_samples // self.global_batch
+
+    def steps_remaining(self) -> int:
+        return max(0, (self.epoch_samples - self.consumed) // self.global_batch)
+
+    def permutation(self, epoch: int) -> torch.Tensor:
+        if self._perm is None or self._perm[0] != epoch:
+            seed = int(np.random.SeedSequence([self.seed, epoch]).generate_state(1, np.uint64)[0] >> 1)
+            perm = torch.randperm(self.num_samples, generator=torch.Generator().manual_seed(seed))
+            if self.excluded:
+                keep = torch.ones(self.num_samples, dtype=torch.bool)
+                keep[torch.tensor(sorted(self.excluded))] = False
+                perm = perm[keep[perm]]
+            self._perm = (epoch, perm)
+        return self._perm[1]
+
+    def exclude(self, indices) -> None:
+        """Drop these samples from every epoch's permutation. Those of the current epoch that are
+        still to come shift forward; the committed prefix is unchanged as long as no excluded
+        sample lies in it (a rollback excludes only samples after its checkpoint, which is of the
+        same epoch: see Checkpointer.roll_back)."""
+        bad = sorted(i for i in indices if not 0 <= i < self.num_samples)
+        if bad:
+            raise FatalError(f"excluded sample indices {bad[:5]} are outside the training set of {self.num_samples} "
+                             f"samples (from exclude_samples, or a rollback's {EXCLUDED_FILE} in checkpoint_dir)")
+        excluded = frozenset(self.excluded | set(indices))
+        if self.num_samples - len(excluded) < self.global_batch:
+            raise FatalError(f"excluding {len(excluded)} of the {self.num_samples} training samples leaves fewer "
+                             f"than one global batch of {self.global_batch} samples")
+        if excluded != self.excluded:
+            self.excluded, self._perm = excluded, None
+
+    def last_step_samples(self) -> list[int]:
+        """The global sample indices of the last committed step (every rank computes the same)."""
+        return self.permutation(self.epoch)[self.consumed - self.global_batch:self.consumed].tolist()
+
+    def __iter__(self) -> Iterator[list[int]]:
+        perm = self.permutation(self.epoch)
+        micro = self.world_size * self.batch_size
+        start = self.consumed
+        self.delivered.clear()
+        for step in range(self.steps_remaining()):
+            base = start + step * self.global_batch
+            for m in range(self.accumulation):
+                lo = base + m * micro + self.rank * self.batch_size
+                batch = perm[lo:lo + self.batch_size].tolist()
+                self.delivered.append(batch)
+                yield batch
+
+    def __len__(self) -> int:
+        return self.steps_remaining() * self.accumulation
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+        self.consumed = 0
+
+    def advance(self) -> list[int]:
+        """Record one committed optimizer step; returns this rank's sample indices in it."""
+        self.consumed += self.global_batch
+        taken = [self.delivered.popleft() for _ in range(min(self.accumulation, len(self.delivered)))]
+        return [i for batch in taken for i in batch]
+
+    def epochs_done(self) -> float:
+        return self.epoch + self.consumed / (self.steps_per_epoch * self.global_batch)
+
+    def last_step(self, step: int, cfg) -> int:
+        """The run's last step, from ``step`` where it stands now (a resume on another world size
+        or batch size has another number of steps left in its epochs), capped by max_steps."""
+        by_epochs = step + self.steps_remaining() + max(0, cfg.num_epochs - self.epoch - 1) * self.steps_per_epoch
+        return min(cfg.max_steps, by_epochs) if cfg.max_steps else by_epochs
+
+    def set_micro_batch(self, batch_size: int, accumulation: int) -> None:
+        """Change how a step's samples are split (the global batch must stay the same)."""
+        assert batch_size * accumulation == self.batch_size * self.accumulation, (batch_size, accumulation)
+        self.batch_size, self.accumulation = batch_size, accumulation
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "consumed": self.consumed, "batch_size": self.batch_size,
+                "accumulation": self.accumulation, "world_size": self.world_size,
+                "num_samples": self.num_samples, "seed": self.seed}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue at the saved sample. The saved micro-batch split (an out-of-memory error may
+        have halved it) is kept when the world size and the per-rank batch are the configured
+        ones; otherwise the configured split applies and the position is a global sample offset."""
+        for key in ("num_samples", "seed"):
+            if key in state and int(state[key]) != getattr(self, key):
+                raise ValueError(f"the checkpoint's data order was drawn with {key}={state[key]}, this run has "
+                                 f"{getattr(self, key)}: its sample position does not apply")
+        self.epoch = int(state["epoch"])
+        self.consumed = int(state["consumed"])
+        if "batch_size" not in state or int(state["world_size"]) != self.world_size:
+            return
+        b, a = int(state["batch_size"]), int(state["accumulation"])
+        if b * a == self.batch_size * self.accumulation:
+            self.batch_size, self.accumulation = b, a
+
+
+def peek_batches(sampler: ResumableDistributedSampler, dataset: Dataset, n: int, device: torch.device) -> list:
+    """This rank's next ``n`` micro-batches on ``device``, read without consuming them."""
+    indices = list(itertools.islice(iter(sampler), n))
+    sampler.delivered.clear()
+    return [to_device(fetch(dataset, batch), device) for batch in indices]
+
+
+def eval_indices(num_samples: int, limit: int, world_size: int, rank: int) -> list[int]:
+    """This rank's unpadded shard of the first ``limit`` validation samples."""
+    return list(range(min(num_samples, limit)))[rank::world_size]

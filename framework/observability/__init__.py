@@ -1,0 +1,1 @@
+"""What a run reports: logging setup and metrics."""

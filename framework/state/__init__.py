@@ -1,0 +1,1 @@
+"""The run's state on disk: checkpoint files, the checkpointer, RNG state, the export, atomic writes."""

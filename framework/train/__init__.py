@@ -1,0 +1,1 @@
+"""The training step and around it: evaluation, optimizer and schedule, callbacks, the per-step agreement."""
