@@ -514,7 +514,7 @@ def samples_by_epoch(lay: Layout, w: int) -> tuple[dict[int, collections.Counter
 
 
 def metrics_rows(lay: Layout) -> list[dict] | None:
-    from framework.metrics import read_metrics
+    from framework.observability.metrics import read_metrics
     path = lay.logs / "metrics.jsonl"
     return read_metrics(path) if path.is_file() else None
 

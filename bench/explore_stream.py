@@ -54,9 +54,9 @@ def main(argv: list[str]) -> int:
         for problem in err.problems:
             print(f"error: {problem}", file=sys.stderr)
         return 2
-    from framework import distributed
-    from framework.checkpoint import CheckpointDirLocked
-    from framework.data import builtin_datasets
+    from framework.ddp import process_group as distributed
+    from framework.state.checkpoint_files import CheckpointDirLocked
+    from framework.data.datasets import builtin_datasets
     from framework.trainer import DDPTrainer, FatalError
 
     try:
@@ -75,7 +75,7 @@ def main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     if "TORCHELASTIC_RUN_ID" in os.environ:
-        from framework.distributed import die_with_parent
+        from framework.ddp.process_group import die_with_parent
         die_with_parent(LAUNCHER_PID)
     code = main(sys.argv[1:])
     logging.shutdown()

@@ -22,7 +22,7 @@ def test_a_failed_write_keeps_the_old_file_and_leaves_no_temp_file(tmp_path):
     script = textwrap.dedent(f"""
         import errno, resource, signal, sys
         from pathlib import Path
-        from framework import atomic
+        from framework.state import atomic
         path = Path({str(tmp_path / "f.bin")!r})
         atomic.write_bytes(path, b"old")
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
@@ -74,7 +74,7 @@ def test_a_full_disk_during_a_streamed_torch_save_raises_its_oserror(tmp_path):
 import resource, signal, sys
 sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})
 import torch
-from framework import atomic
+from framework.state import atomic
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, resource.RLIM_INFINITY))
 try:
