@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if "check-config" in actions:
         print("configuration is valid", file=sys.stderr)
-        print(config.checkpoint_dir)  # read by launch_training.sh to find this run's PREEMPTED marker
+        print(config.checkpoint.dir)  # read by launch_training.sh to find this run's PREEMPTED marker
         return 0
 
     from framework import distributed

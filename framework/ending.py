@@ -24,8 +24,8 @@ def final_evaluation_and_save(trainer, steps: StepLog) -> bool:
     step or during the evaluation, in which case (agreed by every rank) the evaluation is left to
     the resumed run."""
     cfg, env = trainer.cfg, trainer.env
-    if steps.loss is not None and 0 < cfg.target_loss and steps.loss <= cfg.target_loss:
-        log.info("target_loss %g reached at step %d (loss %.4f)", cfg.target_loss, trainer.step, steps.loss)
+    if steps.loss is not None and 0 < cfg.train.target_loss and steps.loss <= cfg.train.target_loss:
+        log.info("target_loss %g reached at step %d (loss %.4f)", cfg.train.target_loss, trainer.step, steps.loss)
     preempted = agree(loss=torch.zeros((), device=env.device), world_size=env.world_size,
                       distributed=env.distributed, preempt=trainer.preemption.requested is not None).preempt
     if preempted or not evaluate(trainer, steps):
@@ -64,7 +64,7 @@ def save_preempted(trainer) -> None:
     with trainer.watchdog.phase("preemption save", scale=10):
         trainer.save_checkpoint(blocking=True)
     if trainer.env.is_main:
-        markers.write(trainer.cfg.checkpoint_dir, markers.PREEMPTED, f"preempted at step {trainer.step}")
+        markers.write(trainer.cfg.checkpoint.dir, markers.PREEMPTED, f"preempted at step {trainer.step}")
     log.warning("preempted: checkpoint of step %d saved; exiting", trainer.step)
 
 
@@ -78,7 +78,7 @@ def finish(trainer, steps: StepLog, preempted: bool) -> dict:
     if env.is_main:
         if not preempted:
             export.save_final_weights(trainer.raw_model, cfg)  # final_model.pt and the safetensors export
-        atomic.write_bytes(Path(cfg.log_dir) / "summary.json", json.dumps(summary, indent=2).encode())
+        atomic.write_bytes(Path(cfg.logging.dir) / "summary.json", json.dumps(summary, indent=2).encode())
     log.info("%s: %s", "preempted" if preempted else "done", json.dumps(summary))
     trainer.callbacks("on_train_end", trainer, summary)
     return summary

@@ -71,9 +71,9 @@ class DDPTrainer:
             self.preemption.restore()
             raise
         self._owns_process_group = not dist.is_initialized()
-        self.log_path = setup_logging(distributed.read_env(rank, world_size)[0], cfg.log_dir, debug=debug)
-        self.env = distributed.setup(cfg.backend, cfg.init_timeout_s or cfg.timeout_s, rank=rank,
-                                     world_size=world_size, log_dir=cfg.log_dir)
+        self.log_path = setup_logging(distributed.read_env(rank, world_size)[0], cfg.logging.dir, debug=debug)
+        self.env = distributed.setup(cfg.ddp.backend, cfg.ddp.init_timeout_s or cfg.ddp.timeout_s, rank=rank,
+                                     world_size=world_size, log_dir=cfg.logging.dir)
         with self._fatal_on_error():
             self._build(model, train_dataset, val_dataset, loss_fn, doctor)
 
@@ -85,11 +85,11 @@ class DDPTrainer:
             self.close()
             raise
         except NON_RETRIABLE as err:
-            markers.write_fatal(self.cfg.checkpoint_dir, self.env.rank, err)
+            markers.write_fatal(self.cfg.checkpoint.dir, self.env.rank, err)
             self.close()
             raise
         except BaseException as err:
-            markers.record_error(self.cfg.checkpoint_dir, self.env.rank, err)
+            markers.record_error(self.cfg.checkpoint.dir, self.env.rank, err)
             self.close()
             raise
 
@@ -97,9 +97,8 @@ class DDPTrainer:
         builtin_data = train_dataset is None  # checkpoint_dir's lock first: its markers may be a live run's
         self.checkpoints = Checkpointer(self.cfg, self.env, open_manager(self.cfg, self.env), {},
                                         builtin_data=builtin_data, on_save=lambda s: self.callbacks("on_save", self, s))
-        markers.check_at_start(self.cfg.checkpoint_dir, restart_count=distributed.incarnation(),
-                               is_main=self.env.is_main)
-        if self.cfg.deterministic:
+        markers.check_at_start(self.cfg.checkpoint.dir, restart_count=distributed.incarnation(), is_main=self.env.is_main)
+        if self.cfg.train.deterministic:
             rng.use_deterministic_kernels()
         if builtin_data:
             self.cfg, train_dataset, val_dataset = builtin_datasets(self.cfg)
@@ -107,7 +106,7 @@ class DDPTrainer:
         self._build_model(model)
         self.loss_fn = lm_loss if model is None and loss_fn is None else loss_fn
         # Model init used the shared seed; dropout and everything after draw per-rank streams.
-        rng.seed_all(self.cfg.seed + 1 + self.env.rank)
+        rng.seed_all(self.cfg.train.seed + 1 + self.env.rank)
         self.amp, self.amp_dtype, self.scaler = precision(self.cfg, self.env.device)
         self.optimizer, self.schedule = optimizer_and_schedule(self.cfg, self.raw_model, *self._user_optim)
         self._build_data()
@@ -125,7 +124,7 @@ class DDPTrainer:
         after the DDP preflight, which must not consume it)."""
         cfg, env = self.cfg, self.env
         self.step = self.tokens_total = 0
-        self.skips = SkipBudget(cfg.max_errors_per_epoch)
+        self.skips = SkipBudget(cfg.recovery.max_errors_per_epoch)
         self.spikes = SpikeGuard(cfg, is_main=env.is_main)
         self.spikes.attach(self.sampler)
         self.comm_hook = CommHook(cfg, env)
@@ -145,16 +144,17 @@ class DDPTrainer:
             self.sampler.set_epoch(self.sampler.epoch + 1)
             self.skips.new_epoch()
         if distributed.incarnation() > 0:
-            apply_recorded_micro_batch(self.sampler, cfg.checkpoint_dir)
+            apply_recorded_micro_batch(self.sampler, cfg.checkpoint.dir)
         return state
 
     def _build_model(self, model: torch.nn.Module | None) -> None:
         cfg = self.cfg
-        torch.manual_seed(cfg.seed)
+        torch.manual_seed(cfg.train.seed)
         self.raw_model = (GPT(GPTConfig.from_train_config(cfg)) if model is None else model).to(self.env.device)
         if model is not None:  # the built-in GPT tiles its own MLP
-            tile_user_mlps(self.raw_model, cfg.tiled_mlp_chunks, cfg.tiled_mlp_modules)
-        self.checkpointing = enable_checkpointing(self.raw_model, cfg.gradient_checkpointing, cfg.checkpoint_modules)
+            tile_user_mlps(self.raw_model, cfg.memory.tiled_mlp_chunks, cfg.memory.tiled_mlp_modules)
+        self.checkpointing = enable_checkpointing(self.raw_model, cfg.memory.activation_checkpointing,
+                                                  cfg.memory.activation_checkpointing_modules)
         self.checkpointed, self.offload_stats = self.checkpointing.wrapped, self.checkpointing.stats
 
     def _build_data(self) -> None:
@@ -165,19 +165,19 @@ class DDPTrainer:
 
     def _wrap(self, doctor: bool) -> None:
         cfg, env = self.cfg, self.env
-        self.oom_recovery = cfg.oom_recovery == "true" or (cfg.oom_recovery == "auto" and env.device.type == "cuda")
+        self.oom_recovery = cfg.recovery.oom == "true" or (cfg.recovery.oom == "auto" and env.device.type == "cuda")
         self.model, self.report, self.decision = prepare_model(
             lambda: ddp_policy.prepare(self.raw_model, self._peek, self.loss_fn, self._autocast, cfg,
                                        env.device, distributed=env.distributed, doctor=doctor,
                                        comm_hook=self.comm_hook),
-            self.sampler, cfg.checkpoint_dir, oom_recovery=self.oom_recovery)
-        self.model = self.model if doctor else compile_model(self.model, cfg)
+            self.sampler, cfg.checkpoint.dir, oom_recovery=self.oom_recovery)
+        self.model = self.model if doctor else compile_model(self.model, cfg.compile)
 
     def _build_run_health(self) -> None:
         cfg, env = self.cfg, self.env
-        self.faults = FaultPlan(cfg.fault_inject, env.rank, distributed.incarnation())
-        self.stragglers = StragglerMonitor(cfg, env)
-        self.watchdog = Watchdog(step_timeout_s=cfg.step_timeout_s, factor=cfg.step_timeout_factor,
+        self.faults = FaultPlan(cfg.recovery.fault_inject, env.rank, distributed.incarnation())
+        self.stragglers = StragglerMonitor(cfg.straggler, env)
+        self.watchdog = Watchdog(step_timeout_s=cfg.recovery.step_timeout_s, factor=cfg.recovery.step_timeout_factor,
                                  log_file=log_file_stream(self.log_path), rank=env.rank, world_size=env.world_size,
                                  store=distributed.STORE)
         self.steps = TrainStep(model=self.model, raw_model=self.raw_model, optimizer=self.optimizer,
@@ -187,7 +187,7 @@ class DDPTrainer:
                                lr_factor=self.spikes.lr_factor, timer=self.stragglers.timer)
         self.evaluator = Evaluator(self.raw_model, self.val_dataset, self.loss_fn, cfg=cfg, env=env,
                                    autocast=self._autocast, sampler=self.sampler, faults=self.faults)
-        self.consistency = ConsistencyCheck(self.raw_model, interval=cfg.consistency_check_interval,
+        self.consistency = ConsistencyCheck(self.raw_model, interval=cfg.recovery.consistency_check_interval,
                                             device=env.device, distributed=env.distributed)
 
     def _peek(self) -> list:
@@ -234,13 +234,14 @@ class DDPTrainer:
     def _train(self) -> dict:
         cfg, env = self.cfg, self.env
         steps = StepLog.open(cfg, env, total_steps=self.total_steps, initial_step=self.step)
-        samples_log = SampleLog(Path(cfg.log_dir) / f"samples_rank_{env.rank}.jsonl" if cfg.record_samples else None)
+        samples_log = SampleLog(Path(cfg.logging.dir) / f"samples_rank_{env.rank}.jsonl"
+                                if cfg.logging.record_samples else None)
         self.model.train()
         if self.preemption.installed:
             self.watchdog.dump_on(signal.SIGTERM)
         self.callbacks("on_train_start", self)
         try:
-            with GcPolicy(cfg.cleanup_interval, env.device) as gc_policy:
+            with GcPolicy(cfg.memory.cleanup_interval, env.device) as gc_policy:
                 preempted = (self.eval_owed == self.step and ending.evaluate_mid_run(self, steps)) or self._loop(
                     steps, gc_policy, samples_log)
             if not preempted:
@@ -254,7 +255,7 @@ class DDPTrainer:
 
     def _loop(self, steps: StepLog, gc_policy: GcPolicy, samples_log: SampleLog) -> bool:
         """Train until the run stops; True when it stopped because of a preemption request."""
-        while self.step < self.total_steps and self.sampler.epoch < self.cfg.num_epochs:
+        while self.step < self.total_steps and self.sampler.epoch < self.cfg.train.num_epochs:
             self.stream.start_epoch()
             while self.sampler.steps_remaining() > 0:
                 agreed = self._train_step(steps, samples_log)
@@ -308,7 +309,7 @@ class DDPTrainer:
         self.faults.on_gradients(self.step, self.raw_model)
         agreed, lr, grad_norm = self.optimizer_step(loss, preempt=self.preemption.requested is not None)
         self.stragglers.timer.end()
-        distributed.set_steady_timeout(self.cfg.init_timeout_s or self.cfg.timeout_s, self.cfg.timeout_s)
+        distributed.set_steady_timeout(self.cfg.ddp.init_timeout_s or self.cfg.ddp.timeout_s, self.cfg.ddp.timeout_s)
         indices = self.sampler.advance()
         self.step += 1
         self.watchdog.disarm()
@@ -329,7 +330,7 @@ class DDPTrainer:
         return agreed
 
     def _should_stop(self, agreed: Agreement) -> bool:
-        target = self.cfg.target_loss
+        target = self.cfg.train.target_loss
         return self.step >= self.total_steps or agreed.stop or (target > 0 and agreed.loss <= target)
 
     def close(self) -> None:

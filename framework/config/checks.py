@@ -27,7 +27,8 @@ def check_values(cfg: TrainConfig) -> list[str]:
         elif hi is not None and value > hi:
             problems.append(f"{key}={value!r}: must be <= {hi}")
     if cfg.model.num_heads >= 1 and cfg.model.hidden_size % cfg.model.num_heads:
-        problems.append(f"model.hidden_size={cfg.model.hidden_size}: must be divisible by model.num_heads={cfg.model.num_heads}")
+        problems.append(f"model.hidden_size={cfg.model.hidden_size}: must be divisible by "
+                        f"model.num_heads={cfg.model.num_heads}")
     if cfg.optim.min_lr > cfg.optim.lr:
         problems.append(f"optim.min_lr={cfg.optim.min_lr}: must be <= optim.lr={cfg.optim.lr}")
     if cfg.data.source != "synthetic":
@@ -51,7 +52,8 @@ def check_values(cfg: TrainConfig) -> list[str]:
                             "this user can write")
     problems += _check_export_dir(cfg)
     if cfg.checkpoint.resume not in ("auto", "none") and not Path(cfg.checkpoint.resume).is_file():
-        problems.append(f"checkpoint.resume={cfg.checkpoint.resume!r}: allowed: auto, none, or an existing checkpoint file")
+        problems.append(f"checkpoint.resume={cfg.checkpoint.resume!r}: allowed: auto, none, or an existing "
+                        "checkpoint file")
     if cfg.recovery.fault_inject:
         from ..faults import parse
         try:
