@@ -97,7 +97,8 @@ class DDPTrainer:
         builtin_data = train_dataset is None  # checkpoint_dir's lock first: its markers may be a live run's
         self.checkpoints = Checkpointer(self.cfg, self.env, open_manager(self.cfg, self.env), {},
                                         builtin_data=builtin_data, on_save=lambda s: self.callbacks("on_save", self, s))
-        markers.check_at_start(self.cfg.checkpoint.dir, restart_count=distributed.incarnation(), is_main=self.env.is_main)
+        markers.check_at_start(self.cfg.checkpoint.dir, restart_count=distributed.incarnation(),
+                               is_main=self.env.is_main)
         if self.cfg.train.deterministic:
             rng.use_deterministic_kernels()
         if builtin_data:
