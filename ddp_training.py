@@ -20,8 +20,10 @@ from framework.config import ConfigError, help_text, parse_command_line  # noqa:
 
 USAGE = """usage: ddp_training.py [--config FILE.toml|FILE.json] [--KEY VALUE ...] [--check-config] [--debug]
 
-Every configuration key is a flag (dashes or underscores). Booleans take a value: --use-amp false.
-Sources, lowest to highest: defaults, --config file, DDP_<KEY> environment variables, flags.
+Every configuration key is a flag --section.key (dashes or underscores). Booleans take a value:
+--precision.autocast false. Sources, lowest to highest: defaults, --config file ([section] tables),
+DDP_<SECTION>__<KEY> environment variables, flags. The flat keys of before sections (--use-amp,
+DDP_USE_AMP, use_amp = ...) still work, each with a deprecation note naming its new key.
 
 actions:
   --check-config   validate the configuration and exit (0 valid, 2 invalid); starts nothing

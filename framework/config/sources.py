@@ -108,8 +108,11 @@ def _note_deprecated(flat: str, key: str, source: str) -> None:
         log.warning("%s: '%s' is deprecated, use '%s' (the flat key still works)", source, flat, key)
 
 
-def _read_source(source: str, items, values: dict[str, Any], problems: list[str]) -> None:
-    """Coerce one source's ``(key, raw value)`` pairs into ``values`` (dotted keys)."""
+def _read_source(source: str, items, values: dict[str, Any], problems: list[str], *, ordered: bool = False) -> None:
+    """Coerce one source's ``(key, raw value)`` pairs into ``values`` (dotted keys). A flat alias
+    and its dotted key with different values are refused, unless the source is ``ordered`` (the
+    command line, where the later flag wins, as a repeated flag does: launch_training.sh --test
+    puts its flags before the user's)."""
     spelled: dict[str, tuple[str, Any]] = {}  # dotted key -> the spelling and value this source gave
     for key, raw in items:
         norm = str(key).replace("-", "_").lower()
@@ -126,7 +129,7 @@ def _read_source(source: str, items, values: dict[str, Any], problems: list[str]
         except ValueError as err:
             problems.append(f"{source}: {norm}={raw!r}: {err}")
             continue
-        if target in spelled and spelled[target][0] != norm and spelled[target][1] != value:
+        if not ordered and target in spelled and spelled[target][0] != norm and spelled[target][1] != value:
             other, before = spelled[target]
             flat = other if other != target else norm
             problems.append(f"{source}: {other}={before!r} and {norm}={value!r} set the same key to different "
@@ -170,7 +173,7 @@ def build_config(
             problems.extend(err.problems)
     _read_source("environment", _env_items(os.environ if env is None else env), values, problems)
     if cli:
-        _read_source("command line", cli, values, problems)
+        _read_source("command line", cli, values, problems, ordered=True)
 
     cfg = from_dotted(values)
     problems.extend(check_values(cfg))

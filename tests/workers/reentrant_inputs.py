@@ -46,7 +46,7 @@ def run_case(name, overrides, out_dir):
            "log_dir": str(out_dir / name), "checkpoint_dir": str(out_dir / name / "ck"), **overrides}
     trainer = DDPTrainer(cfg, model=FrozenThenAdapter(), train_dataset=data, loss_fn=nn.functional.mse_loss)
     world = dist.get_world_size()
-    glob = ResumableDistributedSampler(len(data), 1, 0, trainer.cfg.batch_size * world, 1, trainer.cfg.seed)
+    glob = ResumableDistributedSampler(len(data), 1, 0, trainer.cfg.data.batch_size * world, 1, trainer.cfg.train.seed)
     mine, full = iter(trainer.loader), iter(glob)
     diffs = []
     for _ in range(3):
