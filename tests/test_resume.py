@@ -260,4 +260,4 @@ def test_resuming_fp16_from_a_checkpoint_without_loss_scaling_is_a_one_line_chec
     with pytest.raises(CheckpointError) as info:
         ck.restore(state)
     message = str(info.value)
-    assert "\n" not in message and "saved without fp16 loss scaling" in message and "use_amp" in message
+    assert "\n" not in message and "saved without fp16 loss scaling" in message and "precision.autocast" in message

@@ -86,7 +86,7 @@ def test_bad_dict_config_raises_config_error(tmp_path):
 
 
 def test_dataset_smaller_than_global_batch(tmp_path):
-    with pytest.raises(FatalError, match="dataset_size=4: fewer than one global batch"):
+    with pytest.raises(FatalError, match=r"data\.synthetic_size=4: fewer than one global batch"):
         DDPTrainer(tiny(tmp_path, dataset_size=4))
 
 
