@@ -18,7 +18,7 @@ LAUNCHER_PID = os.getppid()
 
 from framework.config import ConfigError, help_text, parse_command_line  # noqa: E402
 
-USAGE = """usage: ddp_training.py [--config FILE.toml|FILE.json] [--KEY VALUE ...] [--check-config] [--debug]
+USAGE = """usage: ddp_training.py [--config FILE.toml|FILE.json] [--SECTION.KEY VALUE ...] [--check-config] [--debug]
 
 Every configuration key is a flag --section.key (dashes or underscores). Booleans take a value:
 --precision.autocast false. Sources, lowest to highest: defaults, --config file ([section] tables),

@@ -36,7 +36,8 @@ def markdown_table() -> str:
                 "| --- | --- | --- | --- | --- | --- |"]
         for key in _section_keys(section):
             f = FIELDS[key]
-            out.append(f"| `{key}` | {_cell(describe_type(key))} | {_cell(f'`{f.default}`')} | "
+            default = "''" if f.default == "" else f.default
+            out.append(f"| `{key}` | {_cell(describe_type(key))} | {_cell(f'`{default}`')} | "
                        f"{f.metadata['resume']} | {_cell(FIELD_DOCS[key])} | `{f.metadata['was']}` |")
         out.append("")
     return "\n".join(out[:-1])
