@@ -18,10 +18,12 @@ LAUNCHER_PID = os.getppid()
 
 from framework.config import ConfigError, help_text, parse_command_line  # noqa: E402
 
-USAGE = """usage: ddp_training.py [--config FILE.toml|FILE.json] [--KEY VALUE ...] [--check-config] [--debug]
+USAGE = """usage: ddp_training.py [--config FILE.toml|FILE.json] [--SECTION.KEY VALUE ...] [--check-config] [--debug]
 
-Every configuration key is a flag (dashes or underscores). Booleans take a value: --use-amp false.
-Sources, lowest to highest: defaults, --config file, DDP_<KEY> environment variables, flags.
+Every configuration key is a flag --section.key (dashes or underscores). Booleans take a value:
+--precision.autocast false. Sources, lowest to highest: defaults, --config file ([section] tables),
+DDP_<SECTION>__<KEY> environment variables, flags. The flat keys of before sections (--use-amp,
+DDP_USE_AMP, use_amp = ...) still work, each with a deprecation note naming its new key.
 
 actions:
   --check-config   validate the configuration and exit (0 valid, 2 invalid); starts nothing
@@ -47,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if "check-config" in actions:
         print("configuration is valid", file=sys.stderr)
-        print(config.checkpoint_dir)  # read by launch_training.sh to find this run's PREEMPTED marker
+        print(config.checkpoint.dir)  # read by launch_training.sh to find this run's PREEMPTED marker
         return 0
 
     from framework.ddp import process_group

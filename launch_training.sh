@@ -53,12 +53,12 @@ while [[ $# -gt 0 ]]; do
     -g|--gpus) need_value "$@"; gpus="$2"; shift 2 ;;
     --cpu) cpu=1; shift ;;
     -n|--nproc) need_value "$@"; nproc="$2"; shift 2 ;;
-    -b|--batch-size) need_value "$@"; train_args+=(--batch-size "$2"); shift 2 ;;
-    -e|--epochs) need_value "$@"; train_args+=(--num-epochs "$2"); shift 2 ;;
-    -l|--log-dir) need_value "$@"; train_args+=(--log-dir "$2"); shift 2 ;;
-    -c|--checkpoint-dir) need_value "$@"; train_args+=(--checkpoint-dir "$2"); shift 2 ;;
+    -b|--batch-size) need_value "$@"; train_args+=(--data.batch_size "$2"); shift 2 ;;
+    -e|--epochs) need_value "$@"; train_args+=(--train.num_epochs "$2"); shift 2 ;;
+    -l|--log-dir) need_value "$@"; train_args+=(--logging.dir "$2"); shift 2 ;;
+    -c|--checkpoint-dir) need_value "$@"; train_args+=(--checkpoint.dir "$2"); shift 2 ;;
     --config) need_value "$@"; train_args+=(--config "$2"); shift 2 ;;
-    --data) need_value "$@"; train_args+=(--data "$2"); shift 2 ;;
+    --data) need_value "$@"; train_args+=(--data.source "$2"); shift 2 ;;
     --test) test_mode=1; shift ;;
     --debug) debug=1; shift ;;
     --doctor) train_args+=(--doctor); shift ;;
@@ -112,17 +112,18 @@ fi
 if [[ $cpu -eq 1 ]]; then
   export CUDA_VISIBLE_DEVICES=""
   nproc=${nproc:-2}
-  train_args=(--backend gloo "${train_args[@]}")
+  train_args=(--ddp.backend gloo "${train_args[@]}")
   cores=$(nproc 2>/dev/null || echo 1)
   threads=$(( cores / nproc ))
   export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( threads > 0 ? threads : 1 ))}"
 fi
 
 if [[ $test_mode -eq 1 ]]; then
-  train_args=(--vocab-size 64 --hidden-size 64 --num-layers 2 --num-heads 2 --seq-len 32
-              --dataset-size 2048 --batch-size 16 --dropout 0 --learning-rate 3e-3 --warmup-steps 5
-              --max-steps 60 --log-interval 10 --eval-interval 0 --num-workers 0
-              --resume none --log-dir runs/test/logs --checkpoint-dir runs/test/checkpoints "${train_args[@]}")
+  train_args=(--model.vocab_size 64 --model.hidden_size 64 --model.num_layers 2 --model.num_heads 2
+              --model.seq_len 32 --model.dropout 0 --data.synthetic_size 2048 --data.batch_size 16
+              --data.num_workers 0 --optim.lr 3e-3 --optim.warmup_steps 5 --train.max_steps 60
+              --logging.interval 10 --eval.interval 0 --checkpoint.resume none --logging.dir runs/test/logs
+              --checkpoint.dir runs/test/checkpoints "${train_args[@]}")
 fi
 
 if [[ $nnodes -eq 1 ]]; then

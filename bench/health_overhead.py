@@ -118,7 +118,7 @@ def main() -> None:
         gc.disable()  # as in training: one young collection after cleanup_interval steps of garbage
         gc1 = []
         for _ in range(3):
-            for _ in range(cfg.cleanup_interval):
+            for _ in range(cfg.memory.cleanup_interval):
                 step()
             t0 = time.perf_counter()
             gc.collect(1)
@@ -134,12 +134,12 @@ def main() -> None:
         trainer.close()
     gather_s = allgather_ms() / 1e3
     rows = {
-        "memory reading": (memory_s, cfg.memory_check_interval),
-        "gc.collect(1)": (gc1_s, cfg.cleanup_interval),
+        "memory reading": (memory_s, cfg.memory.check_interval),
+        "gc.collect(1)": (gc1_s, cfg.memory.cleanup_interval),
         "watchdog arm+disarm": (arm_s, 1),
-        "divergence check": (hash_s + ALLREDUCE_S, cfg.consistency_check_interval),
+        "divergence check": (hash_s + ALLREDUCE_S, cfg.recovery.consistency_check_interval),
         "straggler timing": (lap_s, 1),
-        "straggler all-gather": (gather_s + scoring_s, cfg.straggler_interval),
+        "straggler all-gather": (gather_s + scoring_s, cfg.straggler.interval),
     }
     result = {"median_step_ms": step_s * 1e3, "full_gc_ms": gc_full_s * 1e3, "items": {}}
     print(f"median step {step_s * 1e3:.1f} ms; a full gc.collect() costs {gc_full_s * 1e3:.1f} ms")

@@ -52,10 +52,10 @@ def windows(cfg, rank: int):
     from framework.data.datasets import build_datasets
     bundle = build_datasets(cfg)
     data = torch.from_numpy(bundle.train.tokens.astype("int64"))
-    gen = torch.Generator().manual_seed(cfg.seed + 1 + rank)
-    offsets = torch.arange(cfg.seq_len + 1)
-    for _ in range(cfg.max_steps):
-        ix = torch.randint(len(data) - cfg.seq_len - 1, (cfg.batch_size,), generator=gen)
+    gen = torch.Generator().manual_seed(cfg.train.seed + 1 + rank)
+    offsets = torch.arange(cfg.model.seq_len + 1)
+    for _ in range(cfg.train.max_steps):
+        ix = torch.randint(len(data) - cfg.model.seq_len - 1, (cfg.data.batch_size,), generator=gen)
         yield data[ix[:, None] + offsets]
 
 
@@ -66,15 +66,15 @@ def model_and_optimizer(cfg):
     from framework.data.datasets import build_datasets
     from framework.model.gpt import GPT, GPTConfig
     from framework.train.optim import build_optimizer, lr_at
-    cfg = dataclasses.replace(cfg, vocab_size=build_datasets(cfg).vocab_size)
-    torch.manual_seed(cfg.seed)
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=build_datasets(cfg).vocab_size))
+    torch.manual_seed(cfg.train.seed)
     model = GPT(GPTConfig.from_train_config(cfg))
     # The framework's AdamW kernels (optimizer_impl) for every peer: the comparison is of the loops.
-    opt = build_optimizer(model, lr=cfg.learning_rate, weight_decay=cfg.weight_decay, betas=(cfg.beta1, cfg.beta2),
-                          impl=cfg.optimizer_impl)
+    opt = build_optimizer(model, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay,
+                          betas=(cfg.optim.beta1, cfg.optim.beta2), impl=cfg.optim.impl)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_at(
-        step, lr=cfg.learning_rate, warmup_steps=cfg.warmup_steps, total_steps=cfg.max_steps,
-        min_lr=cfg.min_lr) / cfg.learning_rate)
+        step, lr=cfg.optim.lr, warmup_steps=cfg.optim.warmup_steps, total_steps=cfg.train.max_steps,
+        min_lr=cfg.optim.min_lr) / cfg.optim.lr)
     return cfg, model, opt, sched
 
 
@@ -108,14 +108,14 @@ def run_lightning(cfg, clock) -> dict:
     # One item per step, already this rank's batch: no sampler of Lightning's reorders it.
     loader = torch.utils.data.DataLoader([b.unsqueeze(0) for b in batches], batch_size=None)
     strategy = DDPStrategy(process_group_backend="gloo") if world > 1 else "auto"
-    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=cfg.max_steps,
-                        gradient_clip_val=cfg.grad_clip, enable_checkpointing=False, logger=False,
+    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=cfg.train.max_steps,
+                        gradient_clip_val=cfg.optim.grad_clip, enable_checkpointing=False, logger=False,
                         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
                         num_sanity_val_steps=0)
     module = Module()
     trainer.fit(module, loader)
     return {"rank": rank, "world_size": world, "final_train_loss": float(module.last_loss),
-            "tokens_per_step": cfg.batch_size * cfg.seq_len * world}
+            "tokens_per_step": cfg.data.batch_size * cfg.model.seq_len * world}
 
 
 def run_accelerate(cfg, clock) -> dict:
@@ -132,7 +132,7 @@ def run_accelerate(cfg, clock) -> dict:
     for rows in windows(cfg, rank):
         loss = lm_loss(model(rows[:, :-1]), rows[:, 1:])
         accelerator.backward(loss)
-        accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        accelerator.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
@@ -141,7 +141,7 @@ def run_accelerate(cfg, clock) -> dict:
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     return {"rank": rank, "world_size": world, "final_train_loss": float(loss),
-            "tokens_per_step": cfg.batch_size * cfg.seq_len * world}
+            "tokens_per_step": cfg.data.batch_size * cfg.model.seq_len * world}
 
 
 def worker_main(args) -> None:

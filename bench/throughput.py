@@ -140,7 +140,7 @@ def run_framework(cfg, clock: Clock) -> dict:
             "loader_workers": trainer._num_workers,
             "world_size": trainer.env.world_size,
             "rank": trainer.env.rank, "self_reported_tokens_per_sec": summary["tokens_per_sec"],
-            "tokens_per_step": cfg.batch_size * cfg.seq_len * trainer.env.world_size}
+            "tokens_per_step": cfg.data.batch_size * cfg.model.seq_len * trainer.env.world_size}
 
 
 def run_bare(cfg, clock: Clock, seed_offset: int = 0) -> dict:
@@ -162,22 +162,22 @@ def run_bare(cfg, clock: Clock, seed_offset: int = 0) -> dict:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     rank = dist.get_rank() if world > 1 else 0
     bundle = build_datasets(cfg)
-    cfg = dataclasses.replace(cfg, vocab_size=bundle.vocab_size)
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=bundle.vocab_size))
     data = torch.from_numpy(bundle.train.tokens.astype("int64"))  # the framework's train tokens
-    torch.manual_seed(cfg.seed)
+    torch.manual_seed(cfg.train.seed)
     raw = GPT(GPTConfig.from_train_config(cfg)).to(device)
     ids = [device.index] if device.type == "cuda" else None
     model = torch.nn.parallel.DistributedDataParallel(raw, device_ids=ids) if world > 1 else raw
-    opt = build_optimizer(raw, lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
-                          betas=(cfg.beta1, cfg.beta2), impl=cfg.optimizer_impl)  # the framework's kernels
+    opt = build_optimizer(raw, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay,
+                          betas=(cfg.optim.beta1, cfg.optim.beta2), impl=cfg.optim.impl)  # the framework's kernels
     amp, amp_dtype, scaler = precision(cfg, device)  # the framework's autocast and GradScaler
-    gen = torch.Generator().manual_seed(cfg.seed + 1 + rank + 100 * seed_offset)
-    offsets = torch.arange(cfg.seq_len + 1)
-    B, T = cfg.batch_size, cfg.seq_len
+    gen = torch.Generator().manual_seed(cfg.train.seed + 1 + rank + 100 * seed_offset)
+    offsets = torch.arange(cfg.model.seq_len + 1)
+    B, T = cfg.data.batch_size, cfg.model.seq_len
     model.train()
-    for step in range(cfg.max_steps):
-        lr = lr_at(step, lr=cfg.learning_rate, warmup_steps=cfg.warmup_steps,
-                   total_steps=cfg.max_steps, min_lr=cfg.min_lr)
+    for step in range(cfg.train.max_steps):
+        lr = lr_at(step, lr=cfg.optim.lr, warmup_steps=cfg.optim.warmup_steps,
+                   total_steps=cfg.train.max_steps, min_lr=cfg.optim.min_lr)
         for group in opt.param_groups:
             group["lr"] = lr
         ix = torch.randint(len(data) - T - 1, (B,), generator=gen)
@@ -186,12 +186,12 @@ def run_bare(cfg, clock: Clock, seed_offset: int = 0) -> dict:
             loss = lm_loss(model(rows[:, :-1]), rows[:, 1:])
         scaler.scale(loss).backward()
         scaler.unscale_(opt)
-        torch.nn.utils.clip_grad_norm_(raw.parameters(), cfg.grad_clip)
+        torch.nn.utils.clip_grad_norm_(raw.parameters(), cfg.optim.grad_clip)
         scaler.step(opt)
         scaler.update()
         opt.zero_grad(set_to_none=True)
         clock.tick()
-        if (step + 1) % cfg.log_interval == 0 and rank == 0:
+        if (step + 1) % cfg.logging.interval == 0 and rank == 0:
             print(f"step {step + 1} loss {loss.item():.4f}", flush=True)
     if world > 1:
         dist.destroy_process_group()

@@ -32,7 +32,6 @@ from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from framework import DDPTrainer  # noqa: E402
-from framework.config import KEYS  # noqa: E402
 from framework.data.datasets import TokenWindows  # noqa: E402
 from framework.model.gpt import lm_loss  # noqa: E402
 
@@ -70,14 +69,17 @@ def causal_lm_loss(output, targets: torch.Tensor) -> torch.Tensor:
 
 def train_config(args: argparse.Namespace) -> dict:
     out = Path(args.out)
-    config = dict(seq_len=args.seq_len, batch_size=args.batch_size, max_steps=args.max_steps, num_epochs=1,
-                  learning_rate=args.learning_rate, warmup_steps=min(10, args.max_steps // 10), weight_decay=0.0,
-                  gradient_checkpointing="non_reentrant", checkpoint_modules="LlamaDecoderLayer", tiled_mlp_chunks=2,
-                  eval_interval=0, eval_steps=8, log_interval=10, num_workers=0, target_loss=0.0,
-                  log_dir=str(out / "logs"), checkpoint_dir=str(out / "checkpoints"), export_dir=str(out / "adapters"))
-    if "tiled_mlp_modules" in KEYS:  # the tiled MLP for a user's model (framework versions that have it)
-        config["tiled_mlp_modules"] = "LlamaMLP"
-    return config
+    return {
+        "model": {"seq_len": args.seq_len},
+        "data": {"batch_size": args.batch_size, "num_workers": 0},
+        "optim": {"lr": args.learning_rate, "warmup_steps": min(10, args.max_steps // 10), "weight_decay": 0.0},
+        "train": {"max_steps": args.max_steps, "num_epochs": 1, "target_loss": 0.0},
+        "memory": {"activation_checkpointing": "non_reentrant", "activation_checkpointing_modules": "LlamaDecoderLayer",
+                   "tiled_mlp_chunks": 2, "tiled_mlp_modules": "LlamaMLP"},
+        "eval": {"interval": 0, "steps": 8},
+        "logging": {"interval": 10, "dir": str(out / "logs")},
+        "checkpoint": {"dir": str(out / "checkpoints"), "export_dir": str(out / "adapters")},
+    }
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -99,9 +99,9 @@ class DDPTrainer:
             self._preemption.restore()
             raise
         self._owns_process_group = not dist.is_initialized()
-        self._log_path = setup_logging(process_group.read_env(rank, world_size)[0], cfg.log_dir, debug=debug)
-        self.env = process_group.setup(cfg.backend, cfg.init_timeout_s or cfg.timeout_s, rank=rank,
-                                       world_size=world_size, log_dir=cfg.log_dir)
+        self._log_path = setup_logging(process_group.read_env(rank, world_size)[0], cfg.logging.dir, debug=debug)
+        self.env = process_group.setup(cfg.ddp.backend, cfg.ddp.init_timeout_s or cfg.ddp.timeout_s, rank=rank,
+                                       world_size=world_size, log_dir=cfg.logging.dir)
         with self._fatal_on_error():
             self._build(model, train_dataset, val_dataset, loss_fn, doctor)
 
@@ -128,11 +128,11 @@ class DDPTrainer:
             self.close()
             raise
         except NON_RETRIABLE as err:
-            markers.write_fatal(self.config.checkpoint_dir, self.env.rank, err)
+            markers.write_fatal(self.config.checkpoint.dir, self.env.rank, err)
             self.close()
             raise
         except BaseException as err:
-            markers.record_error(self.config.checkpoint_dir, self.env.rank, err)
+            markers.record_error(self.config.checkpoint.dir, self.env.rank, err)
             self.close()
             raise
 
@@ -143,9 +143,9 @@ class DDPTrainer:
         self._checkpointer = Checkpointer(self.config, self.env, open_manager(self.config, self.env), {},
                                           builtin_data=builtin_data,
                                           on_save=lambda s: self._callbacks("on_save", self, s))
-        markers.check_at_start(self.config.checkpoint_dir, restart_count=process_group.incarnation(),
+        markers.check_at_start(self.config.checkpoint.dir, restart_count=process_group.incarnation(),
                                is_main=self.env.is_main)
-        if self.config.deterministic:
+        if self.config.train.deterministic:
             rng.use_deterministic_kernels()
         if builtin_data:
             self.config, train_dataset, val_dataset = builtin_datasets(self.config)
@@ -153,7 +153,7 @@ class DDPTrainer:
         self._build_model(model)
         self._loss_fn = lm_loss if model is None and loss_fn is None else loss_fn
         # Model init used the shared seed; dropout and everything after draw per-rank streams.
-        rng.seed_all(self.config.seed + 1 + self.env.rank)
+        rng.seed_all(self.config.train.seed + 1 + self.env.rank)
         self._amp, self._amp_dtype, self._scaler = precision(self.config, self.env.device)
         self.optimizer, self._schedule = optimizer_and_schedule(self.config, self.raw_model, *self._user_optim)
         self._build_data()
@@ -171,7 +171,7 @@ class DDPTrainer:
         after the DDP preflight, which must not consume it)."""
         cfg, env = self.config, self.env
         self.step = self._tokens_total = 0
-        self._skips = SkipBudget(cfg.max_errors_per_epoch)
+        self._skips = SkipBudget(cfg.recovery.max_errors_per_epoch)
         self._spike_guard = SpikeGuard(cfg, is_main=env.is_main)
         self._spike_guard.attach(self.sampler)
         self._pending_spike = None
@@ -193,17 +193,17 @@ class DDPTrainer:
             self.sampler.set_epoch(self.sampler.epoch + 1)
             self._skips.new_epoch()
         if process_group.incarnation() > 0:
-            apply_recorded_micro_batch(self.sampler, cfg.checkpoint_dir)
+            apply_recorded_micro_batch(self.sampler, cfg.checkpoint.dir)
         return state
 
     def _build_model(self, model: torch.nn.Module | None) -> None:
         cfg = self.config
-        torch.manual_seed(cfg.seed)
+        torch.manual_seed(cfg.train.seed)
         self.raw_model = (GPT(GPTConfig.from_train_config(cfg)) if model is None else model).to(self.env.device)
         if model is not None:  # the built-in GPT tiles its own MLP
-            tile_user_mlps(self.raw_model, cfg.tiled_mlp_chunks, cfg.tiled_mlp_modules)
-        self._activation_checkpointing = enable_checkpointing(self.raw_model, cfg.gradient_checkpointing,
-                                                              cfg.checkpoint_modules)
+            tile_user_mlps(self.raw_model, cfg.memory.tiled_mlp_chunks, cfg.memory.tiled_mlp_modules)
+        self._activation_checkpointing = enable_checkpointing(self.raw_model, cfg.memory.activation_checkpointing,
+                                                              cfg.memory.activation_checkpointing_modules)
 
     def _build_data(self) -> None:
         if self.env.distributed:
@@ -213,19 +213,19 @@ class DDPTrainer:
 
     def _wrap(self, doctor: bool) -> None:
         cfg, env = self.config, self.env
-        self._oom_recovery = cfg.oom_recovery == "true" or (cfg.oom_recovery == "auto" and env.device.type == "cuda")
+        self._oom_recovery = cfg.recovery.oom == "true" or (cfg.recovery.oom == "auto" and env.device.type == "cuda")
         self.model, self._report, self._decision = prepare_model(
             lambda: policy.prepare(self.raw_model, self._peek, self._loss_fn, self._autocast, cfg,
                                    env.device, distributed=env.distributed, doctor=doctor,
                                    comm_hook=self._comm_hook),
-            self.sampler, cfg.checkpoint_dir, oom_recovery=self._oom_recovery)
-        self.model = self.model if doctor else compile_model(self.model, cfg)
+            self.sampler, cfg.checkpoint.dir, oom_recovery=self._oom_recovery)
+        self.model = self.model if doctor else compile_model(self.model, cfg.compile)
 
     def _build_run_health(self) -> None:
         cfg, env = self.config, self.env
-        self._faults = FaultPlan(cfg.fault_inject, env.rank, process_group.incarnation())
-        self._stragglers = StragglerMonitor(cfg, env)
-        self._watchdog = Watchdog(step_timeout_s=cfg.step_timeout_s, factor=cfg.step_timeout_factor,
+        self._faults = FaultPlan(cfg.recovery.fault_inject, env.rank, process_group.incarnation())
+        self._stragglers = StragglerMonitor(cfg.straggler, env)
+        self._watchdog = Watchdog(step_timeout_s=cfg.recovery.step_timeout_s, factor=cfg.recovery.step_timeout_factor,
                                   log_file=log_file_stream(self._log_path), rank=env.rank, world_size=env.world_size,
                                   store=process_group.STORE)
         self._train_step = TrainStep(model=self.model, raw_model=self.raw_model, optimizer=self.optimizer,
@@ -235,7 +235,7 @@ class DDPTrainer:
                                      lr_factor=self._spike_guard.lr_factor, timer=self._stragglers.timer)
         self._evaluator = Evaluator(self.raw_model, self._val_dataset, self._loss_fn, cfg=cfg, env=env,
                                     autocast=self._autocast, sampler=self.sampler, faults=self._faults)
-        self._consistency = ConsistencyCheck(self.raw_model, interval=cfg.consistency_check_interval,
+        self._consistency = ConsistencyCheck(self.raw_model, interval=cfg.recovery.consistency_check_interval,
                                              device=env.device, distributed=env.distributed)
 
     def _peek(self) -> list:
@@ -278,13 +278,14 @@ class DDPTrainer:
     def _train(self) -> dict:
         cfg, env = self.config, self.env
         step_log = StepLog.open(cfg, env, total_steps=self._total_steps, initial_step=self.step)
-        samples_log = SampleLog(Path(cfg.log_dir) / f"samples_rank_{env.rank}.jsonl" if cfg.record_samples else None)
+        samples_log = SampleLog(Path(cfg.logging.dir) / f"samples_rank_{env.rank}.jsonl"
+                                if cfg.logging.record_samples else None)
         self.model.train()
         if self._preemption.installed:
             self._watchdog.dump_on(signal.SIGTERM)
         self._callbacks("on_train_start", self)
         try:
-            with GcPolicy(cfg.cleanup_interval, env.device) as gc_policy:
+            with GcPolicy(cfg.memory.cleanup_interval, env.device) as gc_policy:
                 preempted = (self._eval_owed == self.step and self._evaluate_mid_run(step_log)) or self._loop(
                     step_log, gc_policy, samples_log)
             if not preempted:
@@ -298,7 +299,7 @@ class DDPTrainer:
 
     def _loop(self, step_log: StepLog, gc_policy: GcPolicy, samples_log: SampleLog) -> bool:
         """Train until the run stops; True when it stopped because of a preemption request."""
-        while self.step < self._total_steps and self.sampler.epoch < self.config.num_epochs:
+        while self.step < self._total_steps and self.sampler.epoch < self.config.train.num_epochs:
             self._stream.start_epoch()
             while self.sampler.steps_remaining() > 0:
                 agreed = self._run_step(step_log, samples_log)
@@ -352,7 +353,8 @@ class DDPTrainer:
         self._faults.on_gradients(self.step, self.raw_model)
         agreed, lr, grad_norm = self.optimizer_step(loss, preempt=self._preemption.requested is not None)
         self._stragglers.timer.end()
-        process_group.set_steady_timeout(self.config.init_timeout_s or self.config.timeout_s, self.config.timeout_s)
+        ddp = self.config.ddp
+        process_group.set_steady_timeout(ddp.init_timeout_s or ddp.timeout_s, ddp.timeout_s)
         indices = self.sampler.advance()
         self.step += 1
         self._watchdog.disarm()
@@ -373,7 +375,7 @@ class DDPTrainer:
         return agreed
 
     def _should_stop(self, agreed: Agreement) -> bool:
-        target = self.config.target_loss
+        target = self.config.train.target_loss
         return self.step >= self._total_steps or agreed.stop or (target > 0 and agreed.loss <= target)
 
     # --- the ending --------------------------------------------------------------------------
@@ -383,8 +385,8 @@ class DDPTrainer:
         step or during the evaluation, in which case (agreed by every rank) the evaluation is left
         to the resumed run."""
         cfg, env = self.config, self.env
-        if step_log.loss is not None and 0 < cfg.target_loss and step_log.loss <= cfg.target_loss:
-            log.info("target_loss %g reached at step %d (loss %.4f)", cfg.target_loss, self.step, step_log.loss)
+        if step_log.loss is not None and 0 < cfg.train.target_loss and step_log.loss <= cfg.train.target_loss:
+            log.info("target_loss %g reached at step %d (loss %.4f)", cfg.train.target_loss, self.step, step_log.loss)
         preempted = agree(loss=torch.zeros((), device=env.device), world_size=env.world_size,
                           distributed=env.distributed, preempt=self._preemption.requested is not None).preempt
         if preempted or not self._evaluate_and_record(step_log):
@@ -421,7 +423,7 @@ class DDPTrainer:
         with self._watchdog.phase("preemption save", scale=10):
             self.save_checkpoint(blocking=True)
         if self.env.is_main:
-            markers.write(self.config.checkpoint_dir, markers.PREEMPTED, f"preempted at step {self.step}")
+            markers.write(self.config.checkpoint.dir, markers.PREEMPTED, f"preempted at step {self.step}")
         log.warning("preempted: checkpoint of step %d saved; exiting", self.step)
 
     def _finish(self, step_log: StepLog, preempted: bool) -> dict:
@@ -434,7 +436,7 @@ class DDPTrainer:
         if env.is_main:
             if not preempted:
                 export.save_final_weights(self.raw_model, cfg)  # final_model.pt and the safetensors export
-            atomic.write_bytes(Path(cfg.log_dir) / "summary.json", json.dumps(summary, indent=2).encode())
+            atomic.write_bytes(Path(cfg.logging.dir) / "summary.json", json.dumps(summary, indent=2).encode())
         log.info("%s: %s", "preempted" if preempted else "done", json.dumps(summary))
         self._callbacks("on_train_end", self, summary)
         return summary

@@ -48,9 +48,9 @@ def test_inductor_without_a_cpp_compiler_is_a_one_line_error(monkeypatch):
     monkeypatch.delenv("CXX", raising=False)
     with pytest.raises(ConfigError) as err:
         resolve_config({"compile": True})
-    assert err.value.problems == ["compile_backend='inductor': needs a C++ compiler (g++, c++ or clang++ on PATH, "
+    assert err.value.problems == ["compile.backend='inductor': needs a C++ compiler (g++, c++ or clang++ on PATH, "
                                   "or CXX); allowed without one: aot_eager, eager"]
-    assert resolve_config({"compile": True, "compile_backend": "aot_eager"}).compile
+    assert resolve_config({"compile": {"enabled": True, "backend": "aot_eager"}}).compile.enabled
 
 
 def test_injected_oom_under_compile_halves_the_micro_batch_and_matches_eager(tmp_path, caplog):

@@ -5,7 +5,7 @@ import json
 import pytest
 
 import ddp_training
-from framework.config import (FIELD_DOCS, KEYS, ConfigError, TrainConfig, build_config,
+from framework.config import (ALIASES, FIELD_DOCS, KEYS, ConfigError, TrainConfig, TrainSection, build_config, get,
                               parse_command_line, resolve_config)
 
 SPEC_DEFAULTS = dict(vocab_size=10000, hidden_size=512, num_layers=6, num_heads=8, dropout=0.1, batch_size=32,
@@ -29,9 +29,9 @@ def run_main(argv, capsys):
 def test_spec_defaults_and_added_keys():
     cfg = TrainConfig()
     for key, value in SPEC_DEFAULTS.items():
-        assert getattr(cfg, key) == value, key
-    assert set(ADDED_KEYS) <= set(KEYS)
-    assert cfg.use_amp == "auto"
+        assert get(cfg, ALIASES[key]) == value, key
+    assert set(ADDED_KEYS) <= set(ALIASES)
+    assert cfg.precision.autocast == "auto"
 
 
 def test_every_field_has_a_docstring():
@@ -41,65 +41,71 @@ def test_every_field_has_a_docstring():
 
 def test_precedence_file_env_cli(tmp_path):
     path = tmp_path / "run.toml"
-    path.write_text('hidden_size = 256\nnum_layers = 3\nbatch_size = 8\n')
-    env = {"DDP_NUM_LAYERS": "4", "DDP_BATCH_SIZE": "16", "UNRELATED": "x"}
-    cfg, actions = parse_command_line(["--config", str(path), "--batch_size", "24", "--use-amp=false"], env=env)
-    assert (cfg.hidden_size, cfg.num_layers, cfg.batch_size, cfg.use_amp) == (256, 4, 24, "false")
+    path.write_text('[model]\nhidden_size = 256\nnum_layers = 3\n[data]\nbatch_size = 8\n')
+    env = {"DDP_MODEL__NUM_LAYERS": "4", "DDP_DATA__BATCH_SIZE": "16", "UNRELATED": "x"}
+    cfg, actions = parse_command_line(["--config", str(path), "--data.batch_size", "24", "--precision.autocast=false"],
+                                      env=env)
+    assert (cfg.model.hidden_size, cfg.model.num_layers, cfg.data.batch_size, cfg.precision.autocast) == (
+        256, 4, 24, "false")
     assert actions == set()
 
 
 def test_json_config_file(tmp_path):
     path = tmp_path / "run.json"
-    path.write_text(json.dumps({"hidden_size": 64, "num_heads": 4, "tie_embeddings": True}))
+    path.write_text(json.dumps({"model": {"hidden_size": 64, "num_heads": 4}, "model.tie_embeddings": True}))
     cfg, _ = parse_command_line(["--config", str(path)], env={})
-    assert (cfg.hidden_size, cfg.num_heads, cfg.tie_embeddings) == (64, 4, True)
+    assert (cfg.model.hidden_size, cfg.model.num_heads, cfg.model.tie_embeddings) == (64, 4, True)
 
 
 def test_dict_and_dataclass_accepted():
-    assert resolve_config({"hidden_size": 64, "num_heads": 2}).hidden_size == 64
-    assert resolve_config(TrainConfig(seed=3)).seed == 3
-    with pytest.raises(ConfigError, match="did you mean 'hidden_size'"):
+    assert resolve_config({"model": {"hidden_size": 64, "num_heads": 2}}).model.hidden_size == 64
+    assert resolve_config({"model.hidden_size": 64, "model.num_heads": 2}).model.hidden_size == 64
+    assert resolve_config(TrainConfig(train=TrainSection(seed=3))).train.seed == 3
+    with pytest.raises(ConfigError, match="did you mean 'model.hidden_size'"):
+        resolve_config({"model": {"hiden_size": 64}})
+    with pytest.raises(ConfigError, match="did you mean 'model.hidden_size'"):
         resolve_config({"hiden_size": 64})
 
 
 def test_all_problems_listed_at_once():
     with pytest.raises(ConfigError) as err:
-        build_config({"hidden_sise": 5, "dropout": 1.5, "batch_size": "many", "backend": "mpi",
-                      "hidden_size": 30, "num_heads": 4}, env={})
+        build_config({"model": {"hidden_sise": 5, "dropout": 1.5, "hidden_size": 30, "num_heads": 4},
+                      "data": {"batch_size": "many"}, "ddp": {"backend": "mpi"}}, env={})
     problems = err.value.problems
     assert len(problems) == 5, problems
     text = "\n".join(problems)
-    for needle in ("unknown key 'hidden_sise'; did you mean 'hidden_size'", "dropout=1.5: must be <= 0.999",
-                   "batch_size='many': expected an integer", "backend='mpi': allowed: auto, gloo, nccl",
-                   "hidden_size=30: must be divisible by num_heads=4"):
+    for needle in ("unknown key 'model.hidden_sise'; did you mean 'model.hidden_size'",
+                   "model.dropout=1.5: must be <= 0.999", "data.batch_size='many': expected an integer",
+                   "ddp.backend='mpi': allowed: auto, gloo, nccl",
+                   "model.hidden_size=30: must be divisible by model.num_heads=4"):
         assert needle in text
 
 
 @pytest.mark.parametrize("argv, needle", [
-    (["--hiden-size", "3"], "unknown key 'hiden_size'; did you mean 'hidden_size'?"),
-    (["--batch-size", "0"], "batch_size=0: must be >= 1"),
-    (["--batch-size", "2.5"], "batch_size='2.5': expected an integer"),
-    (["--learning-rate", "fast"], "learning_rate='fast': expected a number"),
-    (["--learning-rate", "nan"], "expected a finite number"),
-    (["--use-amp", "maybe"], "use_amp='maybe': allowed: auto, true, false"),
-    (["--pin-memory", "yess"], "pin_memory='yess': allowed: true or false"),
-    (["--amp-dtype", "fp8"], "allowed: bf16, fp16"),
-    (["--data", "missing.txt"], "data='missing.txt': file not found"),
-    (["--data", "corpus.csv"], "allowed: synthetic, a .txt file or a .bin file"),
-    (["--min-lr", "1", "--learning-rate", "0.1"], "min_lr=1.0: must be <= learning_rate=0.1"),
-    (["--seq-len"], "--seq-len needs a value"),
+    (["--hiden-size", "3"], "unknown key 'hiden_size'; did you mean 'model.hidden_size'?"),
+    (["--data.batch_size", "0"], "data.batch_size=0: must be >= 1"),
+    (["--data.batch_size", "2.5"], "data.batch_size='2.5': expected an integer"),
+    (["--optim.lr", "fast"], "optim.lr='fast': expected a number"),
+    (["--optim.lr", "nan"], "expected a finite number"),
+    (["--precision.autocast", "maybe"], "precision.autocast='maybe': allowed: auto, true, false"),
+    (["--data.pin_memory", "yess"], "data.pin_memory='yess': allowed: true or false"),
+    (["--precision.dtype", "fp8"], "allowed: bf16, fp16"),
+    (["--data.source", "missing.txt"], "data.source='missing.txt': file not found"),
+    (["--data.source", "corpus.csv"], "allowed: synthetic, a .txt file or a .bin file"),
+    (["--optim.min_lr", "1", "--optim.lr", "0.1"], "optim.min_lr=1.0: must be <= optim.lr=0.1"),
+    (["--model.seq_len"], "--model.seq-len needs a value"),
     (["positional"], "unexpected argument 'positional'"),
     (["--config", "nope.toml"], "--config nope.toml: file not found"),
-    (["--backend", "nccl"], "backend='nccl': needs CUDA"),
-    (["--use-amp", "true", "--amp-dtype", "fp16"], "amp_dtype='fp16': needs CUDA"),
-    (["--step-timeout-s", "1e12"], "step_timeout_s=1000000000000.0: must be <= 86400.0"),
-    (["--timeout-s", "1e9"], "timeout_s=1000000000.0: must be <= 86400.0"),
-    (["--step-timeout-factor", "1e300"], "step_timeout_factor=1e+300: must be <= 1000.0"),
-    (["--log-dir", "README.md/logs"], "log_dir='README.md/logs': cannot be created: README.md is a file"),
-    (["--checkpoint-dir", "README.md"], "checkpoint_dir='README.md': cannot be created: README.md is a file"),
+    (["--ddp.backend", "nccl"], "ddp.backend='nccl': needs CUDA"),
+    (["--precision.autocast", "true", "--precision.dtype", "fp16"], "precision.dtype='fp16': needs CUDA"),
+    (["--recovery.step_timeout_s", "1e12"], "recovery.step_timeout_s=1000000000000.0: must be <= 86400.0"),
+    (["--ddp.timeout_s", "1e9"], "ddp.timeout_s=1000000000.0: must be <= 86400.0"),
+    (["--recovery.step_timeout_factor", "1e300"], "recovery.step_timeout_factor=1e+300: must be <= 1000.0"),
+    (["--logging.dir", "README.md/logs"], "logging.dir='README.md/logs': cannot be created: README.md is a file"),
+    (["--checkpoint.dir", "README.md"], "checkpoint.dir='README.md': cannot be created: README.md is a file"),
 ])
 def test_cli_bad_input_exits_2_with_one_line(argv, needle, capsys, monkeypatch):
-    monkeypatch.setattr("framework.config._cuda_available", lambda: False)
+    monkeypatch.setattr("framework.config.checks._cuda_available", lambda: False)
     code, out, err = run_main(argv, capsys)
     assert code == 2
     assert needle in err
@@ -108,12 +114,12 @@ def test_cli_bad_input_exits_2_with_one_line(argv, needle, capsys, monkeypatch):
 
 
 def test_bad_environment_variable_exits_2(capsys, monkeypatch):
-    monkeypatch.setenv("DDP_BATCH_SIZE", "-1")
+    monkeypatch.setenv("DDP_DATA__BATCH_SIZE", "-1")
     monkeypatch.setenv("DDP_SEQLEN", "5")
     code, _, err = run_main(["--check-config"], capsys)
     assert code == 2
-    assert "batch_size=-1: must be >= 1" in err
-    assert "environment: unknown key 'seqlen'; did you mean 'seq_len'?" in err
+    assert "data.batch_size=-1: must be >= 1" in err
+    assert "environment: unknown key 'seqlen'; did you mean 'model.seq_len'?" in err
 
 
 def test_bad_config_file_exits_2(tmp_path, capsys):
@@ -122,18 +128,18 @@ def test_bad_config_file_exits_2(tmp_path, capsys):
     code, _, err = run_main(["--config", str(bad)], capsys)
     assert code == 2 and "cannot parse" in err and "Traceback" not in err
     typed = tmp_path / "typed.toml"
-    typed.write_text('num_layers = "six"\n')
+    typed.write_text('[model]\nnum_layers = "six"\n')
     code, _, err = run_main(["--config", str(typed)], capsys)
-    assert code == 2 and f"config file {typed}: num_layers='six': expected an integer" in err
+    assert code == 2 and f"config file {typed}: model.num_layers='six': expected an integer" in err
 
 
 def test_check_config_ok_and_help(capsys):
-    code, _, err = run_main(["--check-config", "--hidden-size", "64"], capsys)
+    code, _, err = run_main(["--check-config", "--model.hidden_size", "64"], capsys)
     assert code == 0 and "configuration is valid" in err
     code, out, _ = run_main(["--help"], capsys)
     assert code == 0
     for key in KEYS:
-        assert f"--{key.replace('_', '-')} " in out
+        assert f"--{key} " in out
         assert FIELD_DOCS[key] in out
 
 
@@ -156,13 +162,13 @@ def test_readme_config_table_matches_docstrings():
 
 def test_operator_overrides_for_ddp_settings():
     cfg = build_config(env={"DDP_STATIC_GRAPH": "1", "DDP_FIND_UNUSED_PARAMETERS": "0"})
-    assert (cfg.ddp_static_graph, cfg.find_unused_parameters) == ("true", "false")
+    assert (cfg.ddp.static_graph, cfg.ddp.find_unused_parameters) == ("true", "false")
 
 
 def test_fault_inject_spec_is_validated(capsys):
-    code, _, err = run_main(["--fault-inject", "explode@step=3"], capsys)
+    code, _, err = run_main(["--recovery.fault_inject", "explode@step=3"], capsys)
     assert code == 2 and "unknown kind 'explode'" in err
-    code, _, err = run_main(["--fault-inject", "nan@rank=1"], capsys)
+    code, _, err = run_main(["--recovery.fault-inject", "nan@rank=1"], capsys)
     assert code == 2 and "needs step=N" in err
 
 
@@ -184,29 +190,29 @@ def _bad_data_files(d):
 
 # Each case: flags (FILE is replaced by the file's path), an environment, and what the one error line must say.
 BAD_INPUTS = [
-    (["--dataset-size", "8", "--batch-size", "32"], {},
-     "dataset_size=8: fewer than one global batch of 32 samples (batch_size=32 x gradient_accumulation_steps=1 "
-     "x world size 1); allowed: dataset_size >= 32"),
-    (["--dataset-size", "40", "--batch-size", "8", "--gradient-accumulation-steps", "8"], {},
-     "dataset_size=40: fewer than one global batch of 64 samples"),
-    (["--dataset-size", "40", "--batch-size", "16"], {"WORLD_SIZE": "4"},
-     "dataset_size=40: fewer than one global batch of 64 samples (batch_size=16 x gradient_accumulation_steps=1 "
-     "x world size 4)"),
-    (["--data", "FILE/odd.bin", "--vocab-size", "2000"], {},
+    (["--data.synthetic_size", "8", "--data.batch_size", "32"], {},
+     "data.synthetic_size=8: fewer than one global batch of 32 samples (data.batch_size=32 x "
+     "data.gradient_accumulation_steps=1 x world size 1); allowed: data.synthetic_size >= 32"),
+    (["--data.synthetic_size", "40", "--data.batch_size", "8", "--data.gradient_accumulation_steps", "8"], {},
+     "data.synthetic_size=40: fewer than one global batch of 64 samples"),
+    (["--data.synthetic_size", "40", "--data.batch_size", "16"], {"WORLD_SIZE": "4"},
+     "data.synthetic_size=40: fewer than one global batch of 64 samples (data.batch_size=16 x "
+     "data.gradient_accumulation_steps=1 x world size 4)"),
+    (["--data.source", "FILE/odd.bin", "--model.vocab_size", "2000"], {},
      "odd.bin': 2003 bytes, not a whole number of 2-byte tokens; allowed: a .bin file of uint16 token ids"),
-    (["--data", "FILE/empty.bin"], {}, "empty.bin': 0 tokens; with seq_len=8 it needs at least 81"),
-    (["--data", "FILE/empty.txt"], {}, "empty.txt': 0 tokens; with seq_len=8 it needs at least 81"),
-    (["--data", "FILE/short.txt"], {}, "short.txt': 50 tokens; with seq_len=8 it needs at least 81"),
-    (["--data", "FILE/ids.bin", "--vocab-size", "50"], {},
-     "vocab_size=50: data='FILE/ids.bin' holds token id 999; allowed: vocab_size >= 1000"),
-    (["--data", "FILE/latin1.txt"], {}, "latin1.txt': not UTF-8 text"),
-    (["--data", "FILE/small.txt", "--batch-size", "128"], {},
+    (["--data.source", "FILE/empty.bin"], {}, "empty.bin': 0 tokens; with model.seq_len=8 it needs at least 81"),
+    (["--data.source", "FILE/empty.txt"], {}, "empty.txt': 0 tokens; with model.seq_len=8 it needs at least 81"),
+    (["--data.source", "FILE/short.txt"], {}, "short.txt': 50 tokens; with model.seq_len=8 it needs at least 81"),
+    (["--data.source", "FILE/ids.bin", "--model.vocab_size", "50"], {},
+     "model.vocab_size=50: data.source='FILE/ids.bin' holds token id 999; allowed: model.vocab_size >= 1000"),
+    (["--data.source", "FILE/latin1.txt"], {}, "latin1.txt': not UTF-8 text"),
+    (["--data.source", "FILE/small.txt", "--data.batch_size", "128"], {},
      "small.txt': its 100 training windows are fewer than one global batch of 128 samples"),
-    (["--exclude-samples", "FILE/far.json", "--dataset-size", "100"], {},
-     "exclude_samples='FILE/far.json': sample index 99999 is outside the 100 training samples; "
+    (["--data.exclude_samples", "FILE/far.json", "--data.synthetic_size", "100"], {},
+     "data.exclude_samples='FILE/far.json': sample index 99999 is outside the 100 training samples; "
      "allowed: indices 0 to 99"),
-    (["--exclude-samples", "FILE/many.json", "--dataset-size", "40", "--batch-size", "32"], {},
-     "exclude_samples='FILE/many.json': excluding 10 of the 40 training samples leaves 30, fewer than one "
+    (["--data.exclude_samples", "FILE/many.json", "--data.synthetic_size", "40", "--data.batch_size", "32"], {},
+     "data.exclude_samples='FILE/many.json': excluding 10 of the 40 training samples leaves 30, fewer than one "
      "global batch of 32 samples"),
 ]
 
@@ -220,8 +226,8 @@ def test_bad_data_input_refused_at_check_config(argv, env, needle, tmp_path, cap
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     argv = [a.replace("FILE", str(tmp_path)) for a in argv]
-    common = ["--seq-len", "8", "--batch-size", "2", "--log-dir", str(tmp_path / "l"),
-              "--checkpoint-dir", str(tmp_path / "c")]
+    common = ["--model.seq_len", "8", "--data.batch_size", "2", "--logging.dir", str(tmp_path / "l"),
+              "--checkpoint.dir", str(tmp_path / "c")]
     code, out, err = run_main(["--check-config", *common, *argv], capsys)
     assert code == 2, err
     lines = err.strip().splitlines()
@@ -233,10 +239,11 @@ def test_bad_data_input_refused_at_check_config(argv, env, needle, tmp_path, cap
 def test_data_that_just_fits_passes_check_config(tmp_path, capsys, monkeypatch):
     _bad_data_files(tmp_path)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    common = ["--check-config", "--seq-len", "8", "--log-dir", str(tmp_path / "l")]
-    for argv in (["--dataset-size", "32", "--batch-size", "32"],
-                 ["--data", str(tmp_path / "small.txt"), "--batch-size", "100"],
-                 ["--data", str(tmp_path / "ids.bin"), "--vocab-size", "1000"],
-                 ["--exclude-samples", str(tmp_path / "many.json"), "--dataset-size", "42", "--batch-size", "32"]):
+    common = ["--check-config", "--model.seq_len", "8", "--logging.dir", str(tmp_path / "l")]
+    for argv in (["--data.synthetic_size", "32", "--data.batch_size", "32"],
+                 ["--data.source", str(tmp_path / "small.txt"), "--data.batch_size", "100"],
+                 ["--data.source", str(tmp_path / "ids.bin"), "--model.vocab_size", "1000"],
+                 ["--data.exclude_samples", str(tmp_path / "many.json"), "--data.synthetic_size", "42",
+                  "--data.batch_size", "32"]):
         code, _, err = run_main(common + argv, capsys)
         assert code == 0, (argv, err)

@@ -92,7 +92,8 @@ def test_text_data_split_and_windows(tmp_path):
 def test_bin_data_and_vocab_check(tmp_path):
     path = tmp_path / "tokens.bin"
     np.arange(1000, dtype=np.uint16).tofile(path)
-    with pytest.raises(ConfigError, match="vocab_size=500: data=.* holds token id 999; allowed: vocab_size >= 1000"):
+    with pytest.raises(ConfigError, match="model.vocab_size=500: data.source=.* holds token id 999; "
+                                          "allowed: model.vocab_size >= 1000"):
         resolve_config({"data": str(path), "vocab_size": 500, "seq_len": 16})
     cfg = resolve_config({"data": str(path), "vocab_size": 1000, "seq_len": 16})
     bundle = build_datasets(cfg)
@@ -100,7 +101,8 @@ def test_bin_data_and_vocab_check(tmp_path):
     assert x[0].tolist() == list(range(10, 26)) and y[0].tolist() == list(range(11, 27))
     # The file changed after the config check: the run stops with FATAL, not a traceback.
     np.arange(1001, dtype=np.uint16).tofile(path)
-    with pytest.raises(FatalError, match="vocab_size=1000: data=.* holds token id 1000; allowed: vocab_size >= 1001"):
+    with pytest.raises(FatalError, match="model.vocab_size=1000: data.source=.* holds token id 1000; "
+                                         "allowed: model.vocab_size >= 1001"):
         build_datasets(cfg)
 
 
@@ -135,18 +137,19 @@ def users_pieces(n=8, stream=False, val=None):
 RUN_TIME_CASES = {
     "user_dataset": ({}, lambda: users_pieces(8),
                      "train_dataset: its 8 samples are fewer than one global batch of 32 samples "
-                     "(batch_size=32 x gradient_accumulation_steps=1 x world size 1)"),
-    "builtin_from_python": ({"dataset_size": 8}, dict, "dataset_size=8: fewer than one global batch of 32 samples"),
+                     "(data.batch_size=32 x data.gradient_accumulation_steps=1 x world size 1)"),
+    "builtin_from_python": ({"dataset_size": 8}, dict,
+                            "data.synthetic_size=8: fewer than one global batch of 32 samples"),
     "user_exclusions": ({"exclude_samples": "EX"}, lambda: users_pieces(100),
-                        "exclude_samples='EX': sample index 500 is outside the 100 training samples; "
+                        "data.exclude_samples='EX': sample index 500 is outside the 100 training samples; "
                         "allowed: indices 0 to 99"),
     "stream_val": ({}, lambda: users_pieces(100, val=Stream()),
                    "val_dataset: an IterableDataset cannot be sharded exactly for evaluation"),
     "stream_without_max_steps": ({"max_steps": 0}, lambda: users_pieces(stream=True),
-                                 "max_steps=0: an IterableDataset train_dataset has no length"),
+                                 "train.max_steps=0: an IterableDataset train_dataset has no length"),
     "stream_rollback": ({"spike_guard": "rollback", "save_every_steps": 1}, lambda: users_pieces(stream=True),
-                        "spike_guard='rollback', exclude_samples='': the samples of an IterableDataset have no "
-                        "indices to exclude"),
+                        "spike.guard='rollback', data.exclude_samples='': the samples of an IterableDataset have "
+                        "no indices to exclude"),
 }
 
 

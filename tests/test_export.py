@@ -170,9 +170,9 @@ def test_an_export_dir_overlap_it_cannot_honour_exits_2_at_check_config(tmp_path
         ddp_training.main(["--check-config", "--checkpoint-dir", str(ck), "--log-dir", str(logs), *args])
     assert exit_.value.code == 2
     lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: export_dir="), lines
-    expected = {"same as log_dir": f"and log_dir={str(logs)!r} are the same directory",
-                "default same as log_dir": f"and log_dir={str(logs)!r} are the same directory",
+    assert len(lines) == 1 and lines[0].startswith("error: checkpoint.export_dir="), lines
+    expected = {"same as log_dir": f"and logging.dir={str(logs)!r} are the same directory",
+                "default same as log_dir": f"and logging.dir={str(logs)!r} are the same directory",
                 "holds a config.json": "holds config.json, which no earlier export wrote",
                 "holds a model.safetensors": "holds model.safetensors, which no earlier export wrote"}[case]
     assert expected in lines[0]
@@ -214,7 +214,7 @@ def test_without_safetensors_an_explicit_export_dir_is_a_config_error(tmp_path, 
         ddp_training.main(["--check-config", "--export-dir", str(tmp_path / "out"), "--log-dir", str(tmp_path)])
     assert exit_.value.code == 2
     lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: export_dir=")
+    assert len(lines) == 1 and lines[0].startswith("error: checkpoint.export_dir=")
 
 
 # --- transformers and PEFT ---------------------------------------------------------------------------

@@ -39,10 +39,10 @@ def test_config_changes_split_refused_from_warned():
     cfg = build_config({"seed": 1, "learning_rate": 0.5, "log_dir": "elsewhere"}, env={})
     saved = dataclasses.asdict(build_config({}, env={}))
     refused, changed = config_changes(saved, cfg, builtin_data=True)
-    assert refused == ["seed: 1337 -> 1"]
-    assert changed == ["learning_rate: 0.0001 -> 0.5"]
+    assert refused == ["train.seed: 1337 -> 1"]
+    assert changed == ["optim.lr: 0.0001 -> 0.5"]
     data_change = build_config({"dataset_size": 50}, env={})
-    assert config_changes(saved, data_change, builtin_data=True)[0] == ["dataset_size: 10000 -> 50"]
+    assert config_changes(saved, data_change, builtin_data=True)[0] == ["data.synthetic_size: 10000 -> 50"]
     # A user's own dataset: dataset_size names nothing that was used.
     assert config_changes(saved, data_change, builtin_data=False) == ([], [])
 
@@ -262,4 +262,4 @@ def test_resuming_fp16_from_a_checkpoint_without_loss_scaling_is_a_one_line_chec
     with pytest.raises(CheckpointError) as info:
         ck.restore(state)
     message = str(info.value)
-    assert "\n" not in message and "saved without fp16 loss scaling" in message and "use_amp" in message
+    assert "\n" not in message and "saved without fp16 loss scaling" in message and "precision.autocast" in message

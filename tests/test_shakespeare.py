@@ -14,7 +14,8 @@ def test_nanogpt_cpu_size_300_steps(tmp_path, monkeypatch):
                                  "--eval-interval", "0", "--tensorboard", "false",
                                  "--log-dir", str(tmp_path / "logs"), "--checkpoint-dir", str(tmp_path / "ck")],
                                 env={})
-    assert (cfg.num_layers, cfg.num_heads, cfg.hidden_size, cfg.seq_len, cfg.batch_size) == (4, 4, 128, 64, 12)
+    m = cfg.model
+    assert (m.num_layers, m.num_heads, m.hidden_size, m.seq_len, cfg.data.batch_size) == (4, 4, 128, 64, 12)
     summary = DDPTrainer(cfg).train()
     assert summary["steps"] == 300
     assert summary["final_val_loss"] <= 2.5, summary

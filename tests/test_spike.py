@@ -115,9 +115,9 @@ def test_bad_data_randomizes_one_rank_s_targets_the_same_way_every_time():
 
 
 @pytest.mark.parametrize("over, problem", [
-    (dict(spike_guard="rollback", save_every_steps=0), "spike_guard='rollback': needs save_every_steps > 0"),
-    (dict(exclude_samples="missing.json"), "exclude_samples='missing.json': file not found"),
-    (dict(exclude_samples="BAD"), "exclude_samples='BAD': allowed: a JSON list of sample indices"),
+    (dict(spike_guard="rollback", save_every_steps=0), "spike.guard='rollback': needs checkpoint.every_steps > 0"),
+    (dict(exclude_samples="missing.json"), "data.exclude_samples='missing.json': file not found"),
+    (dict(exclude_samples="BAD"), "data.exclude_samples='BAD': allowed: a JSON list of sample indices"),
 ])
 def test_bad_spike_settings_are_one_line_errors(tmp_path, monkeypatch, over, problem):
     monkeypatch.chdir(tmp_path)

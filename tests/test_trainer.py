@@ -5,7 +5,8 @@ import json
 import pytest
 import torch
 
-from framework import ConfigError, DDPTrainer, TrainConfig
+from framework import ConfigError, DDPTrainer
+from framework.config import resolve_config
 from framework.resilience.consistency import model_sha256
 from framework.resilience.markers import FatalError
 
@@ -25,7 +26,7 @@ def test_spec_signature_and_outputs(tmp_path):
     assert summary["steps"] == 5 and summary["world_size"] == 1
     assert json.loads((tmp_path / "logs" / "summary.json").read_text()) == summary
     saved = json.loads((tmp_path / "logs" / "config.json").read_text())
-    assert saved["hidden_size"] == 32 and saved["max_steps"] == 5
+    assert saved["model"]["hidden_size"] == 32 and saved["train"]["max_steps"] == 5
     state = torch.load(tmp_path / "ck" / "final_model.pt", weights_only=True)
     model = DDPTrainer(tiny(tmp_path)).raw_model
     model.load_state_dict(state)
@@ -35,7 +36,7 @@ def test_spec_signature_and_outputs(tmp_path):
 
 def test_same_seed_same_model_and_log_appends(tmp_path):
     a = DDPTrainer(tiny(tmp_path, max_steps=3, resume="none")).train()
-    b = DDPTrainer(TrainConfig(**tiny(tmp_path, max_steps=3, resume="none"))).train()
+    b = DDPTrainer(resolve_config(tiny(tmp_path, max_steps=3, resume="none"))).train()
     assert a["model_sha256"] == b["model_sha256"] and b["steps"] == 3
     c = DDPTrainer(tiny(tmp_path, max_steps=3, seed=2, resume="none")).train()
     assert c["model_sha256"] != a["model_sha256"]
@@ -85,7 +86,7 @@ def test_bad_dict_config_raises_config_error(tmp_path):
 
 
 def test_dataset_smaller_than_global_batch(tmp_path):
-    with pytest.raises(FatalError, match="dataset_size=4: fewer than one global batch"):
+    with pytest.raises(FatalError, match=r"data\.synthetic_size=4: fewer than one global batch"):
         DDPTrainer(tiny(tmp_path, dataset_size=4))
 
 

@@ -234,17 +234,17 @@ def build_stream(dataset, cfg, env, val_dataset=None) -> tuple[ResumableDistribu
     number of worker processes. An IterableDataset gets a stream of its own (framework/data/iterable_stream.py)."""
     check_datasets(dataset, val_dataset, cfg, env.world_size)
     if isinstance(dataset, IterableDataset):
-        position = StreamPosition(env.world_size, cfg.batch_size, cfg.gradient_accumulation_steps)
+        position = StreamPosition(env.world_size, cfg.data.batch_size, cfg.data.gradient_accumulation_steps)
         return position, IterableStream(dataset, position, device=env.device, distributed=env.distributed,
                                         rank=env.rank), 0
-    sampler = ResumableDistributedSampler(len(dataset), env.world_size, env.rank, cfg.batch_size,
-                                          cfg.gradient_accumulation_steps, cfg.seed)
+    sampler = ResumableDistributedSampler(len(dataset), env.world_size, env.rank, cfg.data.batch_size,
+                                          cfg.data.gradient_accumulation_steps, cfg.train.seed)
     # The built-in datasets are in memory and batch in one vectorised read: a worker process
     # would only add the cost of shipping each batch back (measured: ~1.5 ms a step on CPU).
     in_memory = isinstance(dataset, (MarkovDataset, TokenWindows))
-    workers = 0 if in_memory else workers_per_rank(cfg.num_workers, env.local_world_size)
-    pin = cfg.pin_memory and env.device.type == "cuda"
+    workers = 0 if in_memory else workers_per_rank(cfg.data.num_workers, env.local_world_size)
+    pin = cfg.data.pin_memory and env.device.type == "cuda"
     stream = BatchStream(lambda: make_loader(dataset, sampler, num_workers=workers, pin_memory=pin,
-                                             seed=cfg.seed + env.rank, timeout_s=cfg.timeout_s),
-                         sampler, max_restarts=cfg.max_loader_restarts)
+                                             seed=cfg.train.seed + env.rank, timeout_s=cfg.ddp.timeout_s),
+                         sampler, max_restarts=cfg.recovery.max_loader_restarts)
     return sampler, stream, workers

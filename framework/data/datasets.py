@@ -104,25 +104,26 @@ def encode_text(text: str) -> tuple[np.ndarray, int, str]:
 
 
 def build_datasets(cfg) -> DataBundle:
-    """The datasets named by ``cfg.data``: 'synthetic', a .txt file or a .bin uint16 token file."""
-    if cfg.data == "synthetic":
-        train = MarkovDataset(cfg.vocab_size, cfg.seq_len, cfg.dataset_size, cfg.seed, 1)
-        val = MarkovDataset(cfg.vocab_size, cfg.seq_len, max(1, cfg.dataset_size // 10), cfg.seed, 2)
-        return DataBundle(train, val, cfg.vocab_size,
+    """The datasets named by ``cfg.data.source``: 'synthetic', a .txt file or a .bin uint16 token file."""
+    if cfg.data.source == "synthetic":
+        size, seed = cfg.data.synthetic_size, cfg.train.seed
+        train = MarkovDataset(cfg.model.vocab_size, cfg.model.seq_len, size, seed, 1)
+        val = MarkovDataset(cfg.model.vocab_size, cfg.model.seq_len, max(1, size // 10), seed, 2)
+        return DataBundle(train, val, cfg.model.vocab_size,
                           f"synthetic Markov chain: {len(train)} train / {len(val)} val sequences, "
                           f"loss floor {train.entropy:.4f} nats/token", train.entropy)
     problems = data_file_problems(cfg)  # the config check's, cached: a file changed since then
     if problems:
         raise FatalError("; ".join(problems))
-    path = Path(cfg.data)
+    path = Path(cfg.data.source)
     if path.suffix == ".txt":
         tokens, vocab_size, kind = encode_text(path.read_text(encoding="utf-8"))
     else:
         tokens = np.memmap(path, dtype=np.uint16, mode="r")
-        vocab_size, kind = cfg.vocab_size, "uint16 tokens"
+        vocab_size, kind = cfg.model.vocab_size, "uint16 tokens"
     split = split_tokens(len(tokens))
-    train = TokenWindows(tokens[:split], cfg.seq_len, stride=1)
-    val = TokenWindows(tokens[split:], cfg.seq_len, stride=cfg.seq_len)
+    train = TokenWindows(tokens[:split], cfg.model.seq_len, stride=1)
+    val = TokenWindows(tokens[split:], cfg.model.seq_len, stride=cfg.model.seq_len)
     return DataBundle(train, val, vocab_size,
                       f"{path.name} ({kind}, vocab {vocab_size}): {split} train / "
                       f"{len(tokens) - split} val tokens, {len(train)} train windows")
@@ -131,13 +132,13 @@ def build_datasets(cfg) -> DataBundle:
 def builtin_datasets(cfg):
     """``(cfg, train, val)`` for the built-in data, with vocab_size taken from the data."""
     bundle = build_datasets(cfg)
-    if bundle.vocab_size != cfg.vocab_size:
+    if bundle.vocab_size != cfg.model.vocab_size:
         log.info("vocab_size set to %d from the data", bundle.vocab_size)
-        cfg = dataclasses.replace(cfg, vocab_size=bundle.vocab_size)
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=bundle.vocab_size))
     log.info("data: %s", bundle.description)
-    if bundle.loss_floor is not None and cfg.target_loss and cfg.target_loss < bundle.loss_floor:
+    if bundle.loss_floor is not None and cfg.train.target_loss and cfg.train.target_loss < bundle.loss_floor:
         log.warning("target_loss=%g is below this data's loss floor %.4f: it cannot stop the run",
-                    cfg.target_loss, bundle.loss_floor)
+                    cfg.train.target_loss, bundle.loss_floor)
     return cfg, bundle.train, bundle.val
 
 
@@ -150,19 +151,19 @@ def check_datasets(dataset, val_dataset, cfg, world_size: int) -> None:
         raise FatalError("val_dataset: an IterableDataset cannot be sharded exactly for evaluation; "
                          "allowed: a map-style dataset, or None")
     if isinstance(dataset, torch.utils.data.IterableDataset):
-        if not cfg.max_steps:
-            raise FatalError("max_steps=0: an IterableDataset train_dataset has no length, so the run needs an end; "
-                             "allowed: max_steps > 0")
-        if cfg.spike_guard == "rollback" or cfg.exclude_samples:
-            raise FatalError(f"spike_guard={cfg.spike_guard!r}, exclude_samples={cfg.exclude_samples!r}: the samples "
-                             "of an IterableDataset have no indices to exclude; allowed with a stream: spike_guard="
-                             "off or warn, and no exclude_samples")
+        if not cfg.train.max_steps:
+            raise FatalError("train.max_steps=0: an IterableDataset train_dataset has no length, so the run needs an "
+                             "end; allowed: train.max_steps > 0")
+        if cfg.spike.guard == "rollback" or cfg.data.exclude_samples:
+            raise FatalError(f"spike.guard={cfg.spike.guard!r}, data.exclude_samples={cfg.data.exclude_samples!r}: "
+                             "the samples of an IterableDataset have no indices to exclude; allowed with a stream: "
+                             "spike.guard=off or warn, and no data.exclude_samples")
         return
     n = len(dataset)
     if isinstance(dataset, MarkovDataset):
-        head, count, allowed = f"dataset_size={cfg.dataset_size}", "", "dataset_size >= {need}"
+        head, count, allowed = f"data.synthetic_size={cfg.data.synthetic_size}", "", "data.synthetic_size >= {need}"
     elif isinstance(dataset, TokenWindows):
-        head, count, allowed = f"data={cfg.data!r}", f"its {n} training windows are ", "a longer file"
+        head, count, allowed = f"data.source={cfg.data.source!r}", f"its {n} training windows are ", "a longer file"
     else:
         head, count, allowed = "train_dataset", f"its {n} samples are ", "a dataset of at least {need} samples"
     problems = training_set_problems(cfg, n, world_size, head=head, count=count, allowed=allowed)

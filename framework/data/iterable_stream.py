@@ -57,9 +57,9 @@ class StreamPosition:
         return float(self.epoch)
 
     def last_step(self, step: int, cfg) -> int:
-        if not cfg.max_steps:
+        if not cfg.train.max_steps:
             raise ValueError("max_steps: an IterableDataset has no length, so the run needs max_steps > 0")
-        return cfg.max_steps
+        return cfg.train.max_steps
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch, self.consumed, self.exhausted = epoch, 0, False

@@ -124,8 +124,8 @@ class ResumableDistributedSampler(torch.utils.data.Sampler[list[int]]):
     def last_step(self, step: int, cfg) -> int:
         """The run's last step, from ``step`` where it stands now (a resume on another world size
         or batch size has another number of steps left in its epochs), capped by max_steps."""
-        by_epochs = step + self.steps_remaining() + max(0, cfg.num_epochs - self.epoch - 1) * self.steps_per_epoch
-        return min(cfg.max_steps, by_epochs) if cfg.max_steps else by_epochs
+        by_epochs = step + self.steps_remaining() + max(0, cfg.train.num_epochs - self.epoch - 1) * self.steps_per_epoch
+        return min(cfg.train.max_steps, by_epochs) if cfg.train.max_steps else by_epochs
 
     def set_micro_batch(self, batch_size: int, accumulation: int) -> None:
         """Change how a step's samples are split (the global batch must stay the same)."""

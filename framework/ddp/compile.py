@@ -20,13 +20,13 @@ log = logging.getLogger(__name__)
 
 
 def compile_model(model: torch.nn.Module, cfg) -> torch.nn.Module:
-    """``model`` compiled as ``cfg`` says (compile, compile_mode, compile_backend), or itself."""
-    if not cfg.compile:
+    """``model`` compiled as ``cfg`` (the compile section) says, or itself."""
+    if not cfg.enabled:
         return model
-    mode = None if cfg.compile_mode == "default" else cfg.compile_mode
-    log.info("torch.compile: backend %s, mode %s, DDP graph splitting at bucket boundaries %s", cfg.compile_backend,
-             cfg.compile_mode, "on" if isinstance(model, DDP) and torch._dynamo.config.optimize_ddp else "n/a")
-    return torch.compile(model, backend=cfg.compile_backend, mode=mode)
+    mode = None if cfg.mode == "default" else cfg.mode
+    log.info("torch.compile: backend %s, mode %s, DDP graph splitting at bucket boundaries %s", cfg.backend,
+             cfg.mode, "on" if isinstance(model, DDP) and torch._dynamo.config.optimize_ddp else "n/a")
+    return torch.compile(model, backend=cfg.backend, mode=mode)
 
 
 def is_ddp(model: torch.nn.Module) -> bool:

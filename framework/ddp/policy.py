@@ -324,7 +324,7 @@ def wrap_for_training(model: nn.Module, batches: list, loss_fn, autocast, cfg, d
         log.info("DDP policy: %s", reason)
     if not decision.safe:
         message = "DDP preflight: these settings will fail for this model:\n" + format_report(report, decision)
-        if cfg.ddp_static_graph == "auto" and cfg.find_unused_parameters == "auto":
+        if cfg.ddp.static_graph == "auto" and cfg.ddp.find_unused_parameters == "auto":
             raise DDPConfigurationError(message)
         plan = checkpointing_of(model)
         if no_setting_fits(report) and plan is not None and plan.mode == "reentrant":
@@ -335,8 +335,9 @@ def wrap_for_training(model: nn.Module, batches: list, loss_fn, autocast, cfg, d
                 "switches to non_reentrant only when ddp_static_graph and find_unused_parameters are both auto. "
                 f"Fix: {fix} (or leave both DDP settings on auto)")
         log.warning("%s\n(kept because ddp_static_graph/find_unused_parameters were set explicitly)", message)
-    ddp_model = wrap(model, device, decision, bucket_cap_mb=cfg.bucket_cap_mb,
-                     gradient_as_bucket_view=cfg.gradient_as_bucket_view, broadcast_buffers=cfg.broadcast_buffers)
+    ddp_model = wrap(model, device, decision, bucket_cap_mb=cfg.ddp.bucket_cap_mb,
+                     gradient_as_bucket_view=cfg.ddp.gradient_as_bucket_view,
+                     broadcast_buffers=cfg.ddp.broadcast_buffers)
     for _ in range(max(int(decision.static_graph), comm_hook.warm_ups(decision.static_graph) if comm_hook else 0)):
         warm_up(ddp_model, batches[0], loss_fn, autocast)
     if comm_hook is not None:
@@ -381,9 +382,9 @@ def _agreed_probe(model: nn.Module, batches: list, loss_fn, autocast) -> ProbeRe
 
 
 def _decide(report: ProbeReport, cfg, plan: Checkpointing | None) -> Decision:
-    return decide(report, static_graph=cfg.ddp_static_graph, find_unused=cfg.find_unused_parameters,
-                  checkpointing=plan.mode if plan is not None else cfg.gradient_checkpointing,
-                  accumulation=cfg.gradient_accumulation_steps)
+    return decide(report, static_graph=cfg.ddp.static_graph, find_unused=cfg.ddp.find_unused_parameters,
+                  checkpointing=plan.mode if plan is not None else cfg.memory.activation_checkpointing,
+                  accumulation=cfg.data.gradient_accumulation_steps)
 
 
 def _switch_reason(report: ProbeReport) -> str:
@@ -424,7 +425,7 @@ def preflight(model: nn.Module, batches: list, loss_fn, autocast, cfg) -> tuple[
     decision = _decide(report, cfg, plan)
     if switched:
         decision.reasons.insert(0, f"gradient checkpointing switched from reentrant to non_reentrant: {switched}")
-    auto = cfg.ddp_static_graph == "auto" and cfg.find_unused_parameters == "auto"
+    auto = cfg.ddp.static_graph == "auto" and cfg.ddp.find_unused_parameters == "auto"
     if no_setting_fits(report) and auto and plan is not None and plan.can_switch():
         reason = _switch_reason(report)
         plan.switch_to_non_reentrant(reason)

@@ -30,8 +30,8 @@ class GPTConfig:
 
     @classmethod
     def from_train_config(cls, cfg) -> "GPTConfig":
-        return cls(cfg.vocab_size, cfg.seq_len, cfg.hidden_size, cfg.num_layers, cfg.num_heads,
-                   cfg.dropout, cfg.tie_embeddings, cfg.tiled_mlp_chunks)
+        return cls(cfg.model.vocab_size, cfg.model.seq_len, cfg.model.hidden_size, cfg.model.num_layers,
+                   cfg.model.num_heads, cfg.model.dropout, cfg.model.tie_embeddings, cfg.memory.tiled_mlp_chunks)
 
 
 class CausalSelfAttention(nn.Module):

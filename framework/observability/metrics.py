@@ -163,8 +163,8 @@ class StepLog:
 
     @classmethod
     def open(cls, cfg, env, *, total_steps: int, initial_step: int) -> StepLog:
-        metrics = Metrics(enabled=env.is_main, log_dir=cfg.log_dir, tensorboard=cfg.tensorboard,
-                          progress_bar=cfg.progress_bar, total_steps=total_steps, initial_step=initial_step)
+        metrics = Metrics(enabled=env.is_main, log_dir=cfg.logging.dir, tensorboard=cfg.logging.tensorboard,
+                          progress_bar=cfg.logging.progress_bar, total_steps=total_steps, initial_step=initial_step)
         return cls(metrics, cfg=cfg, device=env.device, total_steps=total_steps)
 
     def close(self) -> None:
@@ -180,7 +180,7 @@ class StepLog:
         self.window_tokens += tokens
         self.metrics.progress(loss)
         log.debug("step %d: loss %.6f lr %.3e", step, loss, lr)
-        if step % cfg.log_interval == 0 or step == self.total_steps:
+        if step % cfg.logging.interval == 0 or step == self.total_steps:
             now = time.perf_counter()
             tps = self.window_tokens / (now - self.window_start)
             norm = float(grad_norm)
@@ -189,12 +189,12 @@ class StepLog:
             self.metrics.scalars(step, {"train/loss": loss, "train/lr": lr, "train/grad_norm": norm,
                                         "train/tokens_per_sec": tps, **(health or {})})
             self.window_start, self.window_tokens = now, 0
-        if step % cfg.memory_check_interval == 0:
+        if step % cfg.memory.check_interval == 0:
             stats = memory_stats(self.device)
             log.info("memory: %s", ", ".join(f"{k} {v:.2f}" for k, v in stats.items()))
             self.metrics.scalars(step, {f"memory/{k}": v for k, v in stats.items()})
-            if in_use_gb(stats) > cfg.max_memory_gb:
-                log.warning("memory in use %.2f GiB exceeds max_memory_gb=%g", in_use_gb(stats), cfg.max_memory_gb)
+            if in_use_gb(stats) > cfg.memory.max_gb:
+                log.warning("memory in use %.2f GiB exceeds max_memory_gb=%g", in_use_gb(stats), cfg.memory.max_gb)
 
     def purge_from(self, step: int) -> None:
         """A rollback: the steps from ``step`` on are run again; drop what was logged for them."""
@@ -276,7 +276,7 @@ def log_run_start(cfg, env, sampler, *, model: torch.nn.Module, amp: bool, total
     log.info("framework %s, torch %s, config: %s", __version__, torch.__version__,
              json.dumps(as_dict(cfg), sort_keys=True))
     log.info("model: %s, %.2fM parameters, amp=%s", type(model).__name__,
-             sum(p.numel() for p in model.parameters()) / 1e6, f"on ({cfg.amp_dtype})" if amp else "off (fp32)")
+             sum(p.numel() for p in model.parameters()) / 1e6, f"on ({cfg.precision.dtype})" if amp else "off (fp32)")
     log.info("effective batch: %d per rank x %d ranks x %d accumulation = %d samples per step",
              s.batch_size, env.world_size, s.accumulation, s.global_batch)
     if s.num_samples is None:
@@ -287,7 +287,7 @@ def log_run_start(cfg, env, sampler, *, model: torch.nn.Module, amp: bool, total
                  env.rank, s.steps_per_epoch, s.batch_size * s.accumulation,
                  s.steps_per_epoch * s.batch_size * s.accumulation, s.num_samples, num_workers)
     log.info("schedule: %d steps (%d per epoch, num_epochs=%d, max_steps=%d)", total_steps,
-             s.steps_per_epoch, cfg.num_epochs, cfg.max_steps)
+             s.steps_per_epoch, cfg.train.num_epochs, cfg.train.max_steps)
     if env.is_main:
-        atomic.write_bytes(Path(cfg.log_dir) / "config.json",
+        atomic.write_bytes(Path(cfg.logging.dir) / "config.json",
                            json.dumps(as_dict(cfg), indent=2, sort_keys=True).encode())

@@ -49,17 +49,17 @@ class SpikeGuard:
     """Observes each step's agreed loss; ``observe`` returns the Spike to roll back, if any."""
 
     def __init__(self, cfg, *, is_main: bool):
-        self.mode, self.threshold = cfg.spike_guard, cfg.spike_threshold
-        self.warmup, self.window, self.max_rollbacks = cfg.spike_warmup, cfg.spike_window, cfg.max_rollbacks
-        self.cooldown = cfg.spike_lr_cooldown
-        self.checkpoint_dir, self.is_main = cfg.checkpoint_dir, is_main
+        self.mode, self.threshold = cfg.spike.guard, cfg.spike.threshold
+        self.warmup, self.window, self.max_rollbacks = cfg.spike.warmup, cfg.spike.window, cfg.spike.max_rollbacks
+        self.cooldown = cfg.spike.lr_cooldown
+        self.checkpoint_dir, self.is_main = cfg.checkpoint.dir, is_main
         self.history: list[float] = []
         self.seen = 0
         self.z = 0.0
         self.max_z = 0.0
         self.spikes: list[dict] = []  # every spike seen, rolled back or not
         self.rollbacks: list[dict] = []
-        self.excluded: set[int] = set(exclusions.read(cfg.exclude_samples)) if cfg.exclude_samples else set()
+        self.excluded: set[int] = set(exclusions.read(cfg.data.exclude_samples)) if cfg.data.exclude_samples else set()
         self.cooldown_from: int | None = None
         self.sampler = None
 

@@ -115,11 +115,11 @@ def timed_step(step: int, interval: int, *, distributed: bool, cuda: bool) -> bo
 
 
 class StragglerMonitor:
-    """Times every rank's sections and shares them every ``straggler_interval`` steps."""
+    """Times every rank's sections and shares them every ``straggler.interval`` steps."""
 
     def __init__(self, cfg, env):
-        self.interval, self.threshold = cfg.straggler_interval, cfg.straggler_threshold
-        self.patience, self.min_ms, self.action = cfg.straggler_patience, cfg.straggler_min_ms, cfg.straggler_action
+        self.interval, self.threshold = cfg.interval, cfg.threshold
+        self.patience, self.min_ms, self.action = cfg.patience, cfg.min_ms, cfg.action
         self.env = env
         self.timer = SectionTimer(env.device)
         self.streak: dict[int, int] = {}

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from .. import __version__
-from ..config import TrainConfig, as_dict
+from ..config import RESUME, TrainConfig, as_dict, dotted
 from ..ddp import process_group
 from ..ddp.policy import unwrap
 from ..resilience import markers
@@ -30,21 +30,6 @@ log = logging.getLogger(__name__)
 
 FORMAT = 2
 """The checkpoint format written; format 1 (framework 0.1.0 before the state had owners) is read too."""
-
-# Keys whose change makes the saved sample position meaningless (the checkpoint is refused), and
-# keys that do not change what is computed (not worth a warning).
-_REFUSED = ("seed", "data", "dataset_size")
-_NEUTRAL = frozenset({
-    "log_dir", "checkpoint_dir", "resume", "log_interval", "tensorboard", "progress_bar", "memory_check_interval",
-    "max_memory_gb", "eval_interval", "eval_steps", "save_interval", "save_every_steps", "keep_last",
-    "record_samples", "fault_inject", "step_timeout_s", "step_timeout_factor", "timeout_s", "num_workers",
-    "max_loader_restarts", "consistency_check_interval", "cleanup_interval", "max_errors_per_epoch", "backend",
-    "pin_memory", "oom_recovery", "target_loss", "num_epochs", "max_steps", "ddp_static_graph",
-    "find_unused_parameters", "gradient_as_bucket_view", "bucket_cap_mb", "checkpoint_modules", "export_dir",
-    "max_no_progress_restarts", "spike_guard", "spike_threshold", "spike_warmup", "spike_window", "max_rollbacks",
-    "spike_lr_cooldown", "exclude_samples", "straggler_interval", "straggler_threshold", "straggler_min_ms",
-    "straggler_patience", "straggler_action", "init_timeout_s", "compile", "compile_mode", "compile_backend"})
-
 
 class Stateful(Protocol):
     def state_dict(self) -> dict: ...
@@ -94,16 +79,17 @@ def upgrade(state: dict) -> dict:
 
 def config_changes(saved: dict, cfg: TrainConfig, *, builtin_data: bool) -> tuple[list[str], list[str]]:
     """The changes from the checkpoint's configuration that cannot be honoured, and those that
-    change the result; each as ``key: saved -> now``."""
-    now = as_dict(cfg)
+    change the result; each as ``key: saved -> now``. Each field declares its class (``RESUME``);
+    ``saved`` is nested by section, or flat as checkpoints before sections wrote it."""
+    before = dotted(saved)
     refused, changed = [], []
-    for key, value in now.items():
-        if key not in saved or saved[key] == value or key in _NEUTRAL:
+    for key, value in dotted(as_dict(cfg)).items():
+        if key not in before or before[key] == value or RESUME[key] == "neutral":
             continue
-        line = f"{key}: {saved[key]!r} -> {value!r}"
-        if key in _REFUSED and (builtin_data or key == "seed"):
+        line = f"{key}: {before[key]!r} -> {value!r}"
+        if RESUME[key] == "refused" or (RESUME[key] == "refused_builtin_data" and builtin_data):
             refused.append(line)
-        elif key not in _REFUSED:
+        elif RESUME[key] == "changes":
             changed.append(line)
     return refused, changed
 
@@ -123,7 +109,7 @@ def guard_restart_loop(cfg: TrainConfig, env, resumed_step: int) -> None:
     in a row resumed from the same step (rank 0 counts in checkpoint_dir and tells the others)."""
     if process_group.incarnation() == 0:
         return
-    verdict = [markers.note_restart(cfg.checkpoint_dir, resumed_step, cfg.max_no_progress_restarts)
+    verdict = [markers.note_restart(cfg.checkpoint.dir, resumed_step, cfg.recovery.max_no_progress_restarts)
                if env.is_main else None]
     if env.distributed:
         dist.broadcast_object_list(verdict, src=0)
@@ -136,7 +122,7 @@ def open_manager(cfg: TrainConfig, env) -> CheckpointManager:
     could not (the others would otherwise wait for it in the first collective)."""
     error = None
     try:
-        manager = CheckpointManager(cfg.checkpoint_dir, keep_last=cfg.keep_last, rank=env.rank)
+        manager = CheckpointManager(cfg.checkpoint.dir, keep_last=cfg.checkpoint.keep_last, rank=env.rank)
     except CheckpointDirLocked as err:
         error = str(err)
     if env.distributed:
@@ -176,8 +162,8 @@ class Checkpointer:
 
     def should_save(self, step: int, epoch: int, epoch_ended: bool) -> bool:
         cfg = self.cfg
-        return bool((cfg.save_every_steps and step % cfg.save_every_steps == 0)
-                    or (epoch_ended and cfg.save_interval and (epoch + 1) % cfg.save_interval == 0))
+        return bool((cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0)
+                    or (epoch_ended and cfg.checkpoint.every_epochs and (epoch + 1) % cfg.checkpoint.every_epochs == 0))
 
     def maybe_save(self, step: int, epoch: int, epoch_ended: bool) -> bool:
         """Save when ``step`` (or the end of ``epoch``) is due; every rank calls this."""
@@ -219,7 +205,7 @@ class Checkpointer:
         except OSError as err:
             if err.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG):
                 raise
-            raise FatalError(f"checkpoint_dir={self.cfg.checkpoint_dir!r}: {err.strerror} while writing a "
+            raise FatalError(f"checkpoint_dir={self.cfg.checkpoint.dir!r}: {err.strerror} while writing a "
                              f"checkpoint; free space or use another checkpoint_dir, then resume") from err
 
     def state(self) -> dict:
@@ -243,14 +229,15 @@ class Checkpointer:
             except CheckpointError as err:
                 choice[1] = str(err)
             except FileNotFoundError as err:
-                choice[1] = f"resume={self.cfg.resume}: {err.strerror}: {err.filename}"
+                choice[1] = f"resume={self.cfg.checkpoint.resume}: {err.strerror}: {err.filename}"
             except OSError as err:
                 choice[1:] = [str(err) if isinstance(err, CheckpointUnreadable) else
-                              f"resume={self.cfg.resume}: unreadable ({err.strerror or err}); a restart tries again",
+                              f"checkpoint.resume={self.cfg.checkpoint.resume}: unreadable ({err.strerror or err}); "
+                              "a restart tries again",
                               True]
             except (RuntimeError, EOFError) as err:
                 first_line = (str(err).splitlines() or [""])[0]
-                choice[1] = f"resume={self.cfg.resume}: unreadable: {type(err).__name__}: {first_line}"
+                choice[1] = f"resume={self.cfg.checkpoint.resume}: unreadable: {type(err).__name__}: {first_line}"
         if self.env.distributed:
             dist.broadcast_object_list(choice, src=0)
         if choice[1] is not None:
@@ -271,11 +258,11 @@ class Checkpointer:
         found = self.manager.latest_valid(lineages=ours) if ours else None
         if found is not None:
             log.info("restart %d of this launch: continuing its own lineage from %s (resume=%s chose the launch's "
-                     "start)", process_group.incarnation(), found[0].name, self.cfg.resume)
-        elif self.cfg.resume == "auto":
+                     "start)", process_group.incarnation(), found[0].name, self.cfg.checkpoint.resume)
+        elif self.cfg.checkpoint.resume == "auto":
             found = self.manager.latest_valid()
-        elif self.cfg.resume != "none":
-            found = Path(self.cfg.resume), checkpoint_files.load_file(self.cfg.resume)
+        elif self.cfg.checkpoint.resume != "none":
+            found = Path(self.cfg.checkpoint.resume), checkpoint_files.load_file(self.cfg.checkpoint.resume)
         path, state = found or (None, None)
         if path is not None:
             self.manager.mark_resumed(path)  # protected from pruning; a restart continues its lineage
@@ -317,12 +304,12 @@ class Checkpointer:
             except RuntimeError as err:
                 if name != "scaler" or state[name]:
                     raise
-                saved = state.get("config", {})
+                saved = dotted(state.get("config", {}))
                 raise CheckpointError(
                     f"checkpoint part 'scaler' does not load: the checkpoint was saved without fp16 loss scaling "
-                    f"(use_amp={saved.get('use_amp', '?')}, amp_dtype={saved.get('amp_dtype', '?')}) and this run "
-                    f"scales its fp16 loss: resume with the checkpoint's use_amp and amp_dtype, or start fresh "
-                    f"with resume=none") from err
+                    f"(precision.autocast={saved.get('precision.autocast', '?')}, precision.dtype="
+                    f"{saved.get('precision.dtype', '?')}) and this run scales its fp16 loss: resume with the "
+                    f"checkpoint's precision settings, or start fresh with checkpoint.resume=none") from err
         if int(state["world_size"]) != self.env.world_size:
             sampler = state["sampler"]
             log.warning("resuming a world-size-%d checkpoint on %d ranks: model and optimizer resume, the data "
@@ -351,7 +338,7 @@ class Checkpointer:
         if int(state["world_size"]) == self.env.world_size:
             rng.restore(state["rng"][self.env.rank])
         else:
-            rng.seed_all(self.cfg.seed + 1 + self.env.rank + 7919 * step)
+            rng.seed_all(self.cfg.train.seed + 1 + self.env.rank + 7919 * step)
 
     def close(self) -> None:
         """Wait for the write in flight (raising its error)."""

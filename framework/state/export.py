@@ -69,7 +69,7 @@ def safetensors_available() -> bool:
 def save_final_weights(model: torch.nn.Module, cfg) -> None:
     """Rank 0, at the end of a finished run: ``checkpoint_dir/final_model.pt``, then the export."""
     state = to_cpu(model.state_dict())
-    atomic.torch_save(state, Path(cfg.checkpoint_dir) / FINAL_MODEL)
+    atomic.torch_save(state, Path(cfg.checkpoint.dir) / FINAL_MODEL)
     export_dir = export_path(cfg)
     if export_dir is None:
         return

@@ -68,9 +68,9 @@ class Evaluator:
 
     def __init__(self, model: torch.nn.Module, dataset, loss_fn, *, cfg, env, autocast, sampler, faults=None):
         self.model, self.dataset, self.loss_fn, self.faults = model, dataset, loss_fn, faults
-        self.interval = cfg.eval_interval
+        self.interval = cfg.eval.interval
         whole = len(dataset) if dataset is not None else 0
-        self.limit = cfg.eval_steps * cfg.batch_size if cfg.eval_steps else whole
+        self.limit = cfg.eval.steps * cfg.data.batch_size if cfg.eval.steps else whole
         self.sampler = sampler  # its micro-batch, which an out-of-memory error may have halved
         self.env, self.autocast = env, autocast
         self.interrupted = False  # the last run stopped at a preemption request

@@ -70,8 +70,8 @@ class UserSchedule:
 
 def precision(cfg, device: torch.device) -> tuple[bool, torch.dtype, torch.amp.GradScaler]:
     """Whether autocast is on, its dtype, and the GradScaler (enabled for fp16 only)."""
-    amp = cfg.use_amp == "true" or (cfg.use_amp == "auto" and device.type == "cuda")
-    dtype = torch.bfloat16 if cfg.amp_dtype == "bf16" else torch.float16
+    amp = cfg.precision.autocast == "true" or (cfg.precision.autocast == "auto" and device.type == "cuda")
+    dtype = torch.bfloat16 if cfg.precision.dtype == "bf16" else torch.float16
     return amp, dtype, torch.amp.GradScaler(device.type, enabled=amp and dtype == torch.float16)
 
 
@@ -80,13 +80,13 @@ def optimizer_and_schedule(cfg, model: torch.nn.Module, optimizer=None, lr_sched
     user's ``optimizer`` (an Optimizer, or a factory ``params -> Optimizer``) with the user's
     ``lr_scheduler`` (a factory ``optimizer -> LRScheduler``), if any."""
     if optimizer is None and lr_scheduler is None:
-        built = build_optimizer(model, lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
-                                betas=(cfg.beta1, cfg.beta2), impl=cfg.optimizer_impl)
-        return built, LRSchedule(lr=cfg.learning_rate, warmup_steps=cfg.warmup_steps, total_steps=0,
-                                 min_lr=cfg.min_lr)
+        built = build_optimizer(model, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay,
+                                betas=(cfg.optim.beta1, cfg.optim.beta2), impl=cfg.optim.impl)
+        return built, LRSchedule(lr=cfg.optim.lr, warmup_steps=cfg.optim.warmup_steps, total_steps=0,
+                                 min_lr=cfg.optim.min_lr)
     if optimizer is None:
-        optimizer = build_optimizer(model, lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
-                                    betas=(cfg.beta1, cfg.beta2), impl=cfg.optimizer_impl)
+        optimizer = build_optimizer(model, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay,
+                                    betas=(cfg.optim.beta1, cfg.optim.beta2), impl=cfg.optim.impl)
     elif not isinstance(optimizer, torch.optim.Optimizer):
         optimizer = optimizer([p for p in model.parameters() if p.requires_grad])
     return optimizer, UserSchedule(lr_scheduler(optimizer) if lr_scheduler is not None else None)

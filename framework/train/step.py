@@ -139,7 +139,7 @@ class TrainStep:
                 micro = self.stream.refetch_step()
             except SyncedBackwardOOM as err:
                 b, a = halve_micro_batch(self.sampler, str(err))
-                markers.record_micro_batch(self.cfg.checkpoint_dir, b, a, str(err))
+                markers.record_micro_batch(self.cfg.checkpoint.dir, b, a, str(err))
                 log.error("%s: the other ranks are inside DDP's all-reduce, so this rank exits; the restarted "
                           "group resumes from the last checkpoint with micro-batch %d x %d", err, b, a)
                 raise
@@ -229,8 +229,8 @@ class TrainStep:
             group["lr"] *= factor
         self.scaler.unscale_(self.optimizer)
         grad_norm = torch.nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None])
-        if self.cfg.grad_clip > 0:
-            torch.nn.utils.clip_grads_with_norm_(self.params, self.cfg.grad_clip, grad_norm)
+        if self.cfg.optim.grad_clip > 0:
+            torch.nn.utils.clip_grads_with_norm_(self.params, self.cfg.optim.grad_clip, grad_norm)
         # With a GradScaler, overflowing gradients are the scaler's to handle (it skips the step and
         # lowers the scale); a non-finite loss is a diverged run either way, and counts.
         nonfinite = ~torch.isfinite(loss)
@@ -240,7 +240,7 @@ class TrainStep:
         agreed = agree(loss=loss, world_size=self.env.world_size, distributed=self.env.distributed,
                        nonfinite=nonfinite, stop=stop, preempt=preempt)
         self.timer.lap(None)  # a collective: time spent waiting for the others
-        skip = agreed.nonfinite if self.cfg.agree_nonfinite else bool(nonfinite)
+        skip = agreed.nonfinite if self.cfg.recovery.agree_nonfinite else bool(nonfinite)
         if not skip:
             self.scaler.step(self.optimizer)
         for group, rate in zip(self.optimizer.param_groups, rates, strict=True):

@@ -37,13 +37,13 @@ def reference_grads(cfg_overrides: dict, world_size: int) -> dict[str, torch.Ten
     from framework.model.gpt import GPT, GPTConfig, lm_loss
 
     cfg = resolve_config({**BASE, **cfg_overrides})
-    torch.manual_seed(cfg.seed)
+    torch.manual_seed(cfg.train.seed)
     model = GPT(GPTConfig.from_train_config(cfg))
     train = build_datasets(cfg).train
-    sampler = ResumableDistributedSampler(len(train), 1, 0, cfg.batch_size * world_size,
-                                          cfg.gradient_accumulation_steps, cfg.seed)
+    sampler = ResumableDistributedSampler(len(train), 1, 0, cfg.data.batch_size * world_size,
+                                          cfg.data.gradient_accumulation_steps, cfg.train.seed)
     batches = iter(sampler)
-    n = cfg.gradient_accumulation_steps
+    n = cfg.data.gradient_accumulation_steps
     for _ in range(n):
         x, y = fetch(train, next(batches))
         (lm_loss(model(x), y) / n).backward()

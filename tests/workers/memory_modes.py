@@ -33,9 +33,9 @@ def reference_grads(cfg, batches):
     """The plain model (no checkpointing, no tiling, no DDP) on the global micro-batches."""
     from framework.model.gpt import GPT, GPTConfig, lm_loss
 
-    torch.manual_seed(cfg.seed)
-    model = GPT(GPTConfig(cfg.vocab_size, cfg.seq_len, cfg.hidden_size, cfg.num_layers, cfg.num_heads,
-                          0.0, cfg.tie_embeddings, 0))
+    torch.manual_seed(cfg.train.seed)
+    m = cfg.model
+    model = GPT(GPTConfig(m.vocab_size, m.seq_len, m.hidden_size, m.num_layers, m.num_heads, 0.0, m.tie_embeddings, 0))
     for x, y in batches:
         (lm_loss(model(x), y) / len(batches)).backward()
     return {n: p.grad for n, p in model.named_parameters()}
@@ -50,18 +50,18 @@ def run_case(name, overrides, out_dir, rank, world):
     schedule = overrides.pop("chunk_schedule", None)
     trainer = DDPTrainer({**BASE, **overrides, "log_dir": str(out_dir / name)})
     cfg = trainer.config
-    glob = ResumableDistributedSampler(len(trainer._train_dataset), 1, 0, cfg.batch_size * world,
-                                       cfg.gradient_accumulation_steps, cfg.seed)
+    glob = ResumableDistributedSampler(len(trainer._train_dataset), 1, 0, cfg.data.batch_size * world,
+                                       cfg.data.gradient_accumulation_steps, cfg.train.seed)
     mine, full = iter(trainer._stream.loader), iter(glob)
     diffs, rank_gaps = [], []
     for it in range(ITERATIONS):
         if schedule:
             for block in trainer.raw_model.blocks:
                 block.mlp.chunks = schedule[it]
-        micro = [next(mine) for _ in range(cfg.gradient_accumulation_steps)]
+        micro = [next(mine) for _ in range(cfg.data.gradient_accumulation_steps)]
         trainer.forward_backward(micro)
         ref = reference_grads(cfg, [fetch(trainer._train_dataset, next(full))
-                                    for _ in range(cfg.gradient_accumulation_steps)])
+                                    for _ in range(cfg.data.gradient_accumulation_steps)])
         grads = {n: p.grad.detach().clone() for n, p in trainer.raw_model.named_parameters()}
         diffs.append(max((grads[n] - ref[n]).abs().max().item() for n in ref))
         flat = torch.cat([g.reshape(-1) for g in grads.values()])

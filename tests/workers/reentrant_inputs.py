@@ -47,7 +47,8 @@ def run_case(name, overrides, out_dir):
            "log_dir": str(out_dir / name), "checkpoint_dir": str(out_dir / name / "ck"), **overrides}
     trainer = DDPTrainer(cfg, model=FrozenThenAdapter(), train_dataset=data, loss_fn=nn.functional.mse_loss)
     world = dist.get_world_size()
-    glob = ResumableDistributedSampler(len(data), 1, 0, trainer.config.batch_size * world, 1, trainer.config.seed)
+    glob = ResumableDistributedSampler(len(data), 1, 0, trainer.config.data.batch_size * world, 1,
+                                       trainer.config.train.seed)
     mine, full = iter(trainer._stream.loader), iter(glob)
     diffs = []
     for _ in range(3):

@@ -1,0 +1,32 @@
+"""The one training configuration: sections of validated dataclass fields, each owned by a
+component, and the sources they are read from. Imports no torch (``--check-config`` runs without it).
+
+- ``schema``: the sections, ``TrainConfig``, each field's bounds, resume class and flat alias;
+- ``sources``: defaults, dicts, files, environment and flags, merged (and the flat aliases);
+- ``checks``: the validation, before any process group starts;
+- ``help``: the ``--help`` text and the generated configuration table.
+"""
+
+from .checks import (EXPORT_RECORD, VAL_FRACTION_TEXT, builtin_data_problems, check_values, data_file_facts,
+                     data_file_problems, export_path, export_record, split_tokens, training_set_problems,
+                     world_size_from)
+from .help import help_text, markdown_table
+from .schema import (ALIASES, FIELD_DOCS, FIELDS, KEYS, RESUME, RESUME_CLASSES, SECTIONS, ActivationCheckpointing,
+                     CheckpointSection, CompileSection, ConfigError, DataSection, DDPSection, EvalSection,
+                     GradientCheckpointing, LoggingSection, MemorySection, ModelSection, OptimSection,
+                     PrecisionSection, RecoverySection, SpikeSection, StragglerSection, Switch, TrainConfig,
+                     TrainSection, bounded, describe_type, dotted, from_dotted, get)
+from .sources import (ACTION_FLAGS, ENV_PREFIX, ENV_SHORTCUTS, as_dict, build_config, load_config_file,
+                      parse_command_line, resolve_config)
+
+__all__ = [
+    "ACTION_FLAGS", "ALIASES", "ENV_PREFIX", "ENV_SHORTCUTS", "EXPORT_RECORD", "FIELDS", "FIELD_DOCS", "KEYS",
+    "RESUME", "RESUME_CLASSES", "SECTIONS", "VAL_FRACTION_TEXT", "ActivationCheckpointing", "CheckpointSection",
+    "CompileSection", "ConfigError", "DDPSection", "DataSection", "EvalSection", "GradientCheckpointing",
+    "LoggingSection", "MemorySection", "ModelSection", "OptimSection", "PrecisionSection", "RecoverySection",
+    "SpikeSection", "StragglerSection", "Switch", "TrainConfig", "TrainSection", "as_dict", "bounded",
+    "build_config", "builtin_data_problems", "check_values", "data_file_facts", "data_file_problems",
+    "describe_type", "dotted", "export_path", "export_record", "from_dotted", "get", "help_text",
+    "load_config_file", "markdown_table", "parse_command_line", "resolve_config", "split_tokens",
+    "training_set_problems", "world_size_from",
+]

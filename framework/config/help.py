@@ -1,0 +1,43 @@
+"""The configuration described for people: the ``--help`` text and the docs' table, both
+generated from the field docstrings, grouped by section."""
+
+from __future__ import annotations
+
+from .schema import FIELD_DOCS, FIELDS, SECTIONS, TYPES, describe_type
+
+
+def _section_keys(section: str) -> list[str]:
+    return [key for key in FIELDS if key.split(".")[0] == section]
+
+
+def help_text() -> str:
+    lines = []
+    for section in SECTIONS:
+        lines.append(f"  [{section}]")
+        for key in _section_keys(section):
+            kind = "true|false" if TYPES[key] is bool else describe_type(key).upper()
+            f = FIELDS[key]
+            lines.append(f"  --{key} {kind}  (default: {f.default}; was --{f.metadata['was'].replace('_', '-')})")
+            lines.append(f"      {FIELD_DOCS[key]}")
+    return "\n".join(lines)
+
+
+def _cell(text: str) -> str:
+    """A table cell: a `|` would end the cell on GitHub, even inside a code span."""
+    return text.replace("|", "\\|")
+
+
+def markdown_table() -> str:
+    """The configuration tables (one per section), generated from the field docstrings."""
+    out = []
+    for section in SECTIONS:
+        out += [f"**`[{section}]`**", "",
+                "| key | type | default | on resume | meaning | flat alias |",
+                "| --- | --- | --- | --- | --- | --- |"]
+        for key in _section_keys(section):
+            f = FIELDS[key]
+            default = "''" if f.default == "" else f.default
+            out.append(f"| `{key}` | {_cell(describe_type(key))} | {_cell(f'`{default}`')} | "
+                       f"{f.metadata['resume']} | {_cell(FIELD_DOCS[key])} | `{f.metadata['was']}` |")
+        out.append("")
+    return "\n".join(out[:-1])
