@@ -1,0 +1,1 @@
+"""Support for rehearsals and tests: fault injection, launch helpers, a tiny config."""
