@@ -619,6 +619,7 @@ def test_lock_of_a_process_killed_with_sigkill_is_free(tmp_path):
     assert manifest(tmp_path)[0]["step"] == 1
 
 
+@pytest.mark.dist
 def test_a_second_run_on_a_busy_checkpoint_dir_exits_2_with_one_line(tmp_path):
     import subprocess
     import sys

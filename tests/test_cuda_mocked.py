@@ -116,6 +116,7 @@ def test_torchrun_s_async_error_handling_default_is_replaced_but_a_user_s_value_
     assert distributed.nccl_environment(str(tmp_path), environ).get("TORCH_NCCL_ASYNC_ERROR_HANDLING") == expected
 
 
+@pytest.mark.dist
 def test_under_torchrun_a_worker_gets_async_error_handling_3(tmp_path):
     """torchrun's agent itself puts TORCH_NCCL_ASYNC_ERROR_HANDLING=1 into its workers' environment."""
     import subprocess

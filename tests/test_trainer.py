@@ -144,6 +144,7 @@ def test_tensorboard_curves_do_not_double_back_after_resume(tmp_path):
     assert steps == list(range(1, 13))
 
 
+@pytest.mark.dist
 def test_doctor_through_the_launcher(tmp_path):
     import subprocess
     from pathlib import Path
