@@ -15,6 +15,7 @@ from framework.activation import CpuOffload, OffloadStats
 from framework.config import resolve_config
 from framework.ddp_policy import Decision, wrap
 from framework.optim import precision
+from framework.testing.tiny import tiny as tiny_config
 
 
 @pytest.mark.parametrize("local_rank, cuda, count, expected", [
@@ -176,11 +177,8 @@ def test_a_one_rank_group_trains_through_ddp_and_switches_to_the_steady_timeout(
     from framework.trainer import DDPTrainer
     dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
     try:
-        trainer = DDPTrainer({"vocab_size": 32, "hidden_size": 32, "num_layers": 1, "num_heads": 2, "seq_len": 16,
-                              "dataset_size": 64, "batch_size": 8, "max_steps": 4, "eval_interval": 0,
-                              "num_workers": 0, "tensorboard": False, "export_dir": "none", "resume": "none",
-                              "init_timeout_s": 900, "timeout_s": 60, "log_dir": str(tmp_path / "logs"),
-                              "checkpoint_dir": str(tmp_path / "ck")})
+        trainer = DDPTrainer(tiny_config(tmp_path, dataset_size=64, max_steps=4, eval_interval=0, export_dir="none",
+                                         resume="none", init_timeout_s=900, timeout_s=60))
         assert trainer.env.distributed and isinstance(trainer.model, DistributedDataParallel)
         assert trainer.train()["steps"] == 4
     finally:

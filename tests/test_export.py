@@ -14,15 +14,9 @@ from framework import ConfigError, DDPTrainer
 from framework.config import build_config
 from framework.export import ALIASES, CONFIG, WEIGHTS, export_model, load_exported, load_weights
 from framework.model import GPT, GPTConfig
+from framework.testing.tiny import TINY, tiny
 from tests.dist_helper import ROOT
 
-TINY = dict(vocab_size=32, hidden_size=32, num_layers=1, num_heads=2, seq_len=16, dataset_size=128, batch_size=8,
-            dropout=0.0, num_workers=0, learning_rate=3e-3, target_loss=0.0, eval_steps=2, log_interval=2,
-            tensorboard=False)
-
-
-def tiny(tmp_path, **kw):
-    return {**TINY, "log_dir": str(tmp_path / "logs"), "checkpoint_dir": str(tmp_path / "ck"), **kw}
 
 
 def logits_of(model, ids: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from framework.preemption import DUPLICATE_WINDOW_S
+from framework.testing.tiny import tiny as tiny_config
 from tests.dist_helper import ROOT, cli_args, worker_env
 
 # A long final evaluation (about 2 s here): 2,000 validation sequences of 128 tokens.
@@ -123,9 +124,7 @@ def test_evaluation_and_saves_run_under_deadlines_of_their_own(tmp_path):
 
 
 # In one process: 32 validation batches of 8 (eval_steps=0: the whole split of 256 sequences).
-EVAL = dict(vocab_size=32, hidden_size=32, num_layers=1, num_heads=2, seq_len=16, dataset_size=2560, batch_size=8,
-            dropout=0.0, num_workers=0, learning_rate=3e-3, target_loss=0.0, eval_steps=0, eval_interval=0,
-            max_steps=8, log_interval=1, tensorboard=False, deterministic=True)
+EVAL = tiny_config(dataset_size=2560, eval_steps=0, eval_interval=0, max_steps=8, log_interval=1, deterministic=True)
 
 
 def in_process(run_dir: Path, **over) -> dict:

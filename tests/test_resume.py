@@ -12,10 +12,9 @@ from framework.checkpoint import CheckpointError
 from framework.config import build_config
 from framework.optim import lr_at
 from framework.resume import FORMAT, Checkpointer, config_changes, upgrade
+from framework.testing.tiny import tiny as tiny_config
 
-TINY = dict(vocab_size=32, hidden_size=32, num_layers=1, num_heads=2, seq_len=16, dataset_size=128, batch_size=8,
-            dropout=0.0, num_workers=0, learning_rate=3e-3, target_loss=0.0, eval_steps=2, log_interval=2,
-            tensorboard=False, eval_interval=0)
+TINY = tiny_config(eval_interval=0)
 
 
 def tiny(tmp_path, **kw):
