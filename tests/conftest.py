@@ -1,4 +1,5 @@
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -12,6 +13,7 @@ if str(ROOT) not in sys.path:
 # --check-config` stops before any training and stays in the fast subset.
 DIST_COMMANDS = ("torch.distributed.run", "torchrun", "launch_training.sh", "ddp_training.py")
 _running: list = [None]  # the test item now running, None between tests
+NOT_DIST = "PYTEST_NOT_DIST"  # names a running test not marked dist, for its child processes too
 
 
 class NotMarkedDist(RuntimeError):
@@ -42,10 +44,13 @@ sys.addaudithook(_guard)
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     _running[0] = item
+    if not item.get_closest_marker("dist"):
+        os.environ[NOT_DIST] = item.nodeid  # framework.testing.launch.torchrun_cmd refuses to run then
     try:
         yield
     finally:
         _running[0] = None
+        os.environ.pop(NOT_DIST, None)
 
 
 @pytest.fixture(autouse=True)

@@ -56,6 +56,7 @@ def test_a_failing_row_is_a_failed_row_and_the_others_still_run(gpu_check, tmp_p
     assert capsys.readouterr().out.split()[:2] == ["broken", "FAILED"]
 
 
+@pytest.mark.dist
 def test_the_bf16_row_trains_on_cpu_through_torchrun(gpu_check, tmp_path, monkeypatch):
     monkeypatch.setattr(gpu_check, "TINY", {**gpu_check.TINY, "hidden_size": 32, "num_layers": 1, "num_heads": 2,
                                             "seq_len": 32, "dataset_size": 512, "batch_size": 8, "max_steps": 40})

@@ -1,6 +1,7 @@
 """The test suite's own rules: bench/ stands without tests/, and the multi-process marker is honest."""
 
 import ast
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -38,6 +39,18 @@ def test_a_test_not_marked_dist_cannot_start_torchrun(tmp_path):
     assert dist_command(f"{sys.executable} ddp_training.py --max-steps 2") == "ddp_training.py"
     assert dist_command([sys.executable, "ddp_training.py", "--check-config"]) is None
     assert dist_command([sys.executable, "-c", "print(1)"]) is None
+
+
+def test_a_test_not_marked_dist_cannot_start_torchrun_through_a_child_either(tmp_path):
+    """A child process (a bench script, say) inherits the refusal: torchrun_cmd raises there too."""
+    script = tmp_path / "child.py"
+    script.write_text("from framework.testing.launch import torchrun_cmd\ntorchrun_cmd('x.py', [])\n")
+    out = subprocess.run([sys.executable, str(script)], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 1
+    assert out.stderr.strip().splitlines()[-1] == (
+        "RuntimeError: tests/test_suite.py::test_a_test_not_marked_dist_cannot_start_torchrun_through_a_child_either "
+        "starts torchrun but is not marked @pytest.mark.dist")
 
 
 @pytest.mark.dist

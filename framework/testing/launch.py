@@ -60,6 +60,9 @@ class Launch:
 
 def torchrun_cmd(script: str | Path, args: list[str], nproc: int = 2, port: int | None = None,
                  extra: list[str] | None = None) -> list[str]:
+    not_dist = os.environ.get("PYTEST_NOT_DIST")  # set by tests/conftest.py, in the test's children too
+    if not_dist:
+        raise RuntimeError(f"{not_dist} starts torchrun but is not marked @pytest.mark.dist")
     port = port or free_port()
     return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", *(extra or []),
