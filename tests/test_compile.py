@@ -56,6 +56,7 @@ def test_inductor_without_a_cpp_compiler_is_a_one_line_error(monkeypatch):
     assert resolve_config({"compile": True, "compile_backend": "aot_eager"}).compile
 
 
+@pytest.mark.slow
 def test_injected_oom_under_compile_halves_the_micro_batch_and_matches_eager(tmp_path, caplog):
     """The OOM fault's forward hook is added after compilation, which a compiled graph would not see
     (the fault would silently not fire); that micro-step runs eagerly, the micro-batch is halved and
