@@ -232,6 +232,7 @@ def lora_run(example, tmp_path_factory):
     return model, summary, out
 
 
+@pytest.mark.slow
 def test_the_example_fine_tunes_and_exports_only_the_adapters(lora_run):
     _, summary, out = lora_run
     assert summary["steps"] == 3 and not summary["preempted"]
@@ -245,6 +246,7 @@ def test_the_example_fine_tunes_and_exports_only_the_adapters(lora_run):
     assert keys and all("lora_" in k for k in keys)
 
 
+@pytest.mark.slow
 def test_exported_adapters_load_onto_a_fresh_base_with_the_same_logits(example, lora_run):
     from peft import PeftModel
     model, _, out = lora_run
