@@ -47,7 +47,7 @@ TINY = dict(vocab_size=256, hidden_size=256, num_layers=4, num_heads=4, seq_len=
 
 def train(tmp: Path, name: str, nproc: int = 1, **overrides) -> dict:
     """ddp_training.py under torchrun with TINY + overrides; its summary.json and its log."""
-    from tests.dist_helper import cli_args, torchrun_cmd, worker_env
+    from framework.testing.launch import cli_args, torchrun_cmd, worker_env
     run = tmp / name
     args = cli_args({**TINY, **overrides, "log_dir": str(run / "logs"), "checkpoint_dir": str(run / "ck")})
     proc = subprocess.run(torchrun_cmd(ROOT / "ddp_training.py", args, nproc=nproc), cwd=ROOT,

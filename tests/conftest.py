@@ -1,4 +1,5 @@
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -7,6 +8,49 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+# What makes a test multi-process: a command line naming one of these. `ddp_training.py
+# --check-config` stops before any training and stays in the fast subset.
+DIST_COMMANDS = ("torch.distributed.run", "torchrun", "launch_training.sh", "ddp_training.py")
+_running: list = [None]  # the test item now running, None between tests
+NOT_DIST = "PYTEST_NOT_DIST"  # names a running test not marked dist, for its child processes too
+
+
+class NotMarkedDist(RuntimeError):
+    """A test that starts torchrun, the launcher or a training run lacks @pytest.mark.dist."""
+
+
+def dist_command(args) -> str | None:
+    """The multi-process command in ``args`` (a Popen argument), or None."""
+    parts = [args] if isinstance(args, str | bytes | Path) else list(args)
+    words = [p.decode() if isinstance(p, bytes) else str(p) for p in parts]
+    if any("--check-config" in w for w in words):
+        return None
+    return next((name for w in words for name in DIST_COMMANDS if name in w), None)
+
+
+def _guard(event: str, args: tuple) -> None:
+    item = _running[0]
+    if event != "subprocess.Popen" or item is None or item.get_closest_marker("dist"):
+        return
+    found = dist_command(args[1])
+    if found:
+        raise NotMarkedDist(f"{item.nodeid} starts {found} but is not marked @pytest.mark.dist")
+
+
+sys.addaudithook(_guard)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    _running[0] = item
+    if not item.get_closest_marker("dist"):
+        os.environ[NOT_DIST] = item.nodeid  # framework.testing.launch.torchrun_cmd refuses to run then
+    try:
+        yield
+    finally:
+        _running[0] = None
+        os.environ.pop(NOT_DIST, None)
 
 
 @pytest.fixture(autouse=True)

@@ -134,6 +134,7 @@ print((status("VmHWM") - before) / size)
 """
 
 
+@pytest.mark.dist
 def test_a_checkpoint_write_holds_about_one_copy_of_the_state_in_memory(tmp_path):
     """The CPU snapshot is the one copy: the file is streamed from it, not serialised into memory first."""
     out = subprocess.run([sys.executable, "-c", MEMORY_PROBE, str(tmp_path)], cwd=ROOT, capture_output=True,
@@ -603,6 +604,7 @@ HOLD_LOCK = ("import sys, time\n"
              "time.sleep(120)\n")
 
 
+@pytest.mark.dist
 def test_lock_of_a_process_killed_with_sigkill_is_free(tmp_path):
     holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(tmp_path)], cwd=ROOT,
                               stdout=subprocess.PIPE, text=True)
@@ -620,6 +622,7 @@ def test_lock_of_a_process_killed_with_sigkill_is_free(tmp_path):
     assert manifest(tmp_path)[0]["step"] == 1
 
 
+@pytest.mark.dist
 def test_a_second_run_on_a_busy_checkpoint_dir_exits_2_with_one_line(tmp_path):
     import subprocess
     import sys

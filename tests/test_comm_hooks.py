@@ -39,6 +39,7 @@ def case(results, rank, name):
 
 @pytest.mark.parametrize("rank", [0, 1])
 @pytest.mark.parametrize(("name", "tol"), [("fp16", FP16_TOL), ("bf16", BF16_TOL)])
+@pytest.mark.dist
 def test_compressed_gradients_within_tolerance_of_fp32(two_ranks, rank, name, tol):
     out = case(two_ranks, rank, name)
     assert out["max_rel_diff"] <= tol, out
@@ -48,6 +49,7 @@ def test_compressed_gradients_within_tolerance_of_fp32(two_ranks, rank, name, to
 
 
 @pytest.mark.parametrize("rank", [0, 1])
+@pytest.mark.dist
 def test_torch_bf16_hook_fails_on_gloo_where_the_frameworks_runs(two_ranks, rank):
     """Reproduced with plain torch 2.13: its bf16 hook refuses gloo, which sums bf16 fine."""
     got = two_ranks[rank]["cases"]["torch_bf16_on_gloo"]
@@ -55,6 +57,7 @@ def test_torch_bf16_hook_fails_on_gloo_where_the_frameworks_runs(two_ranks, rank
     assert case(two_ranks, rank, "bf16")["max_rel_diff"] <= BF16_TOL
 
 
+@pytest.mark.dist
 def test_powersgd_loss_within_margin_of_plain_all_reduce(two_ranks):
     none, psgd = case(two_ranks, 0, "none"), case(two_ranks, 0, "powersgd")
     n, p = none["summary"], psgd["summary"]
@@ -73,6 +76,7 @@ def test_powersgd_loss_within_margin_of_plain_all_reduce(two_ranks):
 
 
 @pytest.mark.parametrize("rank", [0, 1])
+@pytest.mark.dist
 def test_powersgd_resume_is_exact(two_ranks, rank):
     uninterrupted, resumed = case(two_ranks, rank, "powersgd"), case(two_ranks, rank, "resumed")
     assert resumed["logged"][0].endswith(f"now at {RESUME_AT})")
@@ -84,6 +88,7 @@ def test_powersgd_resume_is_exact(two_ranks, rank):
     assert blank["summary"]["model_sha256"] != uninterrupted["summary"]["model_sha256"]
 
 
+@pytest.mark.dist
 def test_powersgd_killed_and_restarted_by_torchrun_ends_as_uninterrupted(two_ranks, tmp_path):
     cfg = {**TRAIN_BASE, **POWERSGD, "log_dir": str(tmp_path / "logs"), "checkpoint_dir": str(tmp_path / "ck"),
            "fault_inject": "sigkill@step=15,rank=1"}
@@ -100,6 +105,7 @@ def test_powersgd_killed_and_restarted_by_torchrun_ends_as_uninterrupted(two_ran
 
 
 @pytest.mark.parametrize("rank", [0, 1])
+@pytest.mark.dist
 def test_powersgd_with_static_graph_and_accumulation_resumes_exactly(two_ranks, rank):
     uninterrupted, resumed = case(two_ranks, rank, "static_accum"), case(two_ranks, rank, "static_accum_resumed")
     assert uninterrupted["powersgd_iter"] == STATIC_ACCUM["max_steps"]  # synced backwards only: one per step
@@ -109,6 +115,7 @@ def test_powersgd_with_static_graph_and_accumulation_resumes_exactly(two_ranks, 
 
 
 @pytest.mark.parametrize("rank", [0, 1])
+@pytest.mark.dist
 def test_powersgd_survives_a_non_finite_step(two_ranks, rank):
     out = case(two_ranks, rank, "nonfinite")
     assert out["nan_fired"] == (1 if rank == 1 else 0)

@@ -17,6 +17,7 @@ def compiled(tmp_path_factory):
 
 @pytest.mark.parametrize("name", list(GRAD_CASES))
 @pytest.mark.parametrize("rank", [0, 1])
+@pytest.mark.dist
 def test_compiled_gradients_match_one_eager_process(compiled, name, rank):
     out = compiled[rank]["cases"][name]
     assert "error" not in out, out.get("traceback")
@@ -31,10 +32,12 @@ def sha(compiled, name):
     return out["all_sha256"][0]
 
 
+@pytest.mark.dist
 def test_a_compiled_run_equals_the_eager_run(compiled):
     assert sha(compiled, "compiled_6") == sha(compiled, "eager_6")
 
 
+@pytest.mark.dist
 def test_checkpoints_move_between_compiled_and_uncompiled_runs(compiled):
     assert sha(compiled, "compiled_4") == sha(compiled, "eager_4")
     resumed = compiled[0]["cases"]["then_eager_6"]["summary"]
@@ -53,6 +56,7 @@ def test_inductor_without_a_cpp_compiler_is_a_one_line_error(monkeypatch):
     assert resolve_config({"compile": {"enabled": True, "backend": "aot_eager"}}).compile.enabled
 
 
+@pytest.mark.slow
 def test_injected_oom_under_compile_halves_the_micro_batch_and_matches_eager(tmp_path, caplog):
     """The OOM fault's forward hook is added after compilation, which a compiled graph would not see
     (the fault would silently not fire); that micro-step runs eagerly, the micro-batch is halved and

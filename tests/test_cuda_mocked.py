@@ -15,6 +15,7 @@ from framework.model.offload import CpuOffload, OffloadStats
 from framework.config import resolve_config
 from framework.ddp.policy import Decision, wrap
 from framework.train.optim import precision
+from framework.testing.tiny import tiny as tiny_config
 
 
 @pytest.mark.parametrize("local_rank, cuda, count, expected", [
@@ -116,6 +117,7 @@ def test_torchrun_s_async_error_handling_default_is_replaced_but_a_user_s_value_
     assert process_group.nccl_environment(str(tmp_path), environ).get("TORCH_NCCL_ASYNC_ERROR_HANDLING") == expected
 
 
+@pytest.mark.dist
 def test_under_torchrun_a_worker_gets_async_error_handling_3(tmp_path):
     """torchrun's agent itself puts TORCH_NCCL_ASYNC_ERROR_HANDLING=1 into its workers' environment."""
     import subprocess
@@ -175,11 +177,8 @@ def test_a_one_rank_group_trains_through_ddp_and_switches_to_the_steady_timeout(
     from framework.trainer import DDPTrainer
     dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
     try:
-        trainer = DDPTrainer({"vocab_size": 32, "hidden_size": 32, "num_layers": 1, "num_heads": 2, "seq_len": 16,
-                              "dataset_size": 64, "batch_size": 8, "max_steps": 4, "eval_interval": 0,
-                              "num_workers": 0, "tensorboard": False, "export_dir": "none", "resume": "none",
-                              "init_timeout_s": 900, "timeout_s": 60, "log_dir": str(tmp_path / "logs"),
-                              "checkpoint_dir": str(tmp_path / "ck")})
+        trainer = DDPTrainer(tiny_config(tmp_path, dataset_size=64, max_steps=4, eval_interval=0, export_dir="none",
+                                         resume="none", init_timeout_s=900, timeout_s=60))
         assert trainer.env.distributed and isinstance(trainer.model, DistributedDataParallel)
         assert trainer.train()["steps"] == 4
     finally:

@@ -10,6 +10,7 @@ from framework.config import ConfigError, resolve_config
 from framework.data.datasets import MARKOV_ENTROPY, MarkovDataset, TokenWindows, build_datasets, encode_text
 from framework.data.sampler import ResumableDistributedSampler, eval_indices
 from framework.resilience.markers import FatalError
+from framework.testing.tiny import tiny as tiny_config
 
 
 def shards(n, world, batch, accum, seed=3, epoch=0):
@@ -117,8 +118,7 @@ def test_token_windows_rejects_short_data():
         TokenWindows(np.zeros(5, dtype=np.uint8), 8, 1)
 
 
-TINY_RUN = dict(vocab_size=16, hidden_size=16, num_layers=1, num_heads=2, seq_len=8, num_workers=0,
-                tensorboard=False, max_steps=2, batch_size=32)
+TINY_RUN = tiny_config(vocab_size=16, hidden_size=16, seq_len=8, max_steps=2, batch_size=32)
 
 
 class Stream(torch.utils.data.IterableDataset):

@@ -9,6 +9,8 @@ from framework.trainer import DDPTrainer
 from tests.dist_helper import launch_cases
 from tests.workers.ddp_equivalence import BASE, EVAL_CASE, GRAD_CASES, TRAIN_CASES
 
+pytestmark = pytest.mark.dist
+
 WORKER = "tests/workers/ddp_equivalence.py"
 TOL = 1e-5
 

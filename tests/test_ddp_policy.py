@@ -186,6 +186,7 @@ def test_reentrant_module_whose_inputs_need_no_grad_is_switched_and_trained(targ
         assert torch.equal(p, before[name]) == name.startswith("encoder."), name
 
 
+@pytest.mark.dist
 def test_reentrant_module_whose_inputs_need_no_grad_gets_exact_ddp_gradients(tmp_path):
     """The same model on 2 gloo ranks: every rank switches, the preflight finds no unused
     parameter (so find_unused_parameters stays off), and the gradients equal the plain model's

@@ -25,6 +25,8 @@ from tests.dist_helper import (
     workers_by_rank,
 )
 
+pytestmark = pytest.mark.dist
+
 # A tiny model: 20 steps per epoch (160 samples, 2 ranks x batch 4), a checkpoint every 16 steps.
 # timeout_s bounds process-group setup: a group that cannot form fails instead of hanging.
 CONFIG = {"vocab_size": 32, "hidden_size": 32, "num_heads": 2, "num_layers": 1, "seq_len": 16, "dataset_size": 160,

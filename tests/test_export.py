@@ -14,15 +14,9 @@ from framework import ConfigError, DDPTrainer
 from framework.config import build_config
 from framework.state.export import ALIASES, CONFIG, WEIGHTS, export_model, load_exported, load_weights
 from framework.model.gpt import GPT, GPTConfig
+from framework.testing.tiny import TINY, tiny
 from tests.dist_helper import ROOT
 
-TINY = dict(vocab_size=32, hidden_size=32, num_layers=1, num_heads=2, seq_len=16, dataset_size=128, batch_size=8,
-            dropout=0.0, num_workers=0, learning_rate=3e-3, target_loss=0.0, eval_steps=2, log_interval=2,
-            tensorboard=False)
-
-
-def tiny(tmp_path, **kw):
-    return {**TINY, "log_dir": str(tmp_path / "logs"), "checkpoint_dir": str(tmp_path / "ck"), **kw}
 
 
 def logits_of(model, ids: torch.Tensor) -> torch.Tensor:
@@ -238,6 +232,7 @@ def lora_run(example, tmp_path_factory):
     return model, summary, out
 
 
+@pytest.mark.slow
 def test_the_example_fine_tunes_and_exports_only_the_adapters(lora_run):
     _, summary, out = lora_run
     assert summary["steps"] == 3 and not summary["preempted"]
@@ -251,6 +246,7 @@ def test_the_example_fine_tunes_and_exports_only_the_adapters(lora_run):
     assert keys and all("lora_" in k for k in keys)
 
 
+@pytest.mark.slow
 def test_exported_adapters_load_onto_a_fresh_base_with_the_same_logits(example, lora_run):
     from peft import PeftModel
     model, _, out = lora_run

@@ -6,6 +6,8 @@ import pytest
 from tests.dist_helper import launch_cases
 from tests.workers.failure_matrix import CASES, CORRECT, ITERATIONS, SILENT
 
+pytestmark = pytest.mark.dist
+
 WORKER = "tests/workers/failure_matrix.py"
 TOL = 1e-5  # framework gradients against the single-process reference (fp32)
 OFF = 1e-3  # a silent failure: gradients at least this far off the reference or across ranks

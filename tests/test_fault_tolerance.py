@@ -15,6 +15,8 @@ from framework.data.sampler import ResumableDistributedSampler
 from framework.observability.metrics import read_metrics, read_samples
 from tests.dist_helper import ROOT, cli_args, free_port, launch, processes_matching, torchrun_cmd, worker_env
 
+pytestmark = pytest.mark.dist
+
 # 32 steps per epoch (256 samples, 2 ranks x batch 4); 48 steps cross an epoch boundary.
 CONFIG = dict(vocab_size=64, hidden_size=96, num_heads=2, num_layers=2, seq_len=48, dataset_size=256,
               batch_size=4, dropout=0.1, max_steps=48, save_every_steps=8, keep_last=3, log_interval=1,

@@ -22,6 +22,7 @@ def gpu_check():
     del sys.modules["gpu_check"]
 
 
+@pytest.mark.dist
 def test_without_a_gpu_it_says_so_in_one_line_and_exits_0():
     out = subprocess.run([sys.executable, "bench/gpu_check.py"], cwd=ROOT, capture_output=True, text=True,
                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, timeout=120)
@@ -56,6 +57,7 @@ def test_a_failing_row_is_a_failed_row_and_the_others_still_run(gpu_check, tmp_p
     assert capsys.readouterr().out.split()[:2] == ["broken", "FAILED"]
 
 
+@pytest.mark.dist
 def test_the_bf16_row_trains_on_cpu_through_torchrun(gpu_check, tmp_path, monkeypatch):
     monkeypatch.setattr(gpu_check, "TINY", {**gpu_check.TINY, "hidden_size": 32, "num_layers": 1, "num_heads": 2,
                                             "seq_len": 32, "dataset_size": 512, "batch_size": 8, "max_steps": 40})
@@ -64,6 +66,7 @@ def test_the_bf16_row_trains_on_cpu_through_torchrun(gpu_check, tmp_path, monkey
     assert "amp=on (bf16)" in (tmp_path / "bf16" / "logs" / "rank_0.log").read_text()
 
 
+@pytest.mark.dist
 def test_the_throughput_row_runs_the_bench_and_reads_its_json(gpu_check, tmp_path):
     row = gpu_check.check_throughput(tmp_path)
     assert row["ok"] and row["detail"].startswith("a/b = "), row["detail"]
@@ -128,6 +131,7 @@ def test_with_a_gpu_faked_it_prints_a_row_each_and_writes_the_json(gpu_check, tm
     assert out["checks"]["future"]["ok"] is None and "no_such_key" in out["checks"]["future"]["detail"]
 
 
+@pytest.mark.dist
 def test_the_memory_row_runs_the_memory_bench_and_reads_every_mode(gpu_check, tmp_path):
     """The row's command and its reading of bench/memory.py's JSON, on CPU (--quick): every memory
     mode is read, and with no torch.cuda peak to report the row fails and says which are missing."""

@@ -73,6 +73,7 @@ def errors(out):
     return [e for e in out["errors"] if e is not None]
 
 
+@pytest.mark.dist
 def test_plain_torch_lora_hf_reentrant_with_find_unused_marks_twice(two_ranks):
     out = case(two_ranks, 0, "plain-lora-hf_reentrant-find_unused")
     assert len(errors(out)) == 2 and all(MARKED_TWICE in e["full"] and e["iteration"] == 0 for e in errors(out))
@@ -84,6 +85,7 @@ def test_plain_torch_lora_hf_reentrant_with_find_unused_marks_twice(two_ranks):
     ("plain-moe-reentrant-static", GRAPH_CHANGED),
     ("plain-moe-reentrant-static-find_unused", GRAPH_CHANGED),
 ])
+@pytest.mark.dist
 def test_plain_torch_moe_with_reentrant_checkpointing_fails_under_every_ddp_setting(two_ranks, name, expected):
     out = case(two_ranks, 0, name)
     assert out == case(two_ranks, 1, name)
@@ -98,6 +100,7 @@ def test_every_plain_case_is_asserted():
 
 @pytest.mark.parametrize("name", sorted(FRAMEWORK_CASES))
 @pytest.mark.parametrize("rank", [0, 1])
+@pytest.mark.dist
 def test_framework_gradients_match_single_process(two_ranks, name, rank):
     out = case(two_ranks, rank, name)
     assert out["max_abs_diff"] <= TOL, out
@@ -108,6 +111,7 @@ def test_framework_gradients_match_single_process(two_ranks, name, rank):
 
 
 @pytest.mark.parametrize("name", sorted(FRAMEWORK_CASES))
+@pytest.mark.dist
 def test_framework_checkpointing_path(two_ranks, name):
     out = case(two_ranks, 0, name)
     kind, overrides = FRAMEWORK_CASES[name]
@@ -126,6 +130,7 @@ def test_framework_checkpointing_path(two_ranks, name):
 
 
 @pytest.mark.parametrize("name", ["lora-reentrant-tiled0", "lora-non_reentrant-tiled4"])
+@pytest.mark.dist
 def test_probe_on_lora_excludes_frozen_base_weights(two_ranks, name):
     out = case(two_ranks, 0, name)
     report = out["report"]
@@ -140,6 +145,7 @@ def test_probe_on_lora_excludes_frozen_base_weights(two_ranks, name):
     assert (out["decision"]["static_graph"], out["decision"]["find_unused_parameters"]) == (False, False)
 
 
+@pytest.mark.dist
 def test_moe_reentrant_is_switched_to_non_reentrant(two_ranks):
     for rank in (0, 1):
         out = case(two_ranks, rank, "moe-reentrant-auto")
@@ -154,6 +160,7 @@ def test_moe_reentrant_is_switched_to_non_reentrant(two_ranks):
 
 
 @pytest.mark.parametrize("name", sorted(FORCED_CASES))
+@pytest.mark.dist
 def test_forced_ddp_settings_stop_with_the_fix(two_ranks, name):
     for rank in (0, 1):
         out = case(two_ranks, rank, name)

@@ -20,6 +20,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "launch_training.sh"
 
+pytestmark = pytest.mark.dist
+
 
 LAUNCHER_ENV = ("DDP_", "CUDA_VISIBLE_DEVICES", "GLOO_SOCKET_IFNAME", "MASTER_ADDR", "PYTHON")
 

@@ -6,6 +6,7 @@ import pytest
 
 from framework.resilience import markers
 from framework.resilience.markers import FATAL, MICRO_BATCH, PREEMPTED, FatalError
+from framework.testing.tiny import tiny as tiny_config
 
 
 def test_write_read_clear(tmp_path):
@@ -116,8 +117,7 @@ def test_a_second_launch_into_a_live_runs_checkpoint_dir_changes_none_of_its_mar
     markers.record_error(ck, 1, RuntimeError("the live run's last error"))
     markers.write(ck, PREEMPTED, "preempted at step 9")
     before = {p.name: p.read_bytes() for p in ck.iterdir() if p.name != ".lock"}
-    cfg = dict(vocab_size=32, hidden_size=32, num_layers=1, num_heads=2, seq_len=16, dataset_size=64, batch_size=8,
-               num_workers=0, tensorboard=False, max_steps=2, log_dir=str(tmp_path / "logs"), checkpoint_dir=str(ck))
+    cfg = tiny_config(tmp_path, dataset_size=64, max_steps=2, checkpoint_dir=str(ck))
     try:
         with pytest.raises(CheckpointDirLocked, match="is in use by another run"):
             DDPTrainer(cfg)

@@ -23,6 +23,7 @@ def case(results, rank, name):
 
 @pytest.mark.parametrize("name", list(COMBOS) + list(FORCED))
 @pytest.mark.parametrize("rank", [0, 1])
+@pytest.mark.dist
 def test_two_ranks_match_single_process(two_ranks, name, rank):
     out = case(two_ranks, rank, name)
     assert out["max_abs_diff"] <= TOL, out
@@ -38,6 +39,7 @@ def test_two_ranks_match_single_process(two_ranks, name, rank):
         assert out["offload_packed"] == out["offload_unpacked"] == forwards * BASE["num_layers"]
 
 
+@pytest.mark.dist
 def test_probe_and_forced_settings_train_the_same_model(two_ranks):
     for rank in (0, 1):
         out = case(two_ranks, rank, "probe_vs_forced_sha")

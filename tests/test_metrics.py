@@ -4,10 +4,9 @@ import json
 
 from framework import DDPTrainer
 from framework.observability.metrics import read_metrics
+from framework.testing.tiny import tiny as tiny_config
 
-TINY = dict(vocab_size=32, hidden_size=32, num_layers=1, num_heads=2, seq_len=16, dataset_size=128, batch_size=8,
-            dropout=0.0, num_workers=0, learning_rate=3e-3, target_loss=0.0, eval_steps=2, log_interval=2,
-            eval_interval=4, memory_check_interval=4, tensorboard=False)
+TINY = tiny_config(eval_interval=4, memory_check_interval=4)
 
 
 def tiny(tmp_path, **kw):

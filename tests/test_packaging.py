@@ -6,6 +6,8 @@ import subprocess
 import sys
 import tomllib
 
+import pytest
+
 from framework import __version__
 from tests.dist_helper import ROOT
 
@@ -17,6 +19,7 @@ def requirement_lines(name: str) -> list[str]:
     return [line.strip() for line in lines if line.strip() and not line.startswith(("#", "-r"))]
 
 
+@pytest.mark.dist
 def test_pip_builds_the_metadata_offline_and_needs_nothing_new(tmp_path):
     report = tmp_path / "report.json"
     out = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--no-index", "--no-build-isolation",

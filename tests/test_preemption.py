@@ -10,7 +10,10 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from framework.resilience.preemption import DUPLICATE_WINDOW_S
+from framework.testing.tiny import tiny as tiny_config
 from tests.dist_helper import ROOT, cli_args, worker_env
 
 # A long final evaluation (about 2 s here): 2,000 validation sequences of 128 tokens.
@@ -35,6 +38,7 @@ def wait_for_log(run_dir: Path, needle: str, timeout: float = 60) -> None:
     raise AssertionError(f"{needle!r} never appeared in {log_file}")
 
 
+@pytest.mark.dist
 def test_sigterm_after_the_last_step_leaves_the_evaluation_to_the_resumed_run(tmp_path):
     """Before the final evaluation the ranks agree on a late request: the final step is saved,
     PREEMPTED written, and the resumed run only evaluates."""
@@ -55,6 +59,7 @@ def test_sigterm_after_the_last_step_leaves_the_evaluation_to_the_resumed_run(tm
     assert (tmp_path / "ck" / "final_model.pt").is_file()
 
 
+@pytest.mark.dist
 def test_sigterm_during_the_final_evaluation_stops_it_saves_and_the_relaunch_evaluates(tmp_path):
     proc = start(tmp_path)
     wait_for_log(tmp_path, "evaluating at step 8")  # the final evaluation runs now
@@ -76,6 +81,7 @@ def test_sigterm_during_the_final_evaluation_stops_it_saves_and_the_relaunch_eva
     assert (tmp_path / "ck" / "final_model.pt").is_file()
 
 
+@pytest.mark.dist
 def test_two_signals_milliseconds_apart_are_one_request(tmp_path):
     proc = start(tmp_path, max_steps=100000, eval_steps=2)
     wait_for_log(tmp_path, "step 3/")
@@ -90,6 +96,7 @@ def test_two_signals_milliseconds_apart_are_one_request(tmp_path):
     assert "received SIGTERM again within" in (tmp_path / "logs" / "rank_0.log").read_text()
 
 
+@pytest.mark.dist
 def test_a_second_signal_after_the_window_exits_at_once(tmp_path):
     # Step 4 takes about 8 s (fault_inject slow): the first request waits for its end, the second does not.
     proc = start(tmp_path, max_steps=100, fault_inject="slow@step=3,ms=8000")
@@ -105,6 +112,7 @@ def test_a_second_signal_after_the_window_exits_at_once(tmp_path):
     assert not (tmp_path / "ck" / "PREEMPTED").exists()
 
 
+@pytest.mark.dist
 def test_evaluation_and_saves_run_under_deadlines_of_their_own(tmp_path):
     """A 1 s step deadline (steps take ~40 ms) and an evaluation of ~2 s in the middle of the run:
     the watchdog gives the evaluation its own deadline instead of killing a healthy run."""
@@ -116,9 +124,7 @@ def test_evaluation_and_saves_run_under_deadlines_of_their_own(tmp_path):
 
 
 # In one process: 32 validation batches of 8 (eval_steps=0: the whole split of 256 sequences).
-EVAL = dict(vocab_size=32, hidden_size=32, num_layers=1, num_heads=2, seq_len=16, dataset_size=2560, batch_size=8,
-            dropout=0.0, num_workers=0, learning_rate=3e-3, target_loss=0.0, eval_steps=0, eval_interval=0,
-            max_steps=8, log_interval=1, tensorboard=False, deterministic=True)
+EVAL = tiny_config(dataset_size=2560, eval_steps=0, eval_interval=0, max_steps=8, log_interval=1, deterministic=True)
 
 
 def in_process(run_dir: Path, **over) -> dict:
@@ -202,6 +208,7 @@ def test_the_mid_run_preemption_save_runs_under_a_watchdog_phase_of_its_own(tmp_
     assert phases == ["preemption save"]
 
 
+@pytest.mark.dist
 def test_on_two_ranks_a_request_on_one_stops_the_evaluation_on_both_and_the_relaunch_evaluates(tmp_path):
     import re
 

@@ -13,10 +13,9 @@ from framework.state.checkpoint_files import CheckpointError
 from framework.config import build_config
 from framework.train.optim import lr_at
 from framework.state.checkpointer import FORMAT, Checkpointer, config_changes, upgrade
+from framework.testing.tiny import tiny as tiny_config
 
-TINY = dict(vocab_size=32, hidden_size=32, num_layers=1, num_heads=2, seq_len=16, dataset_size=128, batch_size=8,
-            dropout=0.0, num_workers=0, learning_rate=3e-3, target_loss=0.0, eval_steps=2, log_interval=2,
-            tensorboard=False, eval_interval=0)
+TINY = tiny_config(eval_interval=0)
 
 
 def tiny(tmp_path, **kw):
@@ -106,6 +105,7 @@ def test_recorded_micro_batch_applies_to_restarts_only(tmp_path, monkeypatch):
     trainer.close()
 
 
+@pytest.mark.dist
 def test_a_fatal_exit_waits_for_the_checkpoint_write_in_flight(tmp_path):
     """FatalError ends the entry point with os._exit: the write started a step earlier must be
     on disk and in the manifest by then."""

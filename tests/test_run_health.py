@@ -13,6 +13,8 @@ from tests.dist_helper import ROOT, launch, launch_cases
 from tests.test_fault_tolerance import args_for, rank_log, summary
 from tests.workers.run_health import BASE
 
+pytestmark = pytest.mark.dist
+
 
 @pytest.fixture(scope="module")
 def health(tmp_path_factory):

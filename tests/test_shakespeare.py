@@ -2,12 +2,15 @@
 
 from pathlib import Path
 
+import pytest
+
 from framework import DDPTrainer
 from framework.config import parse_command_line
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_nanogpt_cpu_size_300_steps(tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)
     cfg, _ = parse_command_line(["--config", "configs/nanogpt_shakespeare_char.toml", "--max-steps", "300",

@@ -65,6 +65,7 @@ def feed(g, losses, start=1):
     return spikes
 
 
+@pytest.mark.dist
 def test_rollback_keeps_what_the_run_learnt_when_the_older_checkpoint_loads(tmp_path):
     g = guard(tmp_path, spike_warmup=3, spike_window=10)
     feed(g, [2.0, 1.9, 1.8, 1.7])
@@ -82,6 +83,7 @@ def test_rollback_keeps_what_the_run_learnt_when_the_older_checkpoint_loads(tmp_
     assert fresh.excluded == set(spike.samples) and not set(spike.samples) & set(fresh.sampler.permutation(0).tolist())
 
 
+@pytest.mark.dist
 def test_more_than_max_rollbacks_is_fatal_naming_steps_and_samples(tmp_path):
     g = guard(tmp_path, spike_warmup=3, max_rollbacks=0)
     spike = feed(g, [2.0, 1.9, 1.8, 1.7, 9.0])[-1]
@@ -90,6 +92,7 @@ def test_more_than_max_rollbacks_is_fatal_naming_steps_and_samples(tmp_path):
         g.roll_back(spike, restored_step=4)
 
 
+@pytest.mark.dist
 def test_warn_mode_only_reports_and_skipped_steps_are_not_judged(tmp_path):
     g = guard(tmp_path, spike_guard="warn", spike_warmup=3)
     assert feed(g, [2.0, 1.9, 1.8, 1.7, 9.0]) == [None] * 5
@@ -97,6 +100,7 @@ def test_warn_mode_only_reports_and_skipped_steps_are_not_judged(tmp_path):
     assert g.observe(6, float("nan"), skipped=True) is None and g.seen == 5
 
 
+@pytest.mark.dist
 def test_the_cooldown_ramps_the_learning_rate_back_linearly(tmp_path):
     g = guard(tmp_path, spike_warmup=3, spike_lr_cooldown=3)
     spike = feed(g, [2.0, 1.9, 1.8, 1.7, 9.0])[-1]
@@ -139,6 +143,7 @@ def case(spikes, name, rank=0):
     return out
 
 
+@pytest.mark.dist
 def test_a_spike_is_rolled_back_and_the_run_equals_one_that_excluded_its_samples(spikes):
     out_dir, _ = spikes
     for rank in (0, 1):
@@ -157,6 +162,7 @@ def test_a_spike_is_rolled_back_and_the_run_equals_one_that_excluded_its_samples
         "final_train_loss"]
 
 
+@pytest.mark.dist
 def test_with_warn_the_spike_is_only_logged(spikes):
     got = case(spikes, "warn")["summary"]
     assert (got["loss_spikes"], got["rollbacks"], got["excluded_samples"]) == (1, 0, 0)
@@ -164,6 +170,7 @@ def test_with_warn_the_spike_is_only_logged(spikes):
     assert "spike_guard=warn: continuing" in (spikes[0] / "warn" / "logs" / "rank_0.log").read_text()
 
 
+@pytest.mark.dist
 def test_too_many_rollbacks_stop_every_rank_with_fatal(spikes):
     for rank in (0, 1):
         assert "more than max_rollbacks=0 loss-spike rollbacks: step 31 (samples [" in case(
@@ -171,6 +178,7 @@ def test_too_many_rollbacks_stop_every_rank_with_fatal(spikes):
     assert "max_rollbacks=0" in (spikes[0] / "too_many_rollbacks" / "ck" / "FATAL").read_text()
 
 
+@pytest.mark.dist
 def test_the_cooldown_lowers_the_rate_after_the_rollback(spikes):
     rows = {r["step"]: r for r in read_metrics(spikes[0] / "cooldown" / "logs" / "metrics.jsonl")}
     plain = {r["step"]: r for r in read_metrics(spikes[0] / "rollback" / "logs" / "metrics.jsonl")}
@@ -178,11 +186,13 @@ def test_the_cooldown_lowers_the_rate_after_the_rollback(spikes):
     assert rows[35]["train/lr"] == plain[35]["train/lr"]
 
 
+@pytest.mark.dist
 def test_a_clean_run_has_no_false_positive(spikes):
     got = case(spikes, "clean")["summary"]
     assert got["loss_spikes"] == 0 and 0 < got["max_loss_z"] < BASE["spike_threshold"]  # judged, and below
 
 
+@pytest.mark.dist
 def test_a_restart_after_a_rollback_keeps_its_lr_cooldown(tmp_path):
     g = guard(tmp_path, spike_warmup=3, spike_lr_cooldown=3)
     spike = feed(g, [2.0, 1.9, 1.8, 1.7, 9.0])[-1]

@@ -66,6 +66,7 @@ def case(stragglers, name, rank=0):
     return stragglers[1][rank]["cases"][name]
 
 
+@pytest.mark.dist
 def test_a_slowed_rank_is_named_with_its_section_and_host_within_two_checks(stragglers):
     out_dir, _ = stragglers
     for rank in (0, 1):
@@ -79,12 +80,14 @@ def test_a_slowed_rank_is_named_with_its_section_and_host_within_two_checks(stra
     assert rows[15]["straggler/forward_backward/rank0"] == 1.0 and rows[15]["straggler/max_score"] > 1.3
 
 
+@pytest.mark.dist
 def test_straggler_action_fatal_stops_every_rank_naming_the_rank(stragglers):
     for rank in (0, 1):
         assert "FatalError: straggler: rank 1 on host" in case(stragglers, "fatal", rank)["error"]
     assert "(straggler_action=fatal)" in (stragglers[0] / "fatal" / "ck" / "FATAL").read_text()
 
 
+@pytest.mark.dist
 def test_a_clean_run_names_nobody(stragglers):
     assert case(stragglers, "clean")["summary"]["steps"] == 200
     assert "step 200 straggler scores" in (stragglers[0] / "clean" / "logs" / "rank_0.log").read_text()  # scored
@@ -92,6 +95,7 @@ def test_a_clean_run_names_nobody(stragglers):
         assert "straggler: rank" not in (stragglers[0] / "clean" / "logs" / f"rank_{rank}.log").read_text()
 
 
+@pytest.mark.dist
 def test_a_slowed_rank_is_named_when_ddp_broadcasts_buffers_in_the_forward(stragglers):
     for rank in (0, 1):
         log = (stragglers[0] / "slow_buffered" / "logs" / f"rank_{rank}.log").read_text()
@@ -119,6 +123,7 @@ def test_the_medians_are_gathered_from_the_rank_s_device(monkeypatch):
     assert monitor.scalars()["straggler/forward_backward/rank1"] == 1.5
 
 
+@pytest.mark.dist
 def test_collectives_get_the_steady_timeout_after_the_first_step(stragglers):
     assert case(stragglers, "steady_timeout")["summary"]["steps"] == 3
     log = (stragglers[0] / "steady_timeout" / "logs" / "rank_1.log").read_text()

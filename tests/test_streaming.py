@@ -27,12 +27,14 @@ def uninterrupted(tmp_path_factory):
     return run(tmp_path_factory.mktemp("stream_reference"))
 
 
+@pytest.mark.dist
 def test_a_stream_is_sharded_and_read_once(uninterrupted):
     assert uninterrupted[0]["summary"]["steps"] == 12  # 48 rows per rank, batch 4
     assert sorted(uninterrupted[0]["ids"]) == list(range(0, 96, 2))
     assert sorted(uninterrupted[1]["ids"]) == list(range(1, 96, 2))
 
 
+@pytest.mark.dist
 def test_kill_9_resumes_a_stream_with_a_state_exactly(uninterrupted, tmp_path):
     result = run(tmp_path, fault="sigkill@step=6,rank=1", restarts=1)
     assert "resumed from step 4" in (tmp_path / "logs" / "rank_0.log").read_text()
@@ -41,6 +43,7 @@ def test_kill_9_resumes_a_stream_with_a_state_exactly(uninterrupted, tmp_path):
     assert result[0]["summary"]["model_sha256"] == uninterrupted[0]["summary"]["model_sha256"]
 
 
+@pytest.mark.dist
 def test_a_rank_with_one_batch_fewer_ends_the_epoch_on_both(tmp_path):
     result = run(tmp_path, rows_on_rank_1=44)
     assert result[0]["summary"]["steps"] == result[1]["summary"]["steps"] == 11

@@ -9,9 +9,9 @@ from framework import ConfigError, DDPTrainer
 from framework.config import resolve_config
 from framework.resilience.consistency import model_sha256
 from framework.resilience.markers import FatalError
+from framework.testing.tiny import tiny as tiny_config
 
-TINY = dict(vocab_size=32, hidden_size=32, num_layers=1, num_heads=2, seq_len=16, dataset_size=128, batch_size=8,
-            dropout=0.0, num_workers=0, learning_rate=3e-3, target_loss=0.0, eval_steps=2, log_interval=2)
+TINY = tiny_config(tensorboard=True)
 
 
 def tiny(tmp_path, **kw):
@@ -145,6 +145,7 @@ def test_tensorboard_curves_do_not_double_back_after_resume(tmp_path):
     assert steps == list(range(1, 13))
 
 
+@pytest.mark.dist
 def test_doctor_through_the_launcher(tmp_path):
     import subprocess
     from pathlib import Path

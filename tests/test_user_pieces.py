@@ -8,6 +8,8 @@ import torch
 
 from tests.dist_helper import ROOT, launch
 
+pytestmark = pytest.mark.dist
+
 WORKER = ROOT / "tests" / "workers" / "user_pieces.py"
 
 

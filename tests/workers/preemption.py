@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import os
 
+from framework.testing.tiny import tiny as tiny_config
 from tests.dist_helper import run_cases
 
 # 40 validation sequences of 16 tokens in batches of 4: 5 batches a rank.
-BASE = dict(vocab_size=32, hidden_size=32, num_layers=1, num_heads=2, seq_len=16, dataset_size=400, batch_size=4,
-            dropout=0.0, num_workers=0, tensorboard=False, eval_interval=4, eval_steps=0, target_loss=0.0, seed=3,
-            learning_rate=3e-3, max_steps=8, save_every_steps=4, log_interval=1, deterministic=True)
+BASE = tiny_config(dataset_size=400, batch_size=4, eval_interval=4, eval_steps=0, seed=3, max_steps=8,
+                   save_every_steps=4, log_interval=1, deterministic=True)
 
 # Each run's directory, and its fault: the relaunches reuse the directory of the run they resume.
 CASES = {

@@ -14,12 +14,11 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset
 
+from framework.testing.tiny import tiny as tiny_config
 from tests.dist_helper import finish_worker, recorded, register_worker
 
-BASE = dict(vocab_size=32, hidden_size=32, num_layers=2, num_heads=2, seq_len=16, dataset_size=128,
-            batch_size=4, dropout=0.0, num_workers=0, tensorboard=False, eval_interval=0, eval_steps=2,
-            target_loss=0.0, seed=3, learning_rate=2e-3, max_steps=10, log_interval=1, resume="none",
-            consistency_check_interval=2, record_samples=True)
+BASE = tiny_config(num_layers=2, batch_size=4, eval_interval=0, seed=3, learning_rate=2e-3, max_steps=10,
+                   log_interval=1, resume="none", consistency_check_interval=2, record_samples=True)
 
 CASES = {
     # NaN in rank 1's gradients after DDP's all-reduce: both ranks skip the step.

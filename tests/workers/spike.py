@@ -7,15 +7,15 @@ import os
 import traceback
 
 
+from framework.testing.tiny import tiny as tiny_config
 from tests.dist_helper import run_cases
 
 # The spike: rank 1's first micro-batch of step 30 gets random targets. At this size a clean run's
 # largest z-score is about 4, the spike's about 14 (the test's threshold is 8; the default 6 is
 # for the nanoGPT size, measured in the README).
-BASE = dict(vocab_size=32, hidden_size=32, num_layers=2, num_heads=2, seq_len=16, dataset_size=1024,
-            batch_size=4, dropout=0.0, num_workers=0, tensorboard=False, eval_interval=0, eval_steps=2,
-            target_loss=0.0, seed=3, learning_rate=3e-3, max_steps=50, log_interval=1, resume="none",
-            save_every_steps=10, spike_warmup=10, spike_window=20, spike_threshold=8.0, record_samples=True)
+BASE = tiny_config(num_layers=2, dataset_size=1024, batch_size=4, eval_interval=0, seed=3, max_steps=50, log_interval=1,
+                   resume="none", save_every_steps=10, spike_warmup=10, spike_window=20, spike_threshold=8.0,
+                   record_samples=True)
 FAULT = "bad_data@step=30,rank=1"
 
 CASES = {
