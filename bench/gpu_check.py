@@ -31,7 +31,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -193,8 +193,8 @@ def checks(gpus: int) -> dict[str, Row]:
 
 
 def missing_keys(keys: tuple[str, ...]) -> list[str]:
-    from framework.config import TrainConfig
-    known = {f.name for f in fields(TrainConfig)}
+    from framework.config import ALIASES, FIELDS
+    known = set(FIELDS) | set(ALIASES)  # a row may name a key by section or by its old flat name
     return [k for k in keys if k not in known]
 
 

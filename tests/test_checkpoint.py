@@ -39,7 +39,8 @@ def choose_checkpoint(resume_value: str, manager: CheckpointManager, env) -> dic
     from framework.state.checkpointer import Checkpointer
     if resume_value == "none":
         return None
-    checkpointer = Checkpointer(SimpleNamespace(resume=resume_value), env, manager, {}, builtin_data=True)
+    cfg = SimpleNamespace(checkpoint=SimpleNamespace(resume=resume_value))
+    checkpointer = Checkpointer(cfg, env, manager, {}, builtin_data=True)
     return checkpointer._choose()[1]
 
 

@@ -149,7 +149,7 @@ def test_powersgd_state_round_trips_through_the_safe_loader(tmp_path):
 
 def test_bf16_with_gloo_passes_check_config_without_torch(tmp_path):
     out = subprocess.run([sys.executable, "-X", "importtime", str(ROOT / "ddp_training.py"), "--check-config",
-                          "--ddp-comm-hook", "bf16", "--backend", "gloo", "--log-dir", str(tmp_path)],
+                          "--ddp.comm_hook", "bf16", "--ddp.backend", "gloo", "--logging.dir", str(tmp_path)],
                          capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert out.returncode == 0, out.stderr[-2000:]
     said = [line for line in out.stderr.splitlines() if not line.startswith("import time:")]
@@ -159,16 +159,16 @@ def test_bf16_with_gloo_passes_check_config_without_torch(tmp_path):
 
 
 @pytest.mark.parametrize(("argv", "code", "needle"), [
-    (["--ddp-comm-hook", "bf16"], 0, "configuration is valid"),
-    (["--ddp-comm-hook", "fp16"], 0, "configuration is valid"),
-    (["--ddp-comm-hook", "powersgd", "--powersgd-start-iter", "1"], 2, "powersgd_start_iter=1: must be >= 2"),
-    (["--ddp-comm-hook", "powersgd", "--powersgd-rank", "0"], 2, "powersgd_rank=0: must be >= 1"),
-    (["--ddp-comm-hook", "int8"], 2, "command line: ddp_comm_hook='int8': allowed: none, fp16, bf16, powersgd"),
+    (["--ddp.comm_hook", "bf16"], 0, "configuration is valid"),
+    (["--ddp.comm_hook", "fp16"], 0, "configuration is valid"),
+    (["--ddp.comm_hook", "powersgd", "--ddp.powersgd_start_iter", "1"], 2, "ddp.powersgd_start_iter=1: must be >= 2"),
+    (["--ddp.comm_hook", "powersgd", "--ddp.powersgd_rank", "0"], 2, "ddp.powersgd_rank=0: must be >= 1"),
+    (["--ddp.comm_hook", "int8"], 2, "command line: ddp.comm_hook='int8': allowed: none, fp16, bf16, powersgd"),
 ])
 def test_comm_hook_settings_checked(argv, code, needle, tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr("framework.config._cuda_available", lambda: False)
+    monkeypatch.setattr("framework.config.checks._cuda_available", lambda: False)
     try:
-        got = ddp_training.main(["--check-config", "--log-dir", str(tmp_path), *argv])
+        got = ddp_training.main(["--check-config", "--logging.dir", str(tmp_path), *argv])
     except SystemExit as exc:
         got = exc.code
     err = capsys.readouterr().err

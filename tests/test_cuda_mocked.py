@@ -51,7 +51,7 @@ def test_ddp_gets_the_rank_s_gpu_as_device_ids(device, device_ids):
     ("true", "bf16", "cpu", True, torch.bfloat16, False),
 ])
 def test_autocast_dtype_and_grad_scaler(use_amp, amp_dtype, device, amp, dtype, scaler):
-    cfg = SimpleNamespace(use_amp=use_amp, amp_dtype=amp_dtype)
+    cfg = SimpleNamespace(precision=SimpleNamespace(autocast=use_amp, dtype=amp_dtype))
     with mock.patch("torch.cuda.is_available", return_value=True):
         got_amp, got_dtype, got_scaler = precision(cfg, torch.device(device))
     assert (got_amp, got_dtype, got_scaler.is_enabled()) == (amp, dtype, scaler)

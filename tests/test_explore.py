@@ -10,6 +10,8 @@ import random
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
@@ -140,6 +142,7 @@ def test_draws_are_seeded_and_applicable():
 SLICE_SEED, SLICE_TRIALS = 263101, 3
 
 
+@pytest.mark.dist
 def test_a_fixed_seed_slice_of_real_trials_breaks_no_invariant(tmp_path):
     lines = []
     results = explore.explore(SLICE_TRIALS, SLICE_SEED, 1, tmp_path, do_shrink=False, log=lines.append)

@@ -55,7 +55,7 @@ def test_a_stream_needs_max_steps_and_cannot_halve_its_micro_batch():
     from framework.resilience.markers import FatalError
     position = StreamPosition(world_size=2, batch_size=4, accumulation=1)
     with pytest.raises(ValueError, match="max_steps"):
-        position.last_step(0, SimpleNamespace(max_steps=0))
+        position.last_step(0, SimpleNamespace(train=SimpleNamespace(max_steps=0)))
     with pytest.raises(FatalError, match="a stream cannot do"):
         position.set_micro_batch(2, 2)
 
