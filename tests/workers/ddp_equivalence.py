@@ -64,7 +64,7 @@ def run_grad_case(name: str, overrides: dict, out_dir, rank: int, world: int) ->
     trainer.optimizer.zero_grad(set_to_none=True)
     x, y = (t for t in micro[0])
     with trainer.model.no_sync():
-        trainer.loss_fn(trainer.model(x), y).backward()
+        trainer._loss_fn(trainer.model(x), y).backward()
     local_diff = max((p.grad - ref[n]).abs().max().item() for n, p in trainer.raw_model.named_parameters()
                      if p.grad is not None)
     trainer.close()
