@@ -152,11 +152,11 @@ def test_shipped_config_files_parse():
         assert isinstance(cfg, TrainConfig)
 
 
-def test_readme_config_table_matches_docstrings():
+def test_docs_config_table_matches_docstrings():
     from pathlib import Path
     from framework.config import markdown_table
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    table = readme.split("<!-- config-table:start -->\n")[1].split("\n<!-- config-table:end -->")[0]
+    page = (Path(__file__).resolve().parents[1] / "docs" / "configuration.md").read_text()
+    table = page.split("<!-- config-table:start -->\n")[1].split("\n<!-- config-table:end -->")[0]
     assert table == markdown_table()
 
 

@@ -1,5 +1,5 @@
 """The layout promises: packages by concern with no import cycle, short functions, no module but
-the trainer reaching into the trainer, a torch-free config check, and a README architecture list
+the trainer reaching into the trainer, a torch-free config check, and a docs/architecture.md module list
 that matches framework/."""
 
 import ast
@@ -119,9 +119,9 @@ def test_check_config_imports_no_torch(tmp_path):
     assert not [m for m in imported if m == "torch" or m.startswith("torch.")]
 
 
-def test_readme_architecture_lists_the_modules_in_import_order():
-    readme = (ROOT / "README.md").read_text()
-    section = readme.split("<!-- architecture:start -->\n")[1].split("<!-- architecture:end -->")[0]
+def test_docs_architecture_lists_the_modules_in_import_order():
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    section = page.split("<!-- architecture:start -->\n")[1].split("<!-- architecture:end -->")[0]
     listed = [line.split("`")[1].removeprefix("framework/").removesuffix(".py").replace("/", ".")
               for line in section.splitlines() if line.startswith("- `framework/")]
     assert listed == import_order()

@@ -203,7 +203,7 @@ class RecoverySection:
     max_no_progress_restarts: int = bounded(3, lo=1, resume="neutral", was="max_no_progress_restarts")
     """Elastic restarts in a row that resume from the same checkpoint step before the run stops with FATAL."""
     fault_inject: str = option("", resume="neutral", was="fault_inject")
-    """Faults to rehearse, e.g. 'nan@step=5,rank=1; sigterm@step=8' (see README); empty = none."""
+    """Faults to rehearse, e.g. 'nan@step=5,rank=1; sigterm@step=8' (docs/run-health.md); empty = none."""
 
 
 @dataclass
@@ -255,7 +255,7 @@ class DDPSection:
     broadcast_buffers: bool = option(True, resume="changes", was="broadcast_buffers")
     """Broadcast module buffers from rank 0 at every forward."""
     comm_hook: Literal["none", "fp16", "bf16", "powersgd"] = option("none", resume="changes", was="ddp_comm_hook")
-    """Gradient all-reduce: none = fp32, fp16/bf16 = 16-bit (gloo or NCCL), powersgd = low-rank (see README)."""
+    """All-reduce: none = fp32, fp16/bf16 = 16-bit (gloo or NCCL), powersgd = low-rank (docs/performance.md)"""
     powersgd_rank: int = bounded(1, lo=1, hi=1024, resume="changes", was="powersgd_rank")
     """PowerSGD's matrix approximation rank (1 = strongest compression; try 2, 4, ... if the loss suffers)."""
     powersgd_start_iter: int = bounded(1000, lo=2, resume="changes", was="powersgd_start_iter")

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from .checks import builtin_data_problems, check_values, world_size_from
-from .schema import ALIASES, KEYS, SECTIONS, TYPES, ConfigError, TrainConfig, from_dotted
+from .schema import ALIASES, KEYS, SECTIONS, TYPES, ConfigError, TrainConfig, dotted, from_dotted
 
 log = logging.getLogger(__name__)
 
@@ -206,6 +206,12 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
 def as_dict(cfg: TrainConfig) -> dict[str, Any]:
     """The config nested by section, as saved in log_dir/config.json and in checkpoints."""
     return dataclasses.asdict(cfg)
+
+
+def non_default(cfg: TrainConfig) -> dict[str, Any]:
+    """The dotted keys whose value differs from its default (the console's summary of a run)."""
+    default = dotted(as_dict(TrainConfig()))
+    return {key: value for key, value in dotted(as_dict(cfg)).items() if default.get(key) != value}
 
 
 def resolve_config(config: TrainConfig | dict | None) -> TrainConfig:

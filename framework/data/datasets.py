@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from ..config import data_file_problems, split_tokens, training_set_problems
+from ..config import TrainSection, data_file_problems, split_tokens, training_set_problems
 from ..resilience.markers import FatalError
 from ..train.control import spread
 
@@ -136,9 +136,12 @@ def builtin_datasets(cfg):
         log.info("vocab_size set to %d from the data", bundle.vocab_size)
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=bundle.vocab_size))
     log.info("data: %s", bundle.description)
-    if bundle.loss_floor is not None and cfg.train.target_loss and cfg.train.target_loss < bundle.loss_floor:
-        log.warning("target_loss=%g is below this data's loss floor %.4f: it cannot stop the run",
-                    cfg.train.target_loss, bundle.loss_floor)
+    target = cfg.train.target_loss
+    # The default (0.01, the original spec's) is below every real loss: it is a safety stop, not a
+    # request, so only a target the user chose is worth a warning.
+    if bundle.loss_floor is not None and target and target < bundle.loss_floor and target != TrainSection().target_loss:
+        log.warning("train.target_loss=%g is below this data's loss floor %.4f: it cannot stop the run",
+                    target, bundle.loss_floor)
     return cfg, bundle.train, bundle.val
 
 

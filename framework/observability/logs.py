@@ -1,4 +1,6 @@
-"""Rank-aware logging: every rank appends to log_dir/rank_N.log; the console shows rank 0."""
+"""Rank-aware logging: every rank appends to log_dir/rank_N.log; the console shows rank 0, without
+the records marked ``extra=DETAIL`` (the full configuration, routine scores and readings), which
+only the log file keeps."""
 
 from __future__ import annotations
 
@@ -8,6 +10,12 @@ from pathlib import Path
 
 FORMAT = "%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s"
 _HANDLER_TAG = "_ddp_framework_handler"
+DETAIL = {"detail": True}
+"""``log.info(..., extra=DETAIL)``: for the rank's log file only, not the console."""
+
+
+def _not_detail(record: logging.LogRecord) -> bool:
+    return not getattr(record, "detail", False)
 
 
 def setup_logging(rank: int, log_dir: str | Path, *, debug: bool = False) -> Path:
@@ -23,7 +31,9 @@ def setup_logging(rank: int, log_dir: str | Path, *, debug: bool = False) -> Pat
         handler.close()
     handlers: list[logging.Handler] = [logging.FileHandler(path, mode="a", encoding="utf-8")]
     if rank == 0:
-        handlers.append(logging.StreamHandler(sys.stderr))
+        console = logging.StreamHandler(sys.stderr)
+        console.addFilter(_not_detail)
+        handlers.append(console)
     for handler in handlers:
         handler.setFormatter(formatter)
         setattr(handler, _HANDLER_TAG, True)

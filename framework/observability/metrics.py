@@ -13,9 +13,10 @@ from pathlib import Path
 import torch
 
 from .. import __version__
-from ..config import as_dict
+from ..config import as_dict, non_default
 from ..resilience.memory import in_use_gb, memory_stats
 from ..state import atomic
+from .logs import DETAIL
 
 log = logging.getLogger(__name__)
 
@@ -191,7 +192,7 @@ class StepLog:
             self.window_start, self.window_tokens = now, 0
         if step % cfg.memory.check_interval == 0:
             stats = memory_stats(self.device)
-            log.info("memory: %s", ", ".join(f"{k} {v:.2f}" for k, v in stats.items()))
+            log.info("memory: %s", ", ".join(f"{k} {v:.2f}" for k, v in stats.items()), extra=DETAIL)
             self.metrics.scalars(step, {f"memory/{k}": v for k, v in stats.items()})
             if in_use_gb(stats) > cfg.memory.max_gb:
                 log.warning("memory in use %.2f GiB exceeds max_memory_gb=%g", in_use_gb(stats), cfg.memory.max_gb)
@@ -274,7 +275,11 @@ def log_run_start(cfg, env, sampler, *, model: torch.nn.Module, amp: bool, total
     schedule; rank 0 also saves the resolved config as log_dir/config.json."""
     s = sampler
     log.info("framework %s, torch %s, config: %s", __version__, torch.__version__,
-             json.dumps(as_dict(cfg), sort_keys=True))
+             json.dumps(as_dict(cfg), sort_keys=True), extra=DETAIL)
+    if env.is_main:
+        changed = non_default(cfg)
+        log.info("config: %s (saved as %s)", ", ".join(f"{k}={v!r}" for k, v in changed.items()) or "the defaults",
+                 Path(cfg.logging.dir) / "config.json")
     log.info("model: %s, %.2fM parameters, amp=%s", type(model).__name__,
              sum(p.numel() for p in model.parameters()) / 1e6, f"on ({cfg.precision.dtype})" if amp else "off (fp32)")
     log.info("effective batch: %d per rank x %d ranks x %d accumulation = %d samples per step",

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from ..observability.logs import DETAIL
 from .markers import FatalError
 
 log = logging.getLogger(__name__)
@@ -153,11 +154,12 @@ class StragglerMonitor:
                        for i, s in enumerate(SECTIONS)}
         self.latest["straggler/max_score"] = max(score[r][i] for r in range(len(score))
                                                  for i, s in enumerate(SECTIONS) if s in JUDGED)
-        if self.env.is_main:
+        slow = slow_sections(medians, threshold=self.threshold, min_ms=self.min_ms)
+        if self.env.is_main:  # on the console only when a rank is slow; always in the log file
             log.info("step %d straggler scores (median over the fastest rank's): %s", step, "; ".join(
                 f"rank {r}: " + ", ".join(f"{s} {score[r][i]:.2f} ({medians[r][i]:.1f} ms)"
-                                          for i, s in enumerate(SECTIONS)) for r in range(len(score))))
-        slow = slow_sections(medians, threshold=self.threshold, min_ms=self.min_ms)
+                                          for i, s in enumerate(SECTIONS)) for r in range(len(score))),
+                     extra=None if slow else DETAIL)
         self.streak = {r: self.streak.get(r, 0) + 1 for r in slow}
         for rank, section in slow.items():
             if self.streak[rank] >= self.patience:

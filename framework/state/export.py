@@ -23,9 +23,9 @@ did not write is kept, with an ERROR. framework/config.py refuses, at check time
 export cannot honour: export_dir = log_dir, and an export_dir holding a config.json or
 model.safetensors that no export wrote.
 
-safetensors is optional (``pip install -e .[hf]``): without it a run writes ``final_model.pt`` only,
-with one WARNING; an ``export_dir`` set explicitly makes the configuration invalid instead
-(framework/config.py).
+safetensors is a runtime dependency (requirements.txt, pyproject.toml). Where it is missing, a run
+writes ``final_model.pt`` only, with one WARNING; an ``export_dir`` set explicitly makes the
+configuration invalid instead (framework/config/checks.py).
 """
 
 from __future__ import annotations
