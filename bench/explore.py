@@ -92,7 +92,9 @@ LAYOUTS = {
     "apart": "checkpoint_dir, log_dir and export_dir side by side",
     "default_export": "export_dir left to its default (checkpoint_dir/export)",
     "nested": "export_dir=runs/x, checkpoint_dir=runs/x/checkpoints, log_dir=runs/x/logs",
-    "shared": "checkpoint_dir = log_dir = export_dir",
+    # export_dir = log_dir is refused at --check-config by design (the export would replace the logs'
+    # own files), so the checkpoints share their directory with the export instead.
+    "shared": "checkpoint_dir = export_dir = runs/x, log_dir=runs/x/logs",
 }
 
 
@@ -265,7 +267,7 @@ def make_layout(work: Path, cfg: dict) -> Layout:
     elif kind == "nested":
         lay = Layout(work, x / "checkpoints", x / "logs", x)
     else:
-        lay = Layout(work, x, x, x)
+        lay = Layout(work, x, x / "logs", x)
     for d in (lay.ck, lay.logs):
         d.mkdir(parents=True, exist_ok=True)
     # A user's files: beside the run, and inside the directory the run's directories sit in.
@@ -551,13 +553,10 @@ def foreign_template(cfg: dict, workdir: Path) -> Path:
                     gradient_accumulation_steps=accum, num_workers=0, max_steps=FOREIGN_STEPS, save_every_steps=2,
                     keep_last=3, export_dir="none", checkpoint_dir=str(out / "ck"), log_dir=str(out / "logs"),
                     resume="none")
-        script = ROOT / ("bench/explore_stream.py" if stream else "ddp_training.py")
-        argv = [sys.executable, str(script), *flags(args)]
-        if w > 1:
-            argv = torchrun_cmd(script, flags(args), nproc=w)
-        proc = subprocess.run(argv, cwd=ROOT, env=worker_env(), capture_output=True, text=True, timeout=300)
-        if proc.returncode != 0:
-            raise SystemExit(f"the other run (for a checkpoint_dir that holds one) failed:\n{proc.stderr[-3000:]}")
+        out.mkdir(parents=True)
+        launch = run_forked({"config": cfg, "fault": "none", "moment": "startup"}, args, out)
+        if launch["codes"] != [0] * w:
+            raise SystemExit(f"the other run (for a checkpoint_dir that holds one) failed:\n{launch['stderr'][-3000:]}")
         _foreign_cache[key] = out / "ck"
         return out / "ck"
 
@@ -608,7 +607,10 @@ def run_trial(trial: dict, workdir: Path, *, reference: bool = False) -> dict:
         return res
     try:
         for attempt in (0, 1):
-            args = config_args(trial, lay, resume="auto" if attempt else None, foreign_path=foreign_path)
+            # The relaunch resumes with resume=auto, or, while the run has no checkpoint of its own,
+            # repeats its command (resume=auto would start a resume=PATH run afresh).
+            relaunch_mode = "auto" if newest_own_step_file(lay, set(foreign_files)) else None
+            args = config_args(trial, lay, resume=relaunch_mode if attempt else None, foreign_path=foreign_path)
             if attempt:
                 args.pop("fault_inject", None)  # fault_inject fires in the first incarnation only, anyway
             job = Job(trial, args, work, f"launch{attempt}")

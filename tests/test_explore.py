@@ -135,9 +135,10 @@ def test_draws_are_seeded_and_applicable():
     assert len({t["fault"] for t in a}) > 8
 
 
-# The slice: the first trials of this seed. Chosen to run in about a minute on 2 loaded cores (one
-# process each) and to stay clear of the bugs of issue 19 that are being fixed on other branches.
-SLICE_SEED, SLICE_TRIALS = 263101, 3
+# The slice: the first trials of this seed, one process (and its torchrun agent) each: a kill -9
+# after a rollback, restarted by torchrun (--max-restarts 2), and a SIGTERM at a checkpoint write
+# (a preemption), relaunched.
+SLICE_SEED, SLICE_TRIALS = 91548, 2
 
 
 def test_a_fixed_seed_slice_of_real_trials_breaks_no_invariant(tmp_path):
@@ -146,5 +147,9 @@ def test_a_fixed_seed_slice_of_real_trials_breaks_no_invariant(tmp_path):
     assert len(results) == SLICE_TRIALS
     failing = {explore.describe(r["trial"]): {k: r["verdict"][k] for k in r["failed"]} for r in results if r["failed"]}
     assert failing == {}, "\n".join(lines)
-    # the trials ran the faults they drew (none missed its moment)
+    # the trials ran the faults they drew (none missed its moment): a restart, a rollback, a preemption
     assert all(r["hit"] is not False for r in results), [r["notes"] for r in results]
+    assert {(r["trial"]["fault"], r["trial"]["moment"]) for r in results} == {("kill9_worker", "rollback"),
+                                                                                ("sigterm_worker", "ckpt_write")}
+    assert [len(r["codes"]) for r in results] == [1, 2]  # the restart within the launch; the relaunch
+    assert all(r["trial"]["config"]["max_restarts"] == 2 for r in results[:1])
