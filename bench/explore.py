@@ -1097,11 +1097,14 @@ def table(results: list[dict]) -> str:
 
 
 def explore(n: int, seed: int, jobs: int, workdir: Path, *, do_shrink: bool = True, max_shrinks: int = 1000,
-            shrink_budget: int = 8, log=print) -> list[dict]:
+            shrink_budget: int = 8, log=print, minutes: float = 0.0) -> list[dict]:
     refs = References(workdir)
     trials = [draw(random.Random(seed + i)) for i in range(n)]
+    deadline = time.monotonic() + minutes * 60 if minutes else None
 
-    def one(i: int) -> dict:
+    def one(i: int) -> dict | None:
+        if deadline is not None and time.monotonic() > deadline:
+            return None  # past the time budget: the trial is not started
         result = evaluate(trials[i], refs, workdir)
         result["index"] = i
         status = "ok" if not result["failed"] else "FAIL " + "; ".join(
@@ -1110,7 +1113,7 @@ def explore(n: int, seed: int, jobs: int, workdir: Path, *, do_shrink: bool = Tr
         return result
 
     with ThreadPoolExecutor(max_workers=jobs) as pool:
-        results = list(pool.map(one, range(n)))
+        results = [r for r in pool.map(one, range(n)) if r is not None]
     if do_shrink:
         shrunk: dict[tuple, dict] = {}
         for result in results:
@@ -1137,6 +1140,7 @@ def main() -> None:
     parser.add_argument("--shrink-budget", type=int, default=8, help="trial runs allowed to shrink one failure")
     parser.add_argument("--replay", help="one trial's JSON, as a failing trial's repro line prints it")
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
+    parser.add_argument("--minutes", type=float, default=0.0, help="start no trial after this many minutes (0: all)")
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="explore-"))
     start = time.monotonic()
@@ -1151,7 +1155,7 @@ def main() -> None:
                              indent=2))
             raise SystemExit(1 if result["failed"] else 0)
         results = explore(args.trials, args.seed, args.jobs, workdir, do_shrink=not args.no_shrink,
-                          max_shrinks=args.max_shrinks, shrink_budget=args.shrink_budget)
+                          max_shrinks=args.max_shrinks, shrink_budget=args.shrink_budget, minutes=args.minutes)
         print()
         print(table(results))
         for r in results:
@@ -1164,7 +1168,7 @@ def main() -> None:
                 elif "same_as" in r:
                     print(f"  the same failure as trial {r['same_as']}: {r['repro']}")
         out = Path(args.out) if os.sep in args.out else ROOT / "bench" / "results" / args.out
-        out.write_text(json.dumps({"seed": args.seed, "trials": args.trials, "jobs": args.jobs,
+        out.write_text(json.dumps({"seed": args.seed, "trials": len(results), "jobs": args.jobs,
                                    "wall_s": round(time.monotonic() - start), "dimensions": DIMS,
                                    "faults": {k: v.what for k, v in FAULTS.items()}, "not_covered": NOT_COVERED,
                                    "results": results}, indent=1, default=str))
