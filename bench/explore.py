@@ -564,8 +564,8 @@ def foreign_template(cfg: dict, workdir: Path) -> Path:
 def run_trial(trial: dict, workdir: Path, *, reference: bool = False) -> dict:
     """Run ``trial`` (with its fault, or none for a reference) and return what it left."""
     cfg = trial["config"]
-    if reference:
-        trial = {"config": cfg, "fault": "none", "moment": "startup"}
+    if reference:  # the same run with no fault: the rollback moment's loss spike stays in it
+        trial = {"config": cfg, "fault": "none", "moment": "rollback" if trial["moment"] == "rollback" else "startup"}
     fault = trial["fault"]
     work = Path(tempfile.mkdtemp(prefix="ref-" if reference else "trial-", dir=workdir))
     lay = make_layout(work, cfg)
@@ -963,12 +963,13 @@ def tail_error(stderr: str) -> str:
 
 
 # --- references (cached by the configuration's key) ---------------------------------------------
-def ref_key(cfg: dict) -> str:
+def ref_key(trial: dict) -> str:
     """The choices that can change the final model (a save schedule only through a rollback)."""
-    keys = list(MODEL_DIMS)
+    cfg, keys = trial["config"], list(MODEL_DIMS)
     if cfg["spike_guard"] == "rollback":
         keys += ["save_every_steps", "save_interval"]
-    return json.dumps({"world": world(cfg), "start": start_step(cfg), **{k: cfg[k] for k in keys}}, sort_keys=True)
+    return json.dumps({"world": world(cfg), "start": start_step(cfg), "spike": trial["moment"] == "rollback",
+                       **{k: cfg[k] for k in keys}}, sort_keys=True)
 
 
 class References:
@@ -977,7 +978,7 @@ class References:
         self.guard = threading.Lock()
 
     def get(self, trial: dict) -> dict:
-        key = ref_key(trial["config"])
+        key = ref_key(trial)
         with self.guard:
             lock = self.locks[key]
         with lock:
