@@ -135,10 +135,10 @@ def test_draws_are_seeded_and_applicable():
     assert len({t["fault"] for t in a}) > 8
 
 
-# The slice: the first trials of this seed, one process (and its torchrun agent) each: a kill -9
-# after a rollback, restarted by torchrun (--max-restarts 2), and a SIGTERM at a checkpoint write
-# (a preemption), relaunched.
-SLICE_SEED, SLICE_TRIALS = 91548, 2
+# The slice: the first trials of this seed, one process each: a kill -9 at a checkpoint write,
+# restarted by torchrun (--max-restarts 2), and a SIGTERM after a loss-spike rollback (a
+# preemption), relaunched.
+SLICE_SEED, SLICE_TRIALS = 24283, 2
 
 
 def test_a_fixed_seed_slice_of_real_trials_breaks_no_invariant(tmp_path):
@@ -149,7 +149,7 @@ def test_a_fixed_seed_slice_of_real_trials_breaks_no_invariant(tmp_path):
     assert failing == {}, "\n".join(lines)
     # the trials ran the faults they drew (none missed its moment): a restart, a rollback, a preemption
     assert all(r["hit"] is not False for r in results), [r["notes"] for r in results]
-    assert {(r["trial"]["fault"], r["trial"]["moment"]) for r in results} == {("kill9_worker", "rollback"),
-                                                                                ("sigterm_worker", "ckpt_write")}
-    assert [len(r["codes"]) for r in results] == [1, 2]  # the restart within the launch; the relaunch
-    assert all(r["trial"]["config"]["max_restarts"] == 2 for r in results[:1])
+    assert [(r["trial"]["fault"], r["trial"]["moment"]) for r in results] == [("kill9_worker", "ckpt_write"),
+                                                                               ("sigterm_worker", "rollback")]
+    assert results[0]["trial"]["config"]["max_restarts"] == 2 and len(results[0]["codes"]) == 1  # restarted
+    assert len(results[1]["codes"]) == 2  # preempted, then relaunched
