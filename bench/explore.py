@@ -53,6 +53,7 @@ import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT))
 
 from fault_campaign import (  # noqa: E402  (its launch helpers, shared with the fault campaign)
     EXCEPTION_LINE, checkpoint_temp, free_port, kill_matching, mount_tmpfs, processes_matching, torchrun_cmd,
@@ -62,7 +63,7 @@ from fault_campaign import (  # noqa: E402  (its launch helpers, shared with the
 STEPS_PER_EPOCH, MAX_STEPS, NUM_EPOCHS, EVAL_EVERY = 6, 10, 2, 4
 BATCH = 4
 BASE = dict(vocab_size=32, hidden_size=32, num_layers=2, num_heads=2, seq_len=16, batch_size=BATCH, dropout=0.1,
-            eval_interval=EVAL_EVERY, eval_steps=2, log_interval=1, deterministic=True, record_samples=True,
+            eval_interval=EVAL_EVERY, eval_steps=1, log_interval=1, deterministic=True, record_samples=True,
             tensorboard=False, target_loss=0.0, learning_rate=2e-3, warmup_steps=2, seed=5,
             spike_warmup=3, spike_window=3, spike_threshold=4.0, straggler_interval=0,
             consistency_check_interval=0)
@@ -91,7 +92,9 @@ LAYOUTS = {
     "apart": "checkpoint_dir, log_dir and export_dir side by side",
     "default_export": "export_dir left to its default (checkpoint_dir/export)",
     "nested": "export_dir=runs/x, checkpoint_dir=runs/x/checkpoints, log_dir=runs/x/logs",
-    "shared": "checkpoint_dir = log_dir = export_dir",
+    # export_dir = log_dir is refused at --check-config by design (the export would replace the logs'
+    # own files), so the checkpoints share their directory with the export instead.
+    "shared": "checkpoint_dir = export_dir = runs/x, log_dir=runs/x/logs",
 }
 
 
@@ -225,9 +228,15 @@ def applicable(trial: dict) -> str | None:
     return None
 
 
+MODEL_DIMS = ("data", "spike_guard", "accum", "act_ckpt", "tiled_mlp", "comm_hook", "stop")
+# The choices that change the final model come from a pool of recipes (drawn once from the full
+# product), so that trials share their uninterrupted reference runs; the other choices are free.
+RECIPES = [{k: r.choice(DIMS[k]) for k in MODEL_DIMS} for r in [random.Random(19)] for _ in range(10)]
+
+
 def draw(rng: random.Random) -> dict:
     while True:
-        cfg = {k: rng.choice(v) for k, v in DIMS.items()}
+        cfg = {k: rng.choice(v) for k, v in DIMS.items()} | rng.choice(RECIPES)
         fault = rng.choice(list(FAULTS))
         moment = rng.choice(FAULTS[fault].moments)
         trial = {"config": cfg, "fault": fault, "moment": moment}
@@ -258,7 +267,7 @@ def make_layout(work: Path, cfg: dict) -> Layout:
     elif kind == "nested":
         lay = Layout(work, x / "checkpoints", x / "logs", x)
     else:
-        lay = Layout(work, x, x, x)
+        lay = Layout(work, x, x / "logs", x)
     for d in (lay.ck, lay.logs):
         d.mkdir(parents=True, exist_ok=True)
     # A user's files: beside the run, and inside the directory the run's directories sit in.
@@ -475,10 +484,7 @@ def bound_s(trial: dict) -> float:
     each torchrun restart, and the hang watchdog."""
     cfg = trial["config"]
     per_incarnation = 45.0 + 3.0 * total_steps(cfg) * cfg["accum"]
-    # After an agent dies on 2 nodes, the other agent waits out torchrun's 300 s exit barrier (a
-    # known limit, see the fault campaign).
-    barrier = 330.0 if trial["fault"] in ("kill9_agent", "kill9_node") and cfg["topology"] == "2x1" else 0.0
-    return per_incarnation * (1 + cfg["max_restarts"]) + (20.0 if trial["fault"] == "hang" else 0.0) + barrier
+    return per_incarnation * (1 + cfg["max_restarts"]) + (20.0 if trial["fault"] == "hang" else 0.0)
 
 
 # --- reading what a run left --------------------------------------------------------------------
@@ -547,13 +553,10 @@ def foreign_template(cfg: dict, workdir: Path) -> Path:
                     gradient_accumulation_steps=accum, num_workers=0, max_steps=FOREIGN_STEPS, save_every_steps=2,
                     keep_last=3, export_dir="none", checkpoint_dir=str(out / "ck"), log_dir=str(out / "logs"),
                     resume="none")
-        script = ROOT / ("bench/explore_stream.py" if stream else "ddp_training.py")
-        argv = [sys.executable, str(script), *flags(args)]
-        if w > 1:
-            argv = torchrun_cmd(script, flags(args), nproc=w)
-        proc = subprocess.run(argv, cwd=ROOT, env=worker_env(), capture_output=True, text=True, timeout=300)
-        if proc.returncode != 0:
-            raise SystemExit(f"the other run (for a checkpoint_dir that holds one) failed:\n{proc.stderr[-3000:]}")
+        out.mkdir(parents=True)
+        launch = run_forked({"config": cfg, "fault": "none", "moment": "startup"}, args, out)
+        if launch["codes"] != [0] * w:
+            raise SystemExit(f"the other run (for a checkpoint_dir that holds one) failed:\n{launch['stderr'][-3000:]}")
         _foreign_cache[key] = out / "ck"
         return out / "ck"
 
@@ -561,8 +564,8 @@ def foreign_template(cfg: dict, workdir: Path) -> Path:
 def run_trial(trial: dict, workdir: Path, *, reference: bool = False) -> dict:
     """Run ``trial`` (with its fault, or none for a reference) and return what it left."""
     cfg = trial["config"]
-    if reference:
-        trial = {"config": cfg, "fault": "none", "moment": "startup"}
+    if reference:  # the same run with no fault: the rollback moment's loss spike stays in it
+        trial = {"config": cfg, "fault": "none", "moment": "rollback" if trial["moment"] == "rollback" else "startup"}
     fault = trial["fault"]
     work = Path(tempfile.mkdtemp(prefix="ref-" if reference else "trial-", dir=workdir))
     lay = make_layout(work, cfg)
@@ -589,6 +592,10 @@ def run_trial(trial: dict, workdir: Path, *, reference: bool = False) -> dict:
         else:
             mounted = True
     marker = str(work) + "/"
+    if reference:
+        res["launches"].append(run_forked(trial, config_args(trial, lay, foreign_path=foreign_path), work))
+        res.update(verdict_inputs(trial, lay, sentinels, foreign_files))
+        return res
     if fault == "user_error":  # the user's pre-flight, as launch_training.sh runs it before torchrun
         args = config_args(trial, lay, foreign_path=foreign_path)
         start = time.monotonic()
@@ -600,7 +607,10 @@ def run_trial(trial: dict, workdir: Path, *, reference: bool = False) -> dict:
         return res
     try:
         for attempt in (0, 1):
-            args = config_args(trial, lay, resume="auto" if attempt else None, foreign_path=foreign_path)
+            # The relaunch resumes with resume=auto, or, while the run has no checkpoint of its own,
+            # repeats its command (resume=auto would start a resume=PATH run afresh).
+            relaunch_mode = "auto" if newest_own_step_file(lay, set(foreign_files)) else None
+            args = config_args(trial, lay, resume=relaunch_mode if attempt else None, foreign_path=foreign_path)
             if attempt:
                 args.pop("fault_inject", None)  # fault_inject fires in the first incarnation only, anyway
             job = Job(trial, args, work, f"launch{attempt}")
@@ -628,6 +638,75 @@ def run_trial(trial: dict, workdir: Path, *, reference: bool = False) -> dict:
     return res
 
 
+_forkserver = None
+_forkserver_lock = threading.Lock()
+
+
+def forkserver():
+    """A multiprocessing fork server that has imported torch and the framework once: an
+    uninterrupted reference run forks from it instead of starting (and importing) anew."""
+    global _forkserver
+    with _forkserver_lock:
+        if _forkserver is None:
+            import multiprocessing
+            os.environ.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
+            ctx = multiprocessing.get_context("forkserver")
+            ctx.set_forkserver_preload(["framework.trainer", "framework.data", "ddp_training", "explore_stream"])
+            _forkserver = ctx
+        return _forkserver
+
+
+def forked_rank(argv: list[str], stream: bool, rank: int, world_size: int, port: int, out: str) -> None:
+    """One rank of a reference run, in a process forked from the fork server."""
+    os.setsid()
+    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    for key in ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "LOCAL_RANK", "RANK", "WORLD_SIZE"):
+        os.environ.pop(key, None)
+    if world_size > 1:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                          WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
+    import logging
+
+    import ddp_training
+    import explore_stream
+    try:
+        code = (explore_stream.main if stream else ddp_training.main)(argv)
+    except SystemExit as err:
+        code = err.code if isinstance(err.code, int) else 1
+    except BaseException:
+        import traceback
+        traceback.print_exc()
+        code = 1
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def run_forked(trial: dict, args: dict, work: Path) -> dict:
+    """An uninterrupted run of ``args`` on world(cfg) forked ranks; its launch record."""
+    cfg, ctx = trial["config"], forkserver()
+    w, port, start = world(cfg), free_port(), time.monotonic()
+    out = work / "reference.out"
+    procs = [ctx.Process(target=forked_rank, args=(flags(args), cfg["data"] == "stream", r, w, port, str(out)))
+             for r in range(w)]
+    for proc in procs:
+        proc.start()
+    deadline = start + bound_s(trial)
+    for proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
+    timed_out = any(proc.is_alive() for proc in procs)
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    return {"codes": [proc.exitcode for proc in procs], "timed_out": timed_out,
+            "wall_s": round(time.monotonic() - start, 1), "stderr": out.read_text(errors="replace")[-6000:]
+            if out.exists() else "", "left_behind": 0}
+
+
 def marker_text(lay: Layout, name: str) -> str | None:
     try:
         return (lay.ck / name).read_text(errors="replace").strip()
@@ -644,7 +723,22 @@ def run_job(trial, job: Job, lay: Layout, foreign: set[str], marker: str, res: d
     condition = moment_reached(trial, lay) if needs_signal else None
     second, second_ended = None, None
     timed_out = False
+    # After a node's agent is killed on 2 nodes, the other agent outlives its workers in torchrun's
+    # exit barrier (300 s) or its rendezvous (600 s) for a node that is gone (a known limit of
+    # torchrun, README): as a scheduler would, the job is ended once no worker of it is left.
+    orphan_agent = external and fault in ("kill9_agent", "kill9_node") and trial["config"]["topology"] == "2x1"
+    no_workers_since, next_look = None, 0.0
     while not job.done():
+        if orphan_agent and res.get("hit") and time.monotonic() >= next_look:
+            next_look = time.monotonic() + 1.0
+            if job.workers():
+                no_workers_since = None
+            elif no_workers_since is None:
+                no_workers_since = time.monotonic()
+            elif time.monotonic() - no_workers_since > 3.0:
+                res["notes"].append("the job ended by the explorer: only torchrun's agent was left")
+                job.kill(marker + "__none__")
+                break
         if second is not None and second_ended is None and second.done():
             second_ended = time.monotonic()  # while the first launch still runs
         if condition is not None and condition():
@@ -692,8 +786,11 @@ def verdict_inputs(trial: dict, lay: Layout, sentinels: dict, foreign_files: dic
         p = Path(path)
         if not p.is_file() or sha(p) != digest:
             changed.append(f"{path} {'deleted' if not p.exists() else 'changed'}")
+    adopted = resumed_foreign(lay, foreign_files)
     for name, digest in foreign_files.items():
         p = lay.ck / name
+        if adopted and not p.exists():
+            continue  # resume=auto continued that lineage (as documented): its keep_last prunes it
         if not p.is_file() or sha(p) != digest:
             changed.append(f"another run's {name} {'deleted' if not p.exists() else 'changed'}")
     manifest_missing = []
@@ -711,7 +808,7 @@ def verdict_inputs(trial: dict, lay: Layout, sentinels: dict, foreign_files: dic
             "written_steps": sorted(written_steps(lay)),
             "logs_present": {n: (lay.logs / n).is_file() for n in ("rank_0.log", "metrics.jsonl", "summary.json")},
             "export_present": (export / "model.safetensors").is_file(),
-            "resumed_foreign": resumed_foreign(lay, foreign_files)}
+            "resumed_foreign": adopted}
 
 
 def resumed_foreign(lay: Layout, foreign_files: dict) -> bool:
@@ -853,6 +950,8 @@ def accounting(c: Context) -> str | None:
 def exit_ok(fault: str, res: dict) -> bool:
     """The last launch exited 0 (an agent's own exit by the kill we sent it excepted)."""
     launches = res.get("launches") or [{"codes": [None]}]
+    if launches[-1].get("timed_out"):
+        return False  # its codes are those of the explorer's own kill
     return all(c == 0 or (fault in ("kill9_agent", "kill9_node") and c == -9 and len(launches) == 1)
                for c in launches[-1]["codes"])
 
@@ -864,13 +963,13 @@ def tail_error(stderr: str) -> str:
 
 
 # --- references (cached by the configuration's key) ---------------------------------------------
-def ref_key(cfg: dict) -> str:
+def ref_key(trial: dict) -> str:
     """The choices that can change the final model (a save schedule only through a rollback)."""
-    keys = ["topology", "resume", "foreign", "data", "spike_guard", "accum", "act_ckpt", "tiled_mlp", "comm_hook",
-            "stop"]
+    cfg, keys = trial["config"], list(MODEL_DIMS)
     if cfg["spike_guard"] == "rollback":
-        keys += ["save_every_steps", "save_interval", "keep_last"]
-    return json.dumps({k: cfg[k] for k in keys}, sort_keys=True)
+        keys += ["save_every_steps", "save_interval"]
+    return json.dumps({"world": world(cfg), "start": start_step(cfg), "spike": trial["moment"] == "rollback",
+                       **{k: cfg[k] for k in keys}}, sort_keys=True)
 
 
 class References:
@@ -879,7 +978,7 @@ class References:
         self.guard = threading.Lock()
 
     def get(self, trial: dict) -> dict:
-        key = ref_key(trial["config"])
+        key = ref_key(trial)
         with self.guard:
             lock = self.locks[key]
         with lock:
@@ -897,10 +996,8 @@ class References:
 
 def evaluate(trial: dict, refs: References, workdir: Path) -> dict:
     """Run a trial and its reference; the verdict (invariant -> None | 'n/a' | problem)."""
-    if trial["fault"] == "user_error":
-        ref = None
-    else:
-        ref = refs.get(trial)
+    # A fault that changes the result by design is compared with no reference.
+    ref = refs.get(trial) if FAULTS[trial["fault"]].exact else None
     res = run_trial(trial, workdir)
     verdict = check(trial, res, ref)
     if ref is not None:  # a reference that itself breaks an invariant is this configuration's failure
@@ -1001,11 +1098,14 @@ def table(results: list[dict]) -> str:
 
 
 def explore(n: int, seed: int, jobs: int, workdir: Path, *, do_shrink: bool = True, max_shrinks: int = 1000,
-            shrink_budget: int = 8, log=print) -> list[dict]:
+            shrink_budget: int = 8, log=print, minutes: float = 0.0) -> list[dict]:
     refs = References(workdir)
     trials = [draw(random.Random(seed + i)) for i in range(n)]
+    deadline = time.monotonic() + minutes * 60 if minutes else None
 
-    def one(i: int) -> dict:
+    def one(i: int) -> dict | None:
+        if deadline is not None and time.monotonic() > deadline:
+            return None  # past the time budget: the trial is not started
         result = evaluate(trials[i], refs, workdir)
         result["index"] = i
         status = "ok" if not result["failed"] else "FAIL " + "; ".join(
@@ -1014,7 +1114,7 @@ def explore(n: int, seed: int, jobs: int, workdir: Path, *, do_shrink: bool = Tr
         return result
 
     with ThreadPoolExecutor(max_workers=jobs) as pool:
-        results = list(pool.map(one, range(n)))
+        results = [r for r in pool.map(one, range(n)) if r is not None]
     if do_shrink:
         shrunk: dict[tuple, dict] = {}
         for result in results:
@@ -1041,6 +1141,7 @@ def main() -> None:
     parser.add_argument("--shrink-budget", type=int, default=8, help="trial runs allowed to shrink one failure")
     parser.add_argument("--replay", help="one trial's JSON, as a failing trial's repro line prints it")
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
+    parser.add_argument("--minutes", type=float, default=0.0, help="start no trial after this many minutes (0: all)")
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="explore-"))
     start = time.monotonic()
@@ -1055,7 +1156,7 @@ def main() -> None:
                              indent=2))
             raise SystemExit(1 if result["failed"] else 0)
         results = explore(args.trials, args.seed, args.jobs, workdir, do_shrink=not args.no_shrink,
-                          max_shrinks=args.max_shrinks, shrink_budget=args.shrink_budget)
+                          max_shrinks=args.max_shrinks, shrink_budget=args.shrink_budget, minutes=args.minutes)
         print()
         print(table(results))
         for r in results:
@@ -1068,7 +1169,7 @@ def main() -> None:
                 elif "same_as" in r:
                     print(f"  the same failure as trial {r['same_as']}: {r['repro']}")
         out = Path(args.out) if os.sep in args.out else ROOT / "bench" / "results" / args.out
-        out.write_text(json.dumps({"seed": args.seed, "trials": args.trials, "jobs": args.jobs,
+        out.write_text(json.dumps({"seed": args.seed, "trials": len(results), "jobs": args.jobs,
                                    "wall_s": round(time.monotonic() - start), "dimensions": DIMS,
                                    "faults": {k: v.what for k, v in FAULTS.items()}, "not_covered": NOT_COVERED,
                                    "results": results}, indent=1, default=str))

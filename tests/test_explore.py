@@ -137,9 +137,10 @@ def test_draws_are_seeded_and_applicable():
     assert len({t["fault"] for t in a}) > 8
 
 
-# The slice: the first trials of this seed. Chosen to run in about a minute on 2 loaded cores (one
-# process each) and to stay clear of the bugs of issue 19 that are being fixed on other branches.
-SLICE_SEED, SLICE_TRIALS = 263101, 3
+# The slice: the first trials of this seed, one process each: a kill -9 at a checkpoint write,
+# restarted by torchrun (--max-restarts 2), and a SIGTERM after a loss-spike rollback (a
+# preemption), relaunched.
+SLICE_SEED, SLICE_TRIALS = 24283, 2
 
 
 @pytest.mark.dist
@@ -149,5 +150,9 @@ def test_a_fixed_seed_slice_of_real_trials_breaks_no_invariant(tmp_path):
     assert len(results) == SLICE_TRIALS
     failing = {explore.describe(r["trial"]): {k: r["verdict"][k] for k in r["failed"]} for r in results if r["failed"]}
     assert failing == {}, "\n".join(lines)
-    # the trials ran the faults they drew (none missed its moment)
+    # the trials ran the faults they drew (none missed its moment): a restart, a rollback, a preemption
     assert all(r["hit"] is not False for r in results), [r["notes"] for r in results]
+    assert [(r["trial"]["fault"], r["trial"]["moment"]) for r in results] == [("kill9_worker", "ckpt_write"),
+                                                                               ("sigterm_worker", "rollback")]
+    assert results[0]["trial"]["config"]["max_restarts"] == 2 and len(results[0]["codes"]) == 1  # restarted
+    assert len(results[1]["codes"]) == 2  # preempted, then relaunched

@@ -64,3 +64,15 @@ def test_restarts_with_and_without_a_checkpoint_keep_steps_increasing_and_sample
     permutation = ResumableDistributedSampler(64, 1, 0, 8, 1, TINY.get("seed", 1337)).permutation
     epoch0 = sorted(i for r in records if r["epoch"] == 0 for i in r["indices"])
     assert epoch0 == sorted(permutation(0).tolist())  # every sample of the completed epoch, once
+
+
+def test_a_relaunch_that_resumes_at_the_last_step_reports_the_loss_it_ended_with(tmp_path):
+    """A kill -9 during the export leaves the final checkpoint; the relaunch resumes there and runs
+    no step, and its summary's final_train_loss is still the last step's (as metrics.jsonl says)."""
+    first = DDPTrainer(tiny(tmp_path, max_steps=6, log_interval=1)).train()
+    (tmp_path / "logs" / "summary.json").unlink()
+    again = DDPTrainer(tiny(tmp_path, max_steps=6, log_interval=1, resume="auto")).train()
+    assert again["steps"] == 6
+    rows = read_metrics(tmp_path / "logs" / "metrics.jsonl")
+    assert again["final_train_loss"] == first["final_train_loss"] == rows[-1]["train/loss"]
+    assert json.loads((tmp_path / "logs" / "summary.json").read_text())["final_train_loss"] == rows[-1]["train/loss"]

@@ -242,3 +242,15 @@ def test_a_spike_with_nothing_to_roll_back_to_still_saves_and_evaluates_its_step
     assert summary["loss_spikes"] == 1 and summary["rollbacks"] == 0
     assert summary["steps"] == 30 and manifest == [20, 30]
     assert "val/loss" in next(r for r in rows if r["step"] == 20)
+
+
+def test_a_rollback_that_ends_the_last_epoch_reports_the_loss_of_the_step_it_ended_at(tmp_path):
+    """6 steps, a checkpoint at step 5, a spike at step 6: the rollback excludes step 6's samples,
+    so the epoch (and the run) ends at step 5; summary.json's loss is step 5's, not the discarded one's."""
+    summary, manifest, rows = one_process_spike(
+        tmp_path, dataset_size=24, max_steps=0, num_epochs=1, save_every_steps=5, spike_warmup=3, spike_window=3,
+        spike_threshold=4.0, seed=5, learning_rate=2e-3, warmup_steps=2, dropout=0.1, deterministic=True,
+        fault_inject="bad_data@step=5")
+    assert summary["rollbacks"] == 1 and summary["steps"] == 5 and rows[-1]["step"] == 5
+    assert summary["final_train_loss"] == rows[-1]["train/loss"]
+    assert json.loads((tmp_path / "logs" / "summary.json").read_text())["final_train_loss"] == rows[-1]["train/loss"]

@@ -100,10 +100,10 @@ class CrashAt:
 
 
 def stream_config(run_dir, **kw):
-    return dict(vocab_size=32, hidden_size=32, num_layers=1, num_heads=2, seq_len=16, batch_size=4, dropout=0.0,
-                max_steps=1000, num_epochs=2, save_interval=1, save_every_steps=0, eval_interval=0,
-                tensorboard=False, target_loss=0.0, deterministic=True, seed=3, learning_rate=2e-3,
-                log_dir=str(run_dir / "logs"), checkpoint_dir=str(run_dir / "ck"), **kw)
+    return {**dict(vocab_size=32, hidden_size=32, num_layers=1, num_heads=2, seq_len=16, batch_size=4, dropout=0.0,
+                   max_steps=1000, num_epochs=2, save_interval=1, save_every_steps=0, eval_interval=0,
+                   tensorboard=False, target_loss=0.0, deterministic=True, seed=3, learning_rate=2e-3,
+                   log_dir=str(run_dir / "logs"), checkpoint_dir=str(run_dir / "ck")), **kw}
 
 
 def manifest_steps(run_dir) -> list[int]:
@@ -133,3 +133,15 @@ def test_a_stream_without_a_state_resumes_at_the_next_epoch_without_rereading_th
     summary = DDPTrainer(stream_config(tmp_path), train_dataset=data).train()
     assert summary["steps"] == 16 and summary["model_sha256"] == whole["model_sha256"]
     assert data.reads == 32  # the second epoch only: the first is not read again to be dropped
+
+
+def test_a_stream_resumed_mid_epoch_with_dropout_equals_the_uninterrupted_run(tmp_path):
+    """Starting the stream's epoch on the resume draws nothing from the random state the checkpoint
+    restored (the DataLoader's base seed came from the global generator: dropout then differed)."""
+    cfg = dict(dropout=0.1, save_every_steps=3, save_interval=0)
+    whole = DDPTrainer(stream_config(tmp_path / "whole", **cfg), train_dataset=StatefulRows(32)).train()
+    with pytest.raises(RuntimeError, match="test crash at step 11"):
+        DDPTrainer(stream_config(tmp_path, **cfg), train_dataset=StatefulRows(32), callbacks=[CrashAt(11)]).train()
+    resumed = DDPTrainer(stream_config(tmp_path, **cfg), train_dataset=StatefulRows(32))
+    assert (resumed.step, resumed.sampler.epoch) == (9, 1)
+    assert resumed.train()["model_sha256"] == whole["model_sha256"]

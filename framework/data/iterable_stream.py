@@ -97,7 +97,9 @@ class IterableStream:
         self.dataset, self.position = dataset, position
         self.device, self.distributed, self.rank = device, distributed, rank
         self.stateful = hasattr(dataset, "state_dict") and hasattr(dataset, "load_state_dict")
-        self.loader = DataLoader(dataset, batch_size=position.batch_size, num_workers=0)
+        # A generator of its own: each iter() draws a base seed from it, not from the global random
+        # state that a checkpoint restores (a resume's first iter() would shift dropout's draws).
+        self.loader = DataLoader(dataset, batch_size=position.batch_size, num_workers=0, generator=torch.Generator())
         self._it = None
         self._skip = 0  # samples to drop on a resumed epoch of a stream without a state
 

@@ -166,7 +166,9 @@ class StepLog:
     def open(cls, cfg, env, *, total_steps: int, initial_step: int) -> StepLog:
         metrics = Metrics(enabled=env.is_main, log_dir=cfg.logging.dir, tensorboard=cfg.logging.tensorboard,
                           progress_bar=cfg.logging.progress_bar, total_steps=total_steps, initial_step=initial_step)
-        return cls(metrics, cfg=cfg, device=env.device, total_steps=total_steps)
+        steps = cls(metrics, cfg=cfg, device=env.device, total_steps=total_steps)
+        steps.loss = steps.logged_loss()  # a resume that runs no step ends with its checkpoint's loss
+        return steps
 
     def close(self) -> None:
         self.metrics.close()
@@ -200,6 +202,14 @@ class StepLog:
     def purge_from(self, step: int) -> None:
         """A rollback: the steps from ``step`` on are run again; drop what was logged for them."""
         self.metrics.purge_from(step)
+        self.loss = self.logged_loss()  # not the discarded step's, should the run end here
+
+    def logged_loss(self) -> float | None:
+        """The last train/loss that metrics.jsonl keeps (rank 0; None on the other ranks)."""
+        if self.metrics.jsonl is None:
+            return None
+        losses = [r["train/loss"] for r in read_metrics(self.metrics.jsonl.file.name) if "train/loss" in r]
+        return losses[-1] if losses else None
 
     def record_val(self, step: int, val_loss: float | None) -> None:
         self.val_loss = val_loss
