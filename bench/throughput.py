@@ -93,10 +93,12 @@ SCRIPT = Path(__file__).resolve()
 
 # ============================================================================ worker side ====
 def load_cfg(workdir: Path, total_steps: int, overrides: dict | None = None):
-    from framework.config import build_config, load_config_file
-    values = load_config_file(CONFIG)
-    values.update(max_steps=total_steps, eval_interval=0, eval_steps=1, tensorboard=True,
-                  log_dir=str(workdir / "logs"), checkpoint_dir=str(workdir / "checkpoints"), **(overrides or {}))
+    from framework.config import ALIASES, build_config, load_config_file
+    values = {f"{section}.{key}": value for section, keys in load_config_file(CONFIG).items()
+              for key, value in keys.items()}
+    run = dict(max_steps=total_steps, eval_interval=0, eval_steps=1, tensorboard=True,
+               log_dir=str(workdir / "logs"), checkpoint_dir=str(workdir / "checkpoints"), **(overrides or {}))
+    values.update({ALIASES.get(key, key): value for key, value in run.items()})  # flat names -> section.key
     return build_config(values, env={})
 
 

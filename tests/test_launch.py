@@ -92,7 +92,7 @@ def test_cpu_test_mode_trains_in_under_30s(tmp_path):
 def test_bad_config_exits_2_before_torchrun(tmp_path):
     proc = run_script(["--cpu", "--test", "-l", str(tmp_path), "--", "--hiden-size", "3", "--dropout", "2"])
     assert proc.returncode == 2
-    assert "did you mean 'hidden_size'" in proc.stderr and "dropout=2.0: must be <= 0.999" in proc.stderr
+    assert "did you mean 'model.hidden_size'" in proc.stderr and "dropout=2.0: must be <= 0.999" in proc.stderr
     assert "Traceback" not in proc.stderr and "torch.distributed" not in proc.stderr
     assert not (tmp_path / "rank_0.log").exists()
 
