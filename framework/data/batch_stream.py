@@ -180,8 +180,11 @@ class BatchStream:
             self._open()
         self._fetching = True
         try:
-            if self._child_exited:
-                self._raise_if_a_worker_died()
+            # Checked before every fetch, not only after our SIGCHLD handler ran: PyTorch installs its
+            # own handler once per process and chains to whichever handler it found then, which in a
+            # process that ran an earlier stream may not be this one's (a 2-rank run hung here for the
+            # DataLoader's whole timeout). A waitpid per worker costs microseconds.
+            self._raise_if_a_worker_died()
             return [next(self._it) for _ in range(self.sampler.accumulation)]
         finally:
             self._fetching = False
