@@ -98,7 +98,7 @@ def torch_save(obj, path: str | Path) -> tuple[str, int]:
         out = _Hashing(f)
         try:
             torch.save(obj, out)
-        except Exception:
+        except Exception:  # re-raised below: the failed write's OSError rather than torch's RuntimeError
             if out.error is not None:
                 raise out.error from None
             raise
