@@ -118,6 +118,31 @@ def test_probe_detects_reentrant_double_firing_and_hidden_params():
     assert rep.hidden == ["block.bias", "block.weight"]
 
 
+def test_reentrant_hidden_parameters_get_one_consistent_reason():
+    from torch.utils.checkpoint import checkpoint
+
+    class Once(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.block = nn.Linear(4, 4)
+            self.head = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.head(checkpoint(self.block, x, use_reentrant=True))
+
+    batch = (torch.randn(2, 4, requires_grad=True), torch.zeros(2, 4))
+    rep = probe(Once(), [batch, batch], nn.functional.mse_loss, lambda: torch.autocast("cpu", enabled=False))
+    assert rep.hidden == ["block.bias", "block.weight"] and not rep.multi_fire and not rep.unused
+    static, unused, safe, reasons = choose(rep, ckpt="reentrant")
+    assert (static, unused, safe) == (False, False, True)
+    assert not any("exactly one gradient" in r for r in reasons), reasons
+    assert len(reasons) == 1 and "block.bias, block.weight" in reasons[0], reasons
+    assert "find_unused_parameters off" in reasons[0] and "marked ready twice" in reasons[0], reasons
+    # Reentrant checkpointing the probe found no hidden parameter under: one reason, no "hidden" claim.
+    reasons = choose(report(), ckpt="reentrant")[3]
+    assert len(reasons) == 1 and "hidden from the forward graph (" not in reasons[0], reasons
+
+
 @pytest.mark.parametrize("message, fix", [
     ("Expected to mark a variable ready only once. This error ...", "ddp_static_graph=auto"),
     ("Your training graph has changed in this iteration, ...", "ddp_static_graph=false"),

@@ -208,19 +208,22 @@ def decide(report: ProbeReport, *, static_graph: str, find_unused: str, checkpoi
         want_static, want_unused = False, True
         reasons.append(f"parameters without a gradient ({_few(report.unused)}) -> find_unused_parameters on"
                        + (", static_graph off (the used set changes between batches)" if report.changing else ""))
+    elif report.hidden:
+        want_static, want_unused = False, False
+        reasons.append(f"parameters hidden from the forward graph ({_few(report.hidden)}), e.g. by reentrant "
+                       "checkpointing: find_unused_parameters would mark them unused at the end of the forward and "
+                       "then see them marked ready twice -> static_graph off, find_unused_parameters off")
     else:
         want_static, want_unused = False, False
         reasons.append("every parameter gets exactly one gradient per backward -> static_graph off, "
-                       "find_unused_parameters off (the fastest setting)")
+                       "find_unused_parameters off (the fastest setting"
+                       + ("; reentrant checkpointing needs it off: it would mark checkpointed parameters "
+                          "ready twice)" if checkpointing == "reentrant" else ")"))
     if no_setting_fits(report):
         safe = False
         reasons.append(f"the used parameters change between batches ({_few(report.changing)}): static_graph "
                        f"would fail with 'graph has changed'; no DDP setting fits. Use "
                        f"gradient_checkpointing=non_reentrant and untie shared weights")
-    if (report.hidden or checkpointing == "reentrant") and not report.multi_fire and not report.unused:
-        reasons.append(f"parameters hidden from the forward graph ({_few(report.hidden) or 'checkpointed'}), "
-                       "e.g. by reentrant checkpointing, would be marked ready twice by "
-                       "find_unused_parameters -> find_unused_parameters must stay off")
 
     static = {"auto": want_static, "true": True, "false": False}[static_graph]
     unused = {"auto": want_unused, "true": True, "false": False}[find_unused]
