@@ -426,7 +426,7 @@ def orchestrate(args) -> int:
         self_text = f"{statistics.median(selfrep):.0f}" if selfrep else "-"
         print(f"({k}) {label:<26} {nproc:>5} {v[0]['loader_workers']:>6} {med[k]:>15.0f} "
               f"{ms_text:>8} {cpu_text:>7} {runs_text:>20} {self_text:>13}")
-    print("  loader = DataLoader worker processes per rank (DDPTrainer: its default num_workers=4, "
+    print("  loader = DataLoader worker processes per rank (DDPTrainer: its default num_workers=auto, "
           "scaled by workers_per_rank);\n"
           "  cpu ms = training thread's CPU time per step (rank 0; excludes loader workers and gloo threads);\n"
           "  self-reported = DDPTrainer's summary tokens_per_sec (includes start-up and warm-up steps)")

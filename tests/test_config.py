@@ -10,7 +10,7 @@ from framework.config import (ALIASES, FIELD_DOCS, KEYS, ConfigError, TrainConfi
 
 SPEC_DEFAULTS = dict(vocab_size=10000, hidden_size=512, num_layers=6, num_heads=8, dropout=0.1, batch_size=32,
                      learning_rate=1e-4, weight_decay=0.01, num_epochs=10, dataset_size=10000, seq_len=128,
-                     num_workers=4, pin_memory=True, log_interval=10, save_interval=5, memory_check_interval=50,
+                     pin_memory=True, log_interval=10, save_interval=5, memory_check_interval=50,
                      cleanup_interval=100, max_errors_per_epoch=5, max_memory_gb=16.0, target_loss=0.01)
 ADDED_KEYS = ["seed", "data", "max_steps", "gradient_accumulation_steps", "warmup_steps", "min_lr", "grad_clip",
               "eval_interval", "eval_steps", "log_dir", "checkpoint_dir", "amp_dtype", "tie_embeddings",
@@ -158,6 +158,22 @@ def test_docs_config_table_matches_docstrings():
     page = (Path(__file__).resolve().parents[1] / "docs" / "configuration.md").read_text()
     table = page.split("<!-- config-table:start -->\n")[1].split("\n<!-- config-table:end -->")[0]
     assert table == markdown_table()
+
+
+def test_num_workers_is_auto_by_default_and_by_name(capsys):
+    from framework.config import AUTO, markdown_table
+    assert TrainConfig().data.num_workers == AUTO
+    for spelled in ("auto", " Auto ", AUTO, str(AUTO)):
+        assert build_config({"data": {"num_workers": spelled}}, env={}).data.num_workers == AUTO, spelled
+    assert build_config({"data": {"num_workers": 3}}, env={}).data.num_workers == 3
+    assert "auto" in FIELD_DOCS["data.num_workers"]
+    assert "| `data.num_workers` | int\\|auto | `auto` |" in markdown_table()
+    code, _, err = run_main(["--check-config", "--data.num_workers", "auto"], capsys)
+    assert code == 0, err
+    code, _, err = run_main(["--check-config", "--data.num_workers", "-2"], capsys)
+    assert code == 2 and "error: data.num_workers=-2: must be >= 0 (or auto)" in err, err
+    code, _, err = run_main(["--check-config", "--data.num_workers", "many"], capsys)
+    assert code == 2 and "data.num_workers='many': expected an integer or auto" in err, err
 
 
 def test_operator_overrides_for_ddp_settings():

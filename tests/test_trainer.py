@@ -170,3 +170,37 @@ def test_eval_steps_zero_evaluates_the_whole_validation_split(tmp_path):
     assert val_loss(size)[0] == whole  # more batches than the split holds
     prefix = val_loss(1)
     assert prefix[0] != whole and prefix[1] == 1
+
+
+def test_loader_workers_default_to_what_the_cores_can_feed(tmp_path, monkeypatch, caplog):
+    """data.num_workers=auto (the default): no worker process when the node has no core to spare
+    beside its training process, up to 4 when it has; an explicit value is kept (at least 1)."""
+    import logging
+    import os
+    data = torch.utils.data.TensorDataset(torch.randn(64, 5), torch.randn(64, 1))
+    default = {k: v for k, v in tiny(tmp_path).items() if k != "num_workers"}
+
+    def workers(cores, **over):
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
+        trainer = DDPTrainer({**default, **over}, model=torch.nn.Linear(5, 1), train_dataset=data,
+                             loss_fn=torch.nn.functional.mse_loss)
+        trainer.close()
+        return trainer._num_workers
+
+    with caplog.at_level(logging.INFO, logger="framework.data.batch_stream"):
+        assert workers(1) == 0
+    assert "data.num_workers=auto: 0 loader workers per rank (1 CPU core for 1 process on this node" in caplog.text
+    assert workers(8) == 4
+    assert workers(3) == 2
+    assert workers(1, num_workers=2) == 1
+    assert workers(8, num_workers=6) == 6
+
+
+def test_a_checkpoint_of_num_workers_4_resumes_with_auto(tmp_path, caplog):
+    import logging
+    DDPTrainer(tiny(tmp_path, max_steps=2, save_every_steps=2, num_workers=4)).train()
+    auto = {k: v for k, v in tiny(tmp_path, max_steps=4).items() if k != "num_workers"}
+    with caplog.at_level(logging.WARNING, logger="framework.state.checkpointer"):
+        trainer = DDPTrainer(auto)
+    assert trainer.step == 2 and "changed configuration" not in caplog.text
+    assert trainer.train()["steps"] == 4

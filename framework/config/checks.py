@@ -11,7 +11,7 @@ import os
 import shutil
 from pathlib import Path
 
-from .schema import FIELDS, TrainConfig, get
+from .schema import FIELDS, TrainConfig, get, is_auto
 
 
 def check_values(cfg: TrainConfig) -> list[str]:
@@ -22,8 +22,10 @@ def check_values(cfg: TrainConfig) -> list[str]:
             continue
         lo, hi = f.metadata["bounds"]
         value = get(cfg, key)
+        if is_auto(key, value):
+            continue
         if lo is not None and value < lo:
-            problems.append(f"{key}={value!r}: must be >= {lo}")
+            problems.append(f"{key}={value!r}: must be >= {lo}" + (" (or auto)" if f.metadata.get("auto") else ""))
         elif hi is not None and value > hi:
             problems.append(f"{key}={value!r}: must be <= {hi}")
     if cfg.model.num_heads >= 1 and cfg.model.hidden_size % cfg.model.num_heads:

@@ -3,7 +3,7 @@ generated from the field docstrings, grouped by section."""
 
 from __future__ import annotations
 
-from .schema import FIELD_DOCS, FIELDS, SECTIONS, TYPES, describe_type
+from .schema import FIELD_DOCS, FIELDS, SECTIONS, TYPES, describe_default, describe_type
 
 
 def _section_keys(section: str) -> list[str]:
@@ -17,7 +17,8 @@ def help_text() -> str:
         for key in _section_keys(section):
             kind = "true|false" if TYPES[key] is bool else describe_type(key).upper()
             f = FIELDS[key]
-            lines.append(f"  --{key} {kind}  (default: {f.default}; was --{f.metadata['was'].replace('_', '-')})")
+            was = f.metadata['was'].replace('_', '-')
+            lines.append(f"  --{key} {kind}  (default: {describe_default(key)}; was --{was})")
             lines.append(f"      {FIELD_DOCS[key]}")
     return "\n".join(lines)
 
@@ -36,7 +37,7 @@ def markdown_table() -> str:
                 "| --- | --- | --- | --- | --- | --- |"]
         for key in _section_keys(section):
             f = FIELDS[key]
-            default = "''" if f.default == "" else f.default
+            default = "''" if f.default == "" else describe_default(key)
             out.append(f"| `{key}` | {_cell(describe_type(key))} | {_cell(f'`{default}`')} | "
                        f"{f.metadata['resume']} | {_cell(FIELD_DOCS[key])} | `{f.metadata['was']}` |")
         out.append("")

@@ -38,11 +38,17 @@ RESUME_CLASSES: dict[str, str] = {
 }
 
 
+AUTO = -1
+"""What an int field declared with ``auto=True`` holds for "auto" (spelled auto or -1 in every
+source): the component that owns it resolves the value for the machine it runs on."""
+
+
 def bounded(default: int | float, *, lo: int | float | None, hi: int | float | None = None,
-            resume: Resume, was: str):
-    """A numeric field whose value must lie in [lo, hi] (None: no bound on that side). Every
-    numeric field is declared through this, so a missing bound is a visible choice."""
-    return field(default=default, metadata={"bounds": (lo, hi), "resume": resume, "was": was})
+            resume: Resume, was: str, auto: bool = False):
+    """A numeric field whose value must lie in [lo, hi] (None: no bound on that side), or be
+    ``AUTO`` when ``auto``. Every numeric field is declared through this, so a missing bound is a
+    visible choice."""
+    return field(default=default, metadata={"bounds": (lo, hi), "resume": resume, "was": was, "auto": auto})
 
 
 def option(default: Any, *, resume: Resume, was: str):
@@ -96,8 +102,8 @@ class DataSection:
     """Sequences per micro-batch on each rank."""
     gradient_accumulation_steps: int = bounded(1, lo=1, resume="changes", was="gradient_accumulation_steps")
     """Micro-batches per optimizer step; all but the last run under no_sync()."""
-    num_workers: int = bounded(4, lo=0, resume="neutral", was="num_workers")
-    """DataLoader workers per node; divided among local ranks and capped by free cores."""
+    num_workers: int = bounded(AUTO, lo=0, resume="neutral", was="num_workers", auto=True)
+    """DataLoader workers per rank, capped by the cores left after one per rank (min 1); auto: up to 4, 0 if none."""
     pin_memory: bool = option(True, resume="neutral", was="pin_memory")
     """Pin host memory for batches; used only on CUDA."""
     exclude_samples: str = option("", resume="neutral", was="exclude_samples")
@@ -347,8 +353,18 @@ def dotted(saved: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def is_auto(key: str, value: Any) -> bool:
+    """``value`` is the "auto" of a field that has one."""
+    return bool(FIELDS[key].metadata.get("auto")) and value == AUTO
+
+
 def describe_type(key: str) -> str:
     tp = TYPES[key]
     if typing.get_origin(tp) is Literal:
         return "|".join(typing.get_args(tp))
-    return tp.__name__
+    return tp.__name__ + ("|auto" if FIELDS[key].metadata.get("auto") else "")
+
+
+def describe_default(key: str) -> Any:
+    default = FIELDS[key].default
+    return "auto" if is_auto(key, default) else default

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from .checks import builtin_data_problems, check_values, world_size_from
-from .schema import ALIASES, KEYS, SECTIONS, TYPES, ConfigError, TrainConfig, dotted, from_dotted
+from .schema import AUTO, ALIASES, FIELDS, KEYS, SECTIONS, TYPES, ConfigError, TrainConfig, dotted, from_dotted
 
 log = logging.getLogger(__name__)
 
@@ -57,16 +57,20 @@ def _coerce(key: str, value: Any) -> Any:
             return False
         raise ValueError("allowed: true or false")
     if tp is int:
+        auto = FIELDS[key].metadata.get("auto")
+        expected = "expected an integer" + (" or auto" if auto else "")
         if isinstance(value, bool):
-            raise ValueError("expected an integer")
+            raise ValueError(expected)
         if isinstance(value, int):
             return value
         if isinstance(value, float) and value.is_integer():
             return int(value)
+        if auto and str(value).strip().lower() == "auto":
+            return AUTO
         try:
             return int(str(value).strip())
         except ValueError:
-            raise ValueError("expected an integer") from None
+            raise ValueError(expected) from None
     if tp is float:
         if isinstance(value, bool):
             raise ValueError("expected a number")

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate
 
+from ..config import AUTO
 from .datasets import MarkovDataset, TokenWindows, check_datasets
 from .iterable_stream import IterableStream, StreamPosition
 from .sampler import ResumableDistributedSampler, peek_batches
@@ -28,13 +29,24 @@ from .sampler import ResumableDistributedSampler, peek_batches
 log = logging.getLogger(__name__)
 
 
+AUTO_WORKERS = 4
+"""data.num_workers=auto's most workers per rank."""
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def workers_per_rank(requested: int, local_world_size: int) -> int:
-    """Scale the node's workers down by the local ranks, leaving each rank one core of its own;
-    at least one when any were asked for."""
+    """Cap ``requested`` by the cores left after one per local rank, at least one when any were
+    asked for; ``AUTO`` asks for up to AUTO_WORKERS of those cores, none when none are left (a
+    worker would only take its turn on a core a training process needs)."""
+    spare = _cores() // local_world_size - 1
+    if requested == AUTO:
+        return max(0, min(AUTO_WORKERS, spare))
     if requested == 0:
         return 0
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, min(requested, cores // local_world_size - 1))
+    return max(1, min(requested, spare))
 
 
 def _seed_worker(worker_id: int) -> None:
@@ -246,6 +258,12 @@ def build_stream(dataset, cfg, env, val_dataset=None) -> tuple[ResumableDistribu
     # would only add the cost of shipping each batch back (measured: ~1.5 ms a step on CPU).
     in_memory = isinstance(dataset, (MarkovDataset, TokenWindows))
     workers = 0 if in_memory else workers_per_rank(cfg.data.num_workers, env.local_world_size)
+    if not in_memory and cfg.data.num_workers == AUTO:
+        cores = _cores()
+        log.info("data.num_workers=auto: %d loader workers per rank (%d CPU core%s for %d process%s on this node%s)",
+                 workers, cores, "" if cores == 1 else "s", env.local_world_size,
+                 "" if env.local_world_size == 1 else "es",
+                 "" if workers else ": none to spare; set data.num_workers to override")
     pin = cfg.data.pin_memory and env.device.type == "cuda"
     stream = BatchStream(lambda: make_loader(dataset, sampler, num_workers=workers, pin_memory=pin,
                                              seed=cfg.train.seed + env.rank, timeout_s=cfg.ddp.timeout_s),
