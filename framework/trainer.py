@@ -141,7 +141,7 @@ class DDPTrainer:
     def _build(self, model, train_dataset, val_dataset, loss_fn, doctor: bool) -> None:
         builtin_data = train_dataset is None  # checkpoint_dir's lock first: its markers may be a live run's
         self._checkpointer = Checkpointer(self.config, self.env, open_manager(self.config, self.env), {},
-                                          builtin_data=builtin_data,
+                                          builtin_data=builtin_data, builtin_model=model is None,
                                           on_save=lambda s: self._callbacks("on_save", self, s))
         markers.check_at_start(self.config.checkpoint.dir, restart_count=process_group.incarnation(),
                                is_main=self.env.is_main)
@@ -160,7 +160,8 @@ class DDPTrainer:
         state = self._restore(load=not doctor)
         self._total_steps = self._schedule.total_steps = self.sampler.last_step(self.step, self.config)
         log_run_start(self.config, self.env, self.sampler, model=self.raw_model, amp=self._amp,
-                      total_steps=self._total_steps, num_workers=self._num_workers)
+                      total_steps=self._total_steps, num_workers=self._num_workers, builtin_model=model is None,
+                      builtin_data=builtin_data)
         self._wrap(doctor)
         if state is not None:
             self._checkpointer.restore_rng(state, self.step)

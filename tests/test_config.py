@@ -176,6 +176,27 @@ def test_num_workers_is_auto_by_default_and_by_name(capsys):
     assert code == 2 and "data.num_workers='many': expected an integer or auto" in err, err
 
 
+def test_the_keys_that_apply_to_a_run():
+    from framework.config import KEYS, applicable_keys, as_dict, non_default
+    gpt = {"model.hidden_size", "model.num_layers", "model.num_heads", "model.dropout", "model.tie_embeddings"}
+    tokens = {"model.vocab_size", "model.seq_len"}  # the built-in data's too
+    data = {"data.source", "data.synthetic_size"}
+    assert applicable_keys() == KEYS
+    assert set(KEYS) - set(applicable_keys(builtin_model=False)) == gpt
+    assert set(KEYS) - set(applicable_keys(builtin_data=False)) == data
+    assert set(KEYS) - set(applicable_keys(builtin_model=False, builtin_data=False)) == gpt | tokens | data
+    cfg = resolve_config({"model": {"hidden_size": 64, "num_heads": 2, "seq_len": 16}, "data": {"batch_size": 4}})
+    assert non_default(cfg) == {"model.hidden_size": 64, "model.num_heads": 2, "model.seq_len": 16,
+                                "data.batch_size": 4}
+    assert non_default(cfg, builtin_model=False) == {"model.seq_len": 16, "data.batch_size": 4}
+    assert non_default(cfg, builtin_model=False, builtin_data=False) == {"data.batch_size": 4}
+    user = as_dict(cfg, builtin_model=False, builtin_data=False)
+    assert "model" not in user and set(user["data"]) == {k.split(".")[1] for k in KEYS if k.startswith("data.")} - {
+        "source", "synthetic_size"}
+    assert as_dict(cfg, builtin_model=False)["model"] == {"vocab_size": 10000, "seq_len": 16}
+    assert as_dict(cfg) == as_dict(cfg, builtin_model=True, builtin_data=True)
+
+
 def test_operator_overrides_for_ddp_settings():
     cfg = build_config(env={"DDP_STATIC_GRAPH": "1", "DDP_FIND_UNUSED_PARAMETERS": "0"})
     assert (cfg.ddp.static_graph, cfg.ddp.find_unused_parameters) == ("true", "false")

@@ -222,6 +222,20 @@ def test_config_changes_read_a_flat_saved_config():
     assert config_changes(flat, data, builtin_data=False) == ([], [])
 
 
+def test_config_changes_ignore_the_keys_that_do_not_apply():
+    """A checkpoint that saved every key (as before a user's run left the built-in ones out),
+    resumed by a user's model: the built-in GPT's keys it changes are not the run's changes."""
+    from framework.state.checkpointer import config_changes
+    saved = as_dict(resolve_config(None))
+    cfg = resolve_config({"model": {"hidden_size": 64, "num_heads": 2, "seq_len": 16}, "optim": {"lr": 0.5}})
+    assert config_changes(saved, cfg, builtin_data=True)[1] == [
+        "model.hidden_size: 512 -> 64", "model.num_heads: 8 -> 2", "model.seq_len: 128 -> 16",
+        "optim.lr: 0.0001 -> 0.5"]
+    assert config_changes(saved, cfg, builtin_data=True, builtin_model=False)[1] == [
+        "model.seq_len: 128 -> 16", "optim.lr: 0.0001 -> 0.5"]
+    assert config_changes(saved, cfg, builtin_data=False, builtin_model=False)[1] == ["optim.lr: 0.0001 -> 0.5"]
+
+
 TINY = {"model": {"vocab_size": 32, "hidden_size": 32, "num_layers": 1, "num_heads": 2, "seq_len": 16,
                   "dropout": 0.0},
         "data": {"synthetic_size": 128, "batch_size": 8, "num_workers": 0}, "optim": {"lr": 3e-3},

@@ -204,3 +204,30 @@ def test_a_checkpoint_of_num_workers_4_resumes_with_auto(tmp_path, caplog):
         trainer = DDPTrainer(auto)
     assert trainer.step == 2 and "changed configuration" not in caplog.text
     assert trainer.train()["steps"] == 4
+
+
+def test_a_user_model_and_dataset_log_and_save_only_the_keys_that_apply(tmp_path, caplog):
+    """The built-in GPT's and the built-in data's keys (tiny() sets several of them away from their
+    defaults) appear in none of the run's config records, and its checkpoint resumes."""
+    import logging
+    data = torch.utils.data.TensorDataset(torch.randn(64, 5), torch.randn(64, 1))
+
+    def run(**over):
+        return DDPTrainer(tiny(tmp_path, **over), model=torch.nn.Linear(5, 1), train_dataset=data,
+                          loss_fn=torch.nn.functional.mse_loss)
+
+    with caplog.at_level(logging.INFO, logger="framework.observability.metrics"):
+        run(max_steps=2, save_every_steps=2).train()
+    saved = json.loads((tmp_path / "logs" / "config.json").read_text())
+    assert "model" not in saved and "source" not in saved["data"] and "synthetic_size" not in saved["data"], saved
+    assert saved["data"]["batch_size"] == 8 and saved["memory"]["activation_checkpointing"] == "off"
+    assert torch.load(tmp_path / "ck" / "step_00000002.pt", weights_only=True)["config"] == saved
+    messages = [r.getMessage() for r in caplog.records if r.name == "framework.observability.metrics"]
+    dump = next(m for m in messages if m.startswith("framework "))
+    assert json.loads(dump.split("config: ", 1)[1]) == saved
+    summary = next(m for m in messages if m.startswith("config: "))
+    assert "data.batch_size=8" in summary and "model." not in summary and "synthetic_size" not in summary, summary
+    with caplog.at_level(logging.WARNING, logger="framework.state.checkpointer"):
+        trainer = run(max_steps=4, hidden_size=64, num_heads=4, dataset_size=99)
+    assert trainer.step == 2 and "changed configuration" not in caplog.text
+    trainer.close()

@@ -15,7 +15,7 @@ from .schema import (ALIASES, AUTO, FIELD_DOCS, FIELDS, KEYS, RESUME, RESUME_CLA
                      CheckpointSection, CompileSection, ConfigError, DataSection, DDPSection, EvalSection,
                      GradientCheckpointing, LoggingSection, MemorySection, ModelSection, OptimSection,
                      PrecisionSection, RecoverySection, SpikeSection, StragglerSection, Switch, TrainConfig,
-                     TrainSection, bounded, describe_type, dotted, from_dotted, get)
+                     TrainSection, applicable_keys, bounded, describe_type, dotted, from_dotted, get)
 from .sources import (ACTION_FLAGS, ENV_PREFIX, ENV_SHORTCUTS, as_dict, build_config, load_config_file, non_default,
                       parse_command_line, resolve_config)
 
@@ -24,7 +24,8 @@ __all__ = [
     "RESUME", "RESUME_CLASSES", "SECTIONS", "VAL_FRACTION_TEXT", "ActivationCheckpointing", "CheckpointSection",
     "CompileSection", "ConfigError", "DDPSection", "DataSection", "EvalSection", "GradientCheckpointing",
     "LoggingSection", "MemorySection", "ModelSection", "OptimSection", "PrecisionSection", "RecoverySection",
-    "SpikeSection", "StragglerSection", "Switch", "TrainConfig", "TrainSection", "as_dict", "bounded", "non_default",
+    "SpikeSection", "StragglerSection", "Switch", "TrainConfig", "TrainSection", "applicable_keys", "as_dict",
+    "bounded", "non_default",
     "build_config", "builtin_data_problems", "check_values", "data_file_facts", "data_file_problems",
     "describe_type", "dotted", "export_path", "export_record", "from_dotted", "get", "help_text",
     "load_config_file", "markdown_table", "parse_command_line", "resolve_config", "split_tokens",

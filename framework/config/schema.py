@@ -43,34 +43,40 @@ AUTO = -1
 source): the component that owns it resolves the value for the machine it runs on."""
 
 
+Builtin = Literal["model", "data"]
+"""What only some runs use: the built-in GPT (no ``model`` given to DDPTrainer) or the built-in
+data (no ``train_dataset``)."""
+
+
 def bounded(default: int | float, *, lo: int | float | None, hi: int | float | None = None,
-            resume: Resume, was: str, auto: bool = False):
+            resume: Resume, was: str, auto: bool = False, used_by: tuple[Builtin, ...] = ()):
     """A numeric field whose value must lie in [lo, hi] (None: no bound on that side), or be
     ``AUTO`` when ``auto``. Every numeric field is declared through this, so a missing bound is a
-    visible choice."""
-    return field(default=default, metadata={"bounds": (lo, hi), "resume": resume, "was": was, "auto": auto})
+    visible choice. ``used_by``: the built-in parts that read it (none: every run does)."""
+    return field(default=default, metadata={"bounds": (lo, hi), "resume": resume, "was": was, "auto": auto,
+                                            "used_by": used_by})
 
 
-def option(default: Any, *, resume: Resume, was: str):
+def option(default: Any, *, resume: Resume, was: str, used_by: tuple[Builtin, ...] = ()):
     """A non-numeric field (a string, a switch or a choice)."""
-    return field(default=default, metadata={"resume": resume, "was": was})
+    return field(default=default, metadata={"resume": resume, "was": was, "used_by": used_by})
 
 
 @dataclass
 class ModelSection:
-    vocab_size: int = bounded(10000, lo=2, resume="changes", was="vocab_size")
+    vocab_size: int = bounded(10000, lo=2, resume="changes", was="vocab_size", used_by=("model", "data"))
     """Vocabulary size of the built-in model; text data sets it from the corpus."""
-    hidden_size: int = bounded(512, lo=1, resume="changes", was="hidden_size")
+    hidden_size: int = bounded(512, lo=1, resume="changes", was="hidden_size", used_by=("model",))
     """Width of the residual stream (embedding dimension)."""
-    num_layers: int = bounded(6, lo=1, resume="changes", was="num_layers")
+    num_layers: int = bounded(6, lo=1, resume="changes", was="num_layers", used_by=("model",))
     """Number of transformer blocks."""
-    num_heads: int = bounded(8, lo=1, resume="changes", was="num_heads")
+    num_heads: int = bounded(8, lo=1, resume="changes", was="num_heads", used_by=("model",))
     """Attention heads per block; must divide hidden_size."""
-    dropout: float = bounded(0.1, lo=0.0, hi=0.999, resume="changes", was="dropout")
+    dropout: float = bounded(0.1, lo=0.0, hi=0.999, resume="changes", was="dropout", used_by=("model",))
     """Dropout probability in attention, MLP and embeddings."""
-    tie_embeddings: bool = option(False, resume="changes", was="tie_embeddings")
+    tie_embeddings: bool = option(False, resume="changes", was="tie_embeddings", used_by=("model",))
     """Share the token embedding with the output projection."""
-    seq_len: int = bounded(128, lo=1, resume="changes", was="seq_len")
+    seq_len: int = bounded(128, lo=1, resume="changes", was="seq_len", used_by=("model", "data"))
     """Tokens per training sequence (context length)."""
 
 
@@ -94,9 +100,10 @@ class MemorySection:
 
 @dataclass
 class DataSection:
-    source: str = option("synthetic", resume="refused_builtin_data", was="data")
+    source: str = option("synthetic", resume="refused_builtin_data", was="data", used_by=("data",))
     """'synthetic' (seeded Markov chain), a .txt file (character-level) or a .bin uint16 token file."""
-    synthetic_size: int = bounded(10000, lo=1, resume="refused_builtin_data", was="dataset_size")
+    synthetic_size: int = bounded(10000, lo=1, resume="refused_builtin_data", was="dataset_size",
+                                 used_by=("data",))
     """Number of training sequences generated for data.source=synthetic."""
     batch_size: int = bounded(32, lo=1, resume="changes", was="batch_size")
     """Sequences per micro-batch on each rank."""
@@ -323,6 +330,15 @@ TYPES = {f"{name}.{key}": tp for name, cls in SECTIONS.items() for key, tp in ty
 ALIASES = {f.metadata["was"]: key for key, f in FIELDS.items()}
 """Flat key of the config before sections ('spike_threshold') -> its dotted key."""
 RESUME = {key: f.metadata["resume"] for key, f in FIELDS.items()}
+
+
+def applicable_keys(*, builtin_model: bool = True, builtin_data: bool = True) -> list[str]:
+    """The dotted keys that apply to a run on the built-in GPT or a user's model, and the built-in
+    data or a user's dataset: what its logged and saved configuration shows, and what a resume
+    compares. A key read only by built-in parts the run does not use is left out."""
+    uses = {"model": builtin_model, "data": builtin_data}
+    return [key for key, f in FIELDS.items()
+            if not f.metadata["used_by"] or any(uses[part] for part in f.metadata["used_by"])]
 
 
 def get(cfg: TrainConfig, key: str) -> Any:

@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from .checks import builtin_data_problems, check_values, world_size_from
-from .schema import AUTO, ALIASES, FIELDS, KEYS, SECTIONS, TYPES, ConfigError, TrainConfig, dotted, from_dotted
+from .schema import (AUTO, ALIASES, FIELDS, KEYS, SECTIONS, TYPES, ConfigError, TrainConfig, applicable_keys, dotted,
+                     from_dotted)
 
 log = logging.getLogger(__name__)
 
@@ -207,15 +208,26 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
     return data
 
 
-def as_dict(cfg: TrainConfig) -> dict[str, Any]:
-    """The config nested by section, as saved in log_dir/config.json and in checkpoints."""
-    return dataclasses.asdict(cfg)
+def as_dict(cfg: TrainConfig, *, builtin_model: bool = True, builtin_data: bool = True) -> dict[str, Any]:
+    """The config nested by section, as saved in log_dir/config.json and in checkpoints: the keys
+    that apply to a run with or without the built-in model and data (``applicable_keys``); a
+    section left without keys is left out."""
+    full = dataclasses.asdict(cfg)
+    if builtin_model and builtin_data:
+        return full
+    out: dict[str, dict[str, Any]] = {}
+    for key in applicable_keys(builtin_model=builtin_model, builtin_data=builtin_data):
+        section, name = key.split(".")
+        out.setdefault(section, {})[name] = full[section][name]
+    return out
 
 
-def non_default(cfg: TrainConfig) -> dict[str, Any]:
-    """The dotted keys whose value differs from its default (the console's summary of a run)."""
+def non_default(cfg: TrainConfig, *, builtin_model: bool = True, builtin_data: bool = True) -> dict[str, Any]:
+    """The dotted keys that apply (see ``as_dict``) whose value differs from its default (the
+    console's summary of a run)."""
     default = dotted(as_dict(TrainConfig()))
-    return {key: value for key, value in dotted(as_dict(cfg)).items() if default.get(key) != value}
+    now = dotted(as_dict(cfg, builtin_model=builtin_model, builtin_data=builtin_data))
+    return {key: value for key, value in now.items() if default.get(key) != value}
 
 
 def resolve_config(config: TrainConfig | dict | None) -> TrainConfig:

@@ -280,14 +280,16 @@ def read_samples(path: str | Path) -> list[dict]:
 
 
 def log_run_start(cfg, env, sampler, *, model: torch.nn.Module, amp: bool, total_steps: int,
-                  num_workers: int) -> None:
+                  num_workers: int, builtin_model: bool = True, builtin_data: bool = True) -> None:
     """The run's opening lines: versions and config, model, effective batch, each rank's share,
-    schedule; rank 0 also saves the resolved config as log_dir/config.json."""
+    schedule; rank 0 also saves the resolved config as log_dir/config.json. The config shown and
+    saved holds the keys that apply to a run with or without the built-in model and data."""
     s = sampler
+    applies = dict(builtin_model=builtin_model, builtin_data=builtin_data)
     log.info("framework %s, torch %s, config: %s", __version__, torch.__version__,
-             json.dumps(as_dict(cfg), sort_keys=True), extra=DETAIL)
+             json.dumps(as_dict(cfg, **applies), sort_keys=True), extra=DETAIL)
     if env.is_main:
-        changed = non_default(cfg)
+        changed = non_default(cfg, **applies)
         log.info("config: %s (saved as %s)", ", ".join(f"{k}={v!r}" for k, v in changed.items()) or "the defaults",
                  Path(cfg.logging.dir) / "config.json")
     log.info("model: %s, %.2fM parameters, amp=%s", type(model).__name__,
@@ -305,4 +307,4 @@ def log_run_start(cfg, env, sampler, *, model: torch.nn.Module, amp: bool, total
              s.steps_per_epoch, cfg.train.num_epochs, cfg.train.max_steps)
     if env.is_main:
         atomic.write_bytes(Path(cfg.logging.dir) / "config.json",
-                           json.dumps(as_dict(cfg), indent=2, sort_keys=True).encode())
+                           json.dumps(as_dict(cfg, **applies), indent=2, sort_keys=True).encode())

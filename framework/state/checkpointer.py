@@ -77,13 +77,15 @@ def upgrade(state: dict) -> dict:
                           f"1 to {FORMAT}); was it written by a newer version?")
 
 
-def config_changes(saved: dict, cfg: TrainConfig, *, builtin_data: bool) -> tuple[list[str], list[str]]:
+def config_changes(saved: dict, cfg: TrainConfig, *, builtin_data: bool,
+                   builtin_model: bool = True) -> tuple[list[str], list[str]]:
     """The changes from the checkpoint's configuration that cannot be honoured, and those that
     change the result; each as ``key: saved -> now``. Each field declares its class (``RESUME``);
-    ``saved`` is nested by section, or flat as checkpoints before sections wrote it."""
+    ``saved`` is nested by section, or flat as checkpoints before sections wrote it. Only the keys
+    that apply to this run are compared (a key the checkpoint left out is not)."""
     before = dotted(saved)
     refused, changed = [], []
-    for key, value in dotted(as_dict(cfg)).items():
+    for key, value in dotted(as_dict(cfg, builtin_model=builtin_model, builtin_data=builtin_data)).items():
         if key not in before or before[key] == value or RESUME[key] == "neutral":
             continue
         line = f"{key}: {before[key]!r} -> {value!r}"
@@ -145,10 +147,10 @@ class Checkpointer:
     checkpoints, or the one the run started from."""
 
     def __init__(self, cfg: TrainConfig, env, manager: CheckpointManager, components: dict[str, Stateful], *,
-                 builtin_data: bool, on_save: Callable[[int], None] | None = None):
+                 builtin_data: bool, builtin_model: bool = True, on_save: Callable[[int], None] | None = None):
         self.cfg, self.env, self.manager = cfg, env, manager
         self.components = components
-        self.builtin_data = builtin_data
+        self.builtin_data, self.builtin_model = builtin_data, builtin_model
         self.on_save = on_save
         self.lineages: list[str] = []  # rank 0: the lineages this launch has written in, its current one last
         self.origin: str | None = None  # rank 0: the file in checkpoint_dir the launch started from
@@ -213,7 +215,8 @@ class Checkpointer:
         state = {name: part.state_dict() for name, part in self.components.items()}
         return {"format": FORMAT, "framework_version": __version__, **state,
                 "rng": gather_rng(self.env.distributed, self.env.world_size),
-                "config": as_dict(self.cfg), "world_size": self.env.world_size}
+                "config": as_dict(self.cfg, builtin_model=self.builtin_model, builtin_data=self.builtin_data),
+                "world_size": self.env.world_size}
 
     def load(self, before: int | None = None) -> dict | None:
         """Rank 0 picks the checkpoint (see the class; with ``before``, the newest of this run's
@@ -288,7 +291,8 @@ class Checkpointer:
     def restore(self, state: dict) -> None:
         """Load ``state`` into the components (the RNG is ``restore_rng``'s, last of all)."""
         check_model_shapes(state["model"], self.components["model"])
-        refused, changed = config_changes(state.get("config", {}), self.cfg, builtin_data=self.builtin_data)
+        refused, changed = config_changes(state.get("config", {}), self.cfg, builtin_data=self.builtin_data,
+                                          builtin_model=self.builtin_model)
         if refused:
             raise CheckpointError(f"the checkpoint's run used other data: {'; '.join(refused)}; its sample "
                                   f"position does not apply. Restore these values, or start fresh with "
