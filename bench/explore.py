@@ -1077,6 +1077,18 @@ def describe(trial: dict) -> str:
 
 
 # --- the table -----------------------------------------------------------------------------------
+def results_from_log(text: str, seed: int) -> list[dict]:
+    """The results a run printed, one line per trial, rebuilt with the trials drawn from ``seed``."""
+    results = []
+    for m in re.finditer(r"^\[(\d+)/\d+\] \S+ .*?: (ok|FAIL (.*)) \(\d+ s\)$", text, re.M):
+        index = int(m.group(1)) - 1
+        verdict = {} if m.group(2) == "ok" else dict(
+            part.split(": ", 1) for part in re.split(r"; (?=[a-z_]+: )", m.group(3)))
+        results.append({"index": index, "trial": draw(random.Random(seed + index)), "failed": list(verdict),
+                        "verdict": verdict, "hit": None})
+    return sorted(results, key=lambda r: r["index"])
+
+
 def table(results: list[dict]) -> str:
     lines = ["dimension         value            trials  failing", "-" * 52]
     dims = {**{k: [r["trial"]["config"][k] for r in results] for k in DIMS},
@@ -1142,7 +1154,13 @@ def main() -> None:
     parser.add_argument("--replay", help="one trial's JSON, as a failing trial's repro line prints it")
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
     parser.add_argument("--minutes", type=float, default=0.0, help="start no trial after this many minutes (0: all)")
+    parser.add_argument("--from-log", help="the table of a run stopped early, from its console log (with its --seed)")
     args = parser.parse_args()
+    if args.from_log:
+        results = results_from_log(Path(args.from_log).read_text(), args.seed)
+        print(table(results))
+        print("(from the log: a trial whose invariant was n/a counts as passing it)")
+        return
     workdir = Path(tempfile.mkdtemp(prefix="explore-"))
     start = time.monotonic()
     try:
