@@ -34,7 +34,7 @@ MAPPED = frozenset({
     "seed", "full_determinism", "dataloader_num_workers", "dataloader_pin_memory", "dataloader_drop_last",
     "remove_unused_columns", "ddp_find_unused_parameters", "ddp_bucket_cap_mb", "ddp_broadcast_buffers",
     "ddp_static_graph", "ddp_backend", "ddp_timeout", "use_cpu", "resume_from_checkpoint",
-    "torch_empty_cache_steps", "local_rank",
+    "torch_empty_cache_steps", "local_rank", "per_device_eval_batch_size", "label_names",
     "average_tokens_across_devices", "train_sampling_strategy", "disable_tqdm",
 })
 
@@ -45,9 +45,9 @@ WARNED = frozenset({
     "push_to_hub", "hub_token", "hub_private_repo", "hub_model_id", "hub_strategy", "hub_always_push",
     "hub_revision", "save_on_each_node", "save_only_model", "prediction_loss_only", "eval_on_start", "eval_delay",
     "eval_do_concat_batches", "eval_use_gather_object", "eval_accumulation_steps", "include_for_metrics",
-    "batch_eval_metrics", "bf16_full_eval", "fp16_full_eval", "label_names", "length_column_name",
+    "batch_eval_metrics", "bf16_full_eval", "fp16_full_eval", "length_column_name",
     "dataloader_persistent_workers", "dataloader_prefetch_factor", "dataloader_multiprocessing_context",
-    "dataloader_in_order", "per_device_eval_batch_size", "use_cache",
+    "dataloader_in_order", "use_cache",
 })
 
 REFUSED = frozenset({

@@ -17,6 +17,7 @@ import hashlib
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -91,15 +92,19 @@ def main(argv: list[str] | None = None) -> None:
     training_args = TrainingArguments(
         output_dir=args.out, per_device_train_batch_size=4, max_steps=args.max_steps, learning_rate=3e-3,
         logging_steps=5, save_steps=5, gradient_checkpointing=True,
-        gradient_checkpointing_kwargs={"use_reentrant": args.reentrant}, report_to="none", disable_tqdm=True)
+        gradient_checkpointing_kwargs={"use_reentrant": args.reentrant}, report_to="none", disable_tqdm=True,
+        use_cpu=not torch.cuda.is_available())  # transformers 5 on CPU runs DDP under torchrun only with use_cpu
     model = build_model()
-    trainer = Trainer(model=model, args=training_args, train_dataset=StrideBytes(args.samples),
+    hf_trainer = Trainer(model=model, args=training_args, train_dataset=StrideBytes(args.samples),
                       eval_dataset=StrideBytes(64, seed=1), callbacks=[KillAt()])
-    trainer.train(resume_from_checkpoint=None)
+    start = time.perf_counter()
+    hf_trainer.train(resume_from_checkpoint=None)
+    train_s = time.perf_counter() - start
     rank = int(os.environ.get("RANK", 0))
     write_result(Path(os.environ.get("TEST_OUT_DIR", args.out)), rank, {
-        "sha256": trainable_sha256(model), "log_history": trainer.state.log_history,
-        "steps": trainer.state.global_step, "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))})
+        "sha256": trainable_sha256(model), "log_history": hf_trainer.state.log_history,
+        "steps": hf_trainer.state.global_step, "train_s": train_s,
+        "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))})
     sys.stdout.flush()
 
 
