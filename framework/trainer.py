@@ -79,9 +79,10 @@ class DDPTrainer:
     - ``env``: the process's place in the run (rank, world_size, device, distributed);
     - ``report``, ``decision``: the DDP preflight's findings and the settings it chose.
 
-    Methods: ``train()``, ``evaluate()``, ``save_checkpoint()``, ``close()``, and one step by hand
+    Methods: ``train()``, ``evaluate()``, ``save_checkpoint()``, ``request_stop()``, ``close()``, and one step by hand
     with ``forward_backward()`` and ``optimizer_step()``."""
 
+    _stop_requested = False
     _eval_owed = -1  # the step whose evaluation a preemption request stopped: a run resumed there runs it first
 
     def __init__(self, config: TrainConfig | dict | None = None, *, rank: int | None = None,
@@ -266,6 +267,11 @@ class DDPTrainer:
     def save_checkpoint(self, *, blocking: bool = False) -> None:
         self._checkpointer.save(self.step, blocking=blocking)
 
+    def request_stop(self) -> None:
+        """End the run after the current step, with the final evaluation and save. Every rank must
+        call it at the same step (a callback that decides on one rank agrees with the others first)."""
+        self._stop_requested = True
+
     # --- the loop ----------------------------------------------------------------------------
 
     def train(self) -> dict:
@@ -377,7 +383,8 @@ class DDPTrainer:
 
     def _should_stop(self, agreed: Agreement) -> bool:
         target = self.config.train.target_loss
-        return self.step >= self._total_steps or agreed.stop or (target > 0 and agreed.loss <= target)
+        return (self.step >= self._total_steps or agreed.stop or self._stop_requested
+                or (target > 0 and agreed.loss <= target))
 
     # --- the ending --------------------------------------------------------------------------
 

@@ -89,10 +89,21 @@ def reaches_into_the_trainer(path: Path) -> list[str]:
 def test_no_module_but_the_trainer_reaches_into_the_trainer():
     """The trainer owns its lifecycle; the components it composes get what they need as arguments.
     train/callbacks.py needs no exception: it hands the trainer to user callbacks as an opaque
-    argument (``*args``) and reads nothing of it."""
+    argument (``*args``) and reads nothing of it. framework/hf/ sits above the trainer, as a user's
+    script does: it may use the trainer's public surface, and nothing private (checked below)."""
     found = [line for path in framework_modules() if path != FRAMEWORK / "trainer.py"
-             for line in reaches_into_the_trainer(path)]
+             and path.parent != FRAMEWORK / "hf" for line in reaches_into_the_trainer(path)]
     assert found == []
+
+
+def test_the_hf_drop_in_uses_only_the_trainers_public_surface():
+    private = []
+    for path in (FRAMEWORK / "hf").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+                    and isinstance(node.value, ast.Name) and node.value.id in ("trainer", "engine")):
+                private.append(f"{path.name}:{node.lineno}: {node.value.id}.{node.attr}")
+    assert private == []
 
 
 def test_the_trainer_check_sees_an_access(tmp_path):

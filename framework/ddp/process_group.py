@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import atexit
 import datetime
 import logging
 import os
@@ -254,3 +255,13 @@ def teardown() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     STORE = GENERATION = None  # release the store client here, not during interpreter shutdown
+
+
+def join_early(timeout_s: float = 600.0) -> None:
+    """Under torchrun with more than one process, join the process group now, through
+    ``restart_safe_store``, so that a library that would initialise it with ``env://`` (accelerate,
+    through transformers' TrainingArguments) finds it up and reuses it. Nothing elsewhere."""
+    if (os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and int(os.environ.get("WORLD_SIZE", "1")) > 1
+            and not dist.is_initialized()):
+        setup("auto", timeout_s)
+        atexit.register(teardown)  # the group is ours; DDPTrainer leaves a group it found alone

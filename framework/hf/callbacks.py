@@ -1,0 +1,106 @@
+"""transformers ``TrainerCallback``s driven by DDPTrainer's hooks, with HF's ``TrainerState`` and
+``TrainerControl``. A control flag one rank's callback sets is agreed by every rank (one
+all-reduce of two flags per step), so ``should_training_stop`` stops every rank after the same
+step and ``should_save`` saves the same step everywhere."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+
+class HFCallbacks:
+    """One framework callback (see framework/train/callbacks.py) that drives ``callbacks``.
+    Its state (``log_history`` and the loss since the last log) is saved with the run."""
+
+    def __init__(self, callbacks: list, args, *, steps_per_epoch: int, max_steps: int, logging_interval: int,
+                 logging_first_step: bool, components: dict[str, Any]):
+        from transformers.trainer_callback import TrainerControl, TrainerState
+
+        self.callbacks, self.args, self.components = list(callbacks), args, components
+        self.steps_per_epoch, self.logging_interval = max(1, steps_per_epoch), logging_interval
+        self.logging_first_step = logging_first_step
+        self.state = TrainerState(max_steps=max_steps, logging_steps=logging_interval,
+                                  num_train_epochs=max(1, -(-max_steps // self.steps_per_epoch)),
+                                  train_batch_size=args.per_device_train_batch_size)
+        self.control = TrainerControl()
+        self._loss_sum, self._loss_steps = 0.0, 0  # since the last on_log
+        self.run_loss, self.run_steps = 0.0, 0  # this process's steps, for TrainOutput.training_loss
+
+    def _event(self, name: str, trainer=None, **kwargs) -> None:
+        if trainer is not None:
+            self.state.is_world_process_zero = trainer.env.is_main
+            self.state.is_local_process_zero = trainer.env.local_rank == 0
+            kwargs = {"model": trainer.raw_model, "optimizer": trainer.optimizer, **self.components, **kwargs}
+        for cb in self.callbacks:
+            result = getattr(cb, name)(self.args, self.state, self.control, **kwargs)
+            if result is not None:
+                self.control = result
+
+    def _at(self, step: int) -> None:
+        self.state.global_step = step
+        self.state.epoch = step / self.steps_per_epoch
+
+    def on_train_start(self, trainer) -> None:
+        self._at(trainer.step)
+        self._event("on_init_end", trainer)
+        self._event("on_train_begin", trainer)
+
+    def on_step_end(self, trainer, step: int, metrics: dict) -> None:
+        self._at(step)
+        self._loss_sum, self._loss_steps = self._loss_sum + metrics["loss"], self._loss_steps + 1
+        self.run_loss, self.run_steps = self.run_loss + metrics["loss"], self.run_steps + 1
+        self._event("on_step_end", trainer)
+        if (step % self.logging_interval == 0 or (step == 1 and self.logging_first_step)
+                or step >= self.state.max_steps):
+            logs = {"loss": self._loss_sum / self._loss_steps, "grad_norm": metrics["grad_norm"],
+                    "learning_rate": metrics["lr"], "epoch": self.state.epoch}
+            self._loss_sum, self._loss_steps = 0.0, 0
+            self.log(trainer, logs)
+        stop, save = self._agreed(trainer, self.control.should_training_stop, self.control.should_save)
+        self.control.should_save = False
+        if save:
+            trainer.save_checkpoint()
+        if stop:
+            log.info("a callback set control.should_training_stop at step %d: stopping", step)
+            trainer.request_stop()
+
+    def log(self, trainer, logs: dict) -> None:
+        self.state.log_history.append({**logs, "step": self.state.global_step})
+        self._event("on_log", trainer, logs=logs)
+
+    def on_evaluate(self, trainer, step: int, val_loss: float | None) -> None:
+        if val_loss is None:
+            return
+        self._at(step)
+        metrics = {"eval_loss": val_loss, "epoch": self.state.epoch}
+        self.log(trainer, metrics)
+        self._event("on_evaluate", trainer, metrics=metrics)
+
+    def on_save(self, trainer, step: int) -> None:
+        self._at(step)
+        self._event("on_save", trainer)
+
+    def on_train_end(self, trainer, summary: dict) -> None:
+        self._event("on_train_end", trainer)
+
+    @staticmethod
+    def _agreed(trainer, *flags: bool) -> list[bool]:
+        if not trainer.env.distributed:
+            return [bool(f) for f in flags]
+        buf = torch.tensor([float(bool(f)) for f in flags], device=trainer.env.device)
+        dist.all_reduce(buf, op=dist.ReduceOp.MAX)
+        return [v > 0 for v in buf.tolist()]
+
+    def state_dict(self) -> dict:
+        return {"log_history": list(self.state.log_history), "loss_sum": self._loss_sum,
+                "loss_steps": self._loss_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.state.log_history = list(state["log_history"])
+        self._loss_sum, self._loss_steps = float(state["loss_sum"]), int(state["loss_steps"])
