@@ -261,7 +261,13 @@ def join_early(timeout_s: float = 600.0) -> None:
     """Under torchrun with more than one process, join the process group now, through
     ``restart_safe_store``, so that a library that would initialise it with ``env://`` (accelerate,
     through transformers' TrainingArguments) finds it up and reuses it. Nothing elsewhere."""
-    if (os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and int(os.environ.get("WORLD_SIZE", "1")) > 1
-            and not dist.is_initialized()):
-        setup("auto", timeout_s)
-        atexit.register(teardown)  # the group is ours; DDPTrainer leaves a group it found alone
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or int(os.environ.get("WORLD_SIZE", "1")) < 2:
+        return
+    if dist.is_initialized():
+        if STORE is None:
+            log.warning("the process group was created before framework.hf was imported (TrainingArguments does "
+                        "it, through accelerate, with env://): an in-place restart may connect to a dead "
+                        "incarnation's workers. Import framework.hf before building TrainingArguments")
+        return
+    setup("auto", timeout_s)
+    atexit.register(teardown)  # the group is ours; DDPTrainer leaves a group it found alone
