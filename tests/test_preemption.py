@@ -231,14 +231,17 @@ def test_on_two_ranks_a_request_on_one_stops_the_evaluation_on_both_and_the_rela
         assert val_4 in cases[rank]["mid_relaunch"]["log"].split("resumed from step 4")[1]
 
 
-# The agent: starts the worker (its child), prints the worker's pid, sleeps until killed. The worker
-# arms the death signal as ddp_training.py does, installs the handler as DDPTrainer does and then,
-# before its first step (``started`` False) or in training (True), waits for a request, then goes on.
+# The agent: starts the worker (its child) from its main thread, prints the worker's pid, and on a
+# line on stdin ends its main thread alone (its other thread lives on). The worker arms the death
+# signal as ddp_training.py does, installs the handler as DDPTrainer does and then, before its first
+# step (``started`` False) or in training (True), waits for a request, then goes on.
 ORPHAN_AGENT = """
-import subprocess, sys, time
+import ctypes, subprocess, sys, threading, time
+threading.Thread(target=time.sleep, args=(600,), daemon=True).start()
 worker = subprocess.Popen([sys.executable, "-c", sys.argv[1]], stderr=open(sys.argv[2], "w"))
 print(worker.pid, flush=True)
-time.sleep(600)
+sys.stdin.readline()
+ctypes.CDLL(None).pthread_exit(None)
 """
 ORPHAN_WORKER = """
 import logging, os, sys, time
@@ -258,25 +261,31 @@ time.sleep(30)  # the rest of a start-up: the first step boundary, where the req
 """
 
 
-@pytest.mark.parametrize("started", [False, True])
-def test_a_worker_orphaned_before_its_first_step_ends_at_once_and_in_training_saves_first(tmp_path, started):
+@pytest.mark.parametrize("started,end", [(False, "kill"), (False, "main_thread"), (True, "kill")])
+def test_a_worker_orphaned_before_its_first_step_ends_at_once_and_in_training_saves_first(tmp_path, started, end):
     """kill -9 of the torchrun agent: the death signal, SIGTERM, ends a worker that has not begun
     training (nothing to save; the explorer's kill9_agent@startup found both workers still starting
-    up 10 s later); a worker in training takes it as a preemption request (save, then exit)."""
+    up 10 s later); a worker in training takes it as a preemption request (save, then exit).
+    ``main_thread``: the kernel sends the signal as the agent's main thread exits, and while its other
+    threads are still exiting the worker's parent is one of them: getppid() still gives the agent's pid."""
     import psutil
 
     from framework.testing.launch import wait_gone
     log = tmp_path / "worker.log"
     agent = subprocess.Popen([sys.executable, "-c", ORPHAN_AGENT, ORPHAN_WORKER.format(started=started), str(log)],
-                             cwd=ROOT, env=worker_env({"TORCHELASTIC_RUN_ID": "test"}), stdout=subprocess.PIPE,
-                             text=True)
+                             cwd=ROOT, env=worker_env({"TORCHELASTIC_RUN_ID": "test"}), stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
     worker = int(agent.stdout.readline())
     try:
         deadline = time.monotonic() + 60
         while "ready" not in log.read_text() and time.monotonic() < deadline:
             time.sleep(0.05)
-        agent.kill()
-        agent.wait()
+        if end == "kill":
+            agent.kill()
+            agent.wait()
+        else:
+            agent.stdin.write("end\n")
+            agent.stdin.flush()
         if started:
             deadline = time.monotonic() + 30
             while "requested" not in log.read_text() and time.monotonic() < deadline:
@@ -287,8 +296,8 @@ def test_a_worker_orphaned_before_its_first_step_ends_at_once_and_in_training_sa
             assert "the torchrun agent is gone and training has not begun" in log.read_text()
             assert "requested" not in log.read_text()
     finally:
-        if agent.poll() is None:
-            agent.kill()
+        agent.kill()
+        agent.wait()
         try:
             psutil.Process(worker).kill()
         except psutil.NoSuchProcess:

@@ -79,7 +79,7 @@ def die_with_parent(parent: int | None = None) -> None:
         errno = ctypes.get_errno()
         raise OSError(errno, f"prctl(PR_SET_PDEATHSIG): {os.strerror(errno)}")
     _armed_parent = parent
-    if os.getppid() != parent:  # the agent died before the signal was armed: it will never come
+    if agent_gone():  # the agent died before the signal was armed: it will never come
         log.error("the torchrun agent (pid %d) is gone: this worker ends too", parent)
         for handler in logging.getLogger().handlers:
             handler.flush()
@@ -89,7 +89,19 @@ def die_with_parent(parent: int | None = None) -> None:
 def agent_gone() -> bool:
     """Whether this worker armed the death signal and has outlived its agent since (the kernel
     reparented it): a SIGTERM then is the death signal, not a scheduler's preemption."""
-    return _armed_parent is not None and os.getppid() != _armed_parent
+    if _armed_parent is None:
+        return False
+    if os.getppid() != _armed_parent:
+        return True
+    # The kernel sends the death signal as the agent's main thread exits and hands this worker to
+    # one of the agent's threads that are still exiting (kill -9): getppid() still names the agent,
+    # whose main thread is a zombie by then.
+    try:
+        with open(f"/proc/{_armed_parent}/stat", "rb") as f:
+            stat = f.read()
+    except FileNotFoundError:
+        return True
+    return stat[stat.rindex(b")") + 2:stat.rindex(b")") + 3] in (b"Z", b"X")
 
 
 def select_device(local_rank: int, cuda_available: bool, device_count: int) -> torch.device:
