@@ -288,6 +288,7 @@ class DDPTrainer:
         samples_log = SampleLog(Path(cfg.logging.dir) / f"samples_rank_{env.rank}.jsonl"
                                 if cfg.logging.record_samples else None)
         self.model.train()
+        self._preemption.started = True
         if self._preemption.installed:
             self._watchdog.dump_on(signal.SIGTERM)
         self._callbacks("on_train_start", self)

@@ -691,3 +691,30 @@ def test_latest_valid_with_lineages_takes_only_theirs_or_the_named_files(tmp_pat
         assert ours.lineage_of(tmp_path / step_file(2)) in theirs
         (tmp_path / "manifest.json").unlink()  # the scan knows a lineage only from a file's name
         assert ours.latest_valid(lineages={ours.lineage}) is None
+
+
+def test_an_old_checkpoint_that_cannot_be_deleted_fails_no_save(tmp_path, caplog):
+    """The explorer's unreadable_newest (a step file replaced by a directory): once keep_last drops it,
+    the unlink fails (EISDIR); the new checkpoint is written and listed all the same, and the file
+    stays for a person to look at."""
+    save_steps(tmp_path, [1, 2])
+    (tmp_path / step_file(1)).unlink()
+    (tmp_path / step_file(1)).mkdir()
+    with CheckpointManager(tmp_path, keep_last=2) as restarted, caplog.at_level(logging.WARNING):
+        choose_checkpoint("auto", restarted, MAIN)
+        restarted.save(state_at(3), 3, blocking=True)
+        restarted.save(state_at(4), 4, blocking=True)
+    assert [e["step"] for e in manifest(tmp_path)] == [2, 3, 4]  # 2: the origin, kept
+    assert (tmp_path / step_file(1)).is_dir()
+    assert f"could not remove old checkpoint {tmp_path / step_file(1)}" in caplog.text
+
+
+def test_a_lost_manifest_is_rebuilt_past_a_step_file_that_cannot_be_read(tmp_path, caplog):
+    save_steps(tmp_path, [1, 2])
+    (tmp_path / "manifest.json").unlink()
+    (tmp_path / step_file(2)).unlink()
+    (tmp_path / step_file(2)).mkdir()
+    with CheckpointManager(tmp_path, keep_last=3) as manager, caplog.at_level(logging.WARNING):
+        manager.save(state_at(3), 3, blocking=True)
+    assert [e["step"] for e in manifest(tmp_path)] == [1, 3]
+    assert f"{tmp_path / step_file(2)} is unreadable" in caplog.text

@@ -229,3 +229,76 @@ def test_on_two_ranks_a_request_on_one_stops_the_evaluation_on_both_and_the_rela
         # The relaunch of "mid" evaluates step 4 first, and gets the uninterrupted run's loss.
         val_4 = re.search(r"step 4 \| val_loss \S+", whole["log"]).group(0)
         assert val_4 in cases[rank]["mid_relaunch"]["log"].split("resumed from step 4")[1]
+
+
+# The agent: starts the worker (its child) from its main thread, prints the worker's pid, and on a
+# line on stdin ends its main thread alone (its other thread lives on). The worker arms the death
+# signal as ddp_training.py does, installs the handler as DDPTrainer does and then, before its first
+# step (``started`` False) or in training (True), waits for a request, then goes on.
+ORPHAN_AGENT = """
+import ctypes, subprocess, sys, threading, time
+threading.Thread(target=time.sleep, args=(600,), daemon=True).start()
+worker = subprocess.Popen([sys.executable, "-c", sys.argv[1]], stderr=open(sys.argv[2], "w"))
+print(worker.pid, flush=True)
+sys.stdin.readline()
+ctypes.CDLL(None).pthread_exit(None)
+"""
+ORPHAN_WORKER = """
+import logging, os, sys, time
+parent = os.getppid()
+logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+from framework.ddp.process_group import die_with_parent
+from framework.resilience.preemption import PreemptionHandler
+die_with_parent(parent)
+handler = PreemptionHandler().install()
+handler.started = {started}
+print("ready", file=sys.stderr, flush=True)
+deadline = time.monotonic() + 60
+while handler.requested is None and time.monotonic() < deadline:
+    time.sleep(0.05)
+print("requested", handler.requested, file=sys.stderr, flush=True)
+time.sleep(30)  # the rest of a start-up: the first step boundary, where the request is read, is this far off
+"""
+
+
+@pytest.mark.parametrize("started,end", [(False, "kill"), (False, "main_thread"), (True, "kill")])
+def test_a_worker_orphaned_before_its_first_step_ends_at_once_and_in_training_saves_first(tmp_path, started, end):
+    """kill -9 of the torchrun agent: the death signal, SIGTERM, ends a worker that has not begun
+    training (nothing to save; the explorer's kill9_agent@startup found both workers still starting
+    up 10 s later); a worker in training takes it as a preemption request (save, then exit).
+    ``main_thread``: the kernel sends the signal as the agent's main thread exits, and while its other
+    threads are still exiting the worker's parent is one of them: getppid() still gives the agent's pid."""
+    import psutil
+
+    from framework.testing.launch import wait_gone
+    log = tmp_path / "worker.log"
+    agent = subprocess.Popen([sys.executable, "-c", ORPHAN_AGENT, ORPHAN_WORKER.format(started=started), str(log)],
+                             cwd=ROOT, env=worker_env({"TORCHELASTIC_RUN_ID": "test"}), stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    worker = int(agent.stdout.readline())
+    try:
+        deadline = time.monotonic() + 60
+        while "ready" not in log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if end == "kill":
+            agent.kill()
+            agent.wait()
+        else:
+            agent.stdin.write("end\n")
+            agent.stdin.flush()
+        if started:
+            deadline = time.monotonic() + 30
+            while "requested" not in log.read_text() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert f"requested {int(signal.SIGTERM)}" in log.read_text(), log.read_text()
+        else:
+            assert wait_gone([worker], timeout=5) == [], log.read_text()
+            assert "the torchrun agent is gone and training has not begun" in log.read_text()
+            assert "requested" not in log.read_text()
+    finally:
+        agent.kill()
+        agent.wait()
+        try:
+            psutil.Process(worker).kill()
+        except psutil.NoSuchProcess:
+            pass

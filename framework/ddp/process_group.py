@@ -25,7 +25,7 @@ GENERATION: int | None = None
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _PARENT_AT_IMPORT = os.getppid()
-_death_signal_armed = False
+_armed_parent: int | None = None  # the agent's pid, once die_with_parent armed the death signal
 _steady = False  # set_steady_timeout has run since the last setup
 
 
@@ -70,8 +70,8 @@ def die_with_parent(parent: int | None = None) -> None:
     and exit (on 2 nodes, the other node's ranks too, through the control all-reduce), and a
     relaunch continues from that step. If a collective cannot complete (a rank is gone), the hang
     watchdog and the collective timeout end the worker; the newest checkpoint stays valid."""
-    global _death_signal_armed
-    if sys.platform != "linux" or "TORCHELASTIC_RUN_ID" not in os.environ or _death_signal_armed:
+    global _armed_parent
+    if sys.platform != "linux" or "TORCHELASTIC_RUN_ID" not in os.environ or _armed_parent is not None:
         return
     parent = _PARENT_AT_IMPORT if parent is None else parent
     libc = ctypes.CDLL(None, use_errno=True)
@@ -79,12 +79,30 @@ def die_with_parent(parent: int | None = None) -> None:
                   ctypes.c_ulong(0)) != 0:
         errno = ctypes.get_errno()
         raise OSError(errno, f"prctl(PR_SET_PDEATHSIG): {os.strerror(errno)}")
-    _death_signal_armed = True
-    if os.getppid() != parent:  # the agent died before the signal was armed: it will never come
+    _armed_parent = parent
+    if agent_gone():  # the agent died before the signal was armed: it will never come
         log.error("the torchrun agent (pid %d) is gone: this worker ends too", parent)
         for handler in logging.getLogger().handlers:
             handler.flush()
         os.kill(os.getpid(), signal.SIGTERM)
+
+
+def agent_gone() -> bool:
+    """Whether this worker armed the death signal and has outlived its agent since (the kernel
+    reparented it): a SIGTERM then is the death signal, not a scheduler's preemption."""
+    if _armed_parent is None:
+        return False
+    if os.getppid() != _armed_parent:
+        return True
+    # The kernel sends the death signal as the agent's main thread exits and hands this worker to
+    # one of the agent's threads that are still exiting (kill -9): getppid() still names the agent,
+    # whose main thread is a zombie by then.
+    try:
+        with open(f"/proc/{_armed_parent}/stat", "rb") as f:
+            stat = f.read()
+    except FileNotFoundError:
+        return True
+    return stat[stat.rindex(b")") + 2:stat.rindex(b")") + 3] in (b"Z", b"X")
 
 
 def select_device(local_rank: int, cuda_available: bool, device_count: int) -> torch.device:

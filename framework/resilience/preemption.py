@@ -9,6 +9,10 @@ torchrun's forward of it often both deliver one. A later signal exits at once, b
 
 torchrun forwards one signal to its workers and SIGKILLs them 30 s later, so the save has to
 finish within that grace period.
+
+A worker whose torchrun agent died (kill -9) gets SIGTERM as its death signal. Before training has
+begun it has nothing to save and no launcher waits for a PREEMPTED marker, so it exits at once
+instead of finishing its start-up to reach the first step boundary; in training it saves first.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ import os
 import signal
 import threading
 import time
+
+from ..ddp import process_group
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +36,8 @@ class PreemptionHandler:
         self.requested: int | None = None
         self._first_at = 0.0
         self._previous: dict[int, object] = {}
+        self.started = False
+        """Set by the trainer when training begins; before, an orphaned worker exits at once."""
 
     @property
     def installed(self) -> bool:
@@ -37,6 +45,10 @@ class PreemptionHandler:
         return bool(self._previous)
 
     def _handle(self, signum, frame) -> None:
+        if self.requested is None and not self.started and signum == signal.SIGTERM and process_group.agent_gone():
+            log.warning("received SIGTERM: the torchrun agent is gone and training has not begun (nothing to "
+                        "save): exiting now")
+            self._die(signum)
         if self.requested is None:
             self.requested, self._first_at = signum, time.monotonic()
             log.warning("received %s: saving a checkpoint and stopping at the next step boundary",
@@ -47,6 +59,12 @@ class PreemptionHandler:
                      DUPLICATE_WINDOW_S)
             return
         # A second request: give up on the orderly save and die of the signal.
+        self._die(signum)
+
+    @staticmethod
+    def _die(signum: int) -> None:
+        for handler in logging.getLogger().handlers:
+            handler.flush()
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
 

@@ -343,7 +343,11 @@ class CheckpointManager:
         for path, step, lineage in sorted(_step_files(self.directory), key=_step_then_mtime):
             if path.name == new_file:
                 continue
-            data = path.read_bytes()
+            try:
+                data = path.read_bytes()
+            except OSError as e:
+                log.warning("%s is unreadable (%s): left in place, unlisted", path, _os_reason(e))
+                continue
             if self._loaded(path, io.BytesIO(data)) is not None:
                 entries.append({"file": path.name, "step": step, "sha256": hashlib.sha256(data).hexdigest(),
                                 "bytes": len(data), "lineage": lineage, "seq": len(entries) + 1})
@@ -358,7 +362,11 @@ class CheckpointManager:
             if entry["file"] not in listed:
                 path = self.directory / entry["file"]
                 log.info("removing old checkpoint %s (keep_last=%d)", path, self.keep_last)
-                path.unlink(missing_ok=True)
+                try:
+                    path.unlink(missing_ok=True)
+                except OSError as e:
+                    # The new checkpoint and the manifest are written: a file left behind fails no save.
+                    log.warning("could not remove old checkpoint %s (%s): left in place", path, _os_reason(e))
 
     def _report_other_lineages(self, entries: list[dict]) -> None:
         others = [e for e in entries if e["lineage"] != self.lineage]
@@ -469,7 +477,7 @@ class CheckpointManager:
         return None
 
     def _unreadable_file(self, path: Path, error: OSError) -> None:
-        reason = f"{errno.errorcode.get(error.errno, error.errno)}: {error.strerror or error}"
+        reason = _os_reason(error)
         self._unreadable.append(f"{path.name}: {reason}")
         return self._reject(path, f"unreadable ({reason}); trying the one before it")
 
@@ -507,6 +515,11 @@ def _read_manifest(path: Path) -> list[dict]:
     for entry in entries:
         entry.setdefault("lineage", _LEGACY)
     return sorted(entries, key=lambda e: (e["seq"], e["step"]))
+
+
+def _os_reason(error: OSError) -> str:
+    """``EISDIR: Is a directory``: the errno's name and its text."""
+    return f"{errno.errorcode.get(error.errno, error.errno)}: {error.strerror or error}"
 
 
 def _step_files(directory: Path) -> list[tuple[Path, int, str]]:
