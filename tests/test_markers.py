@@ -124,3 +124,22 @@ def test_a_second_launch_into_a_live_runs_checkpoint_dir_changes_none_of_its_mar
         assert {p.name: p.read_bytes() for p in ck.iterdir() if p.name != ".lock"} == before
     finally:
         live.close()
+
+
+def test_a_peers_consequential_error_does_not_replace_the_cause(tmp_path):
+    """Replayed explorer trial 59: rank 0 failed (IsADirectoryError), rank 1 then failed in a
+    collective with gloo's "Connection closed by peer" and overwrote LAST_ERROR, which the
+    restart-loop FATAL quotes."""
+    markers.record_error(tmp_path, 0, IsADirectoryError(21, "Is a directory"))
+    markers.record_error(tmp_path, 1, RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+                                                   "[127.0.0.1]:4242"))
+    assert markers.read(tmp_path, markers.LAST_ERROR).startswith("rank 0: IsADirectoryError")
+    markers.record_error(tmp_path, 1, ValueError("a cause of its own"))  # not consequential: it is recorded
+    assert markers.read(tmp_path, markers.LAST_ERROR) == "rank 1: ValueError: a cause of its own"
+
+
+def test_a_consequential_error_is_recorded_when_nothing_of_this_incarnation_is(tmp_path):
+    (tmp_path / markers.LAST_ERROR).write_text("rank 0: OSError: an earlier incarnation's")
+    os.utime(tmp_path / markers.LAST_ERROR, (0, 0))  # written before this process started
+    markers.record_error(tmp_path, 1, RuntimeError("Connection reset by peer"))
+    assert markers.read(tmp_path, markers.LAST_ERROR) == "rank 1: RuntimeError: Connection reset by peer"

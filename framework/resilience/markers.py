@@ -65,8 +65,28 @@ def write_fatal(directory: str | Path, rank: int, err: BaseException) -> None:
     log.error("fatal, not retriable (FATAL marker written): %s", message)
 
 
+# What a rank sees when a peer died: the peer's own error is the cause worth naming.
+_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "remote process exited")
+
+
+def _recorded_by_this_incarnation(path: Path) -> bool:
+    """Whether ``path`` was written after this process started: every rank of an incarnation
+    starts after the previous incarnation's ranks have all exited."""
+    import psutil
+
+    try:
+        return path.stat().st_mtime >= psutil.Process().create_time()
+    except FileNotFoundError:
+        return False
+
+
 def record_error(directory: str | Path, rank: int, err: BaseException) -> None:
-    """The error a rank is exiting with, for the restart-loop guard to name."""
+    """The error a rank is exiting with, for the restart-loop guard to name. A rank that only saw
+    a peer go away (gloo's "Connection closed by peer", NCCL's DistBackendError) does not replace
+    the error another rank of this incarnation recorded: that one is the cause."""
+    consequential = type(err).__name__ == "DistBackendError" or any(s in str(err) for s in _PEER_LOST)
+    if consequential and _recorded_by_this_incarnation(Path(directory) / LAST_ERROR):
+        return
     try:
         write(directory, LAST_ERROR, f"rank {rank}: {type(err).__name__}: {(str(err).splitlines() or [''])[0]}")
     except OSError as write_err:
