@@ -74,6 +74,16 @@ def summarize(launches: list[dict]) -> dict:
             "ranks_with_gloo_threads_at_exit": sum(r["gloo_threads_at_exit"] for r in launches)}
 
 
+def write_json(out: Path, label: str, models: list[str], launches: list[dict]) -> dict:
+    rows = {m: summarize([r for r in launches if r["model"] == m]) for m in models}
+    rows["all"] = summarize(launches)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp_out = out.with_suffix(".json.tmp")
+    tmp_out.write_text(json.dumps({"label": label, "summary": rows, "launches": launches}, indent=1))
+    tmp_out.replace(out)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("-n", type=int, default=50, help="launches in all, the models taking turns")
@@ -87,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     cores = Path(args.cores).resolve() if args.cores else None
     if cores:
         cores.mkdir(parents=True, exist_ok=True)
-    launches = []
+    launches: list[dict] = []
+    rows = write_json(Path(args.out), args.label, models, launches)
     with tempfile.TemporaryDirectory(prefix="clean_exit_") as tmp:
         for i in range(args.n):
             record = one_launch(models[i % len(models)], Path(tmp) / f"launch_{i}", timeout=args.timeout,
@@ -96,20 +107,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"launch {i + 1}/{args.n} {record['model']}: exit {record['returncode']}, worker exit codes "
                   f"{record['worker_exitcodes'] or '-'}, terminate called x{record['terminate_called']}, "
                   f"{record['seconds']} s", flush=True)
-    rows = {m: summarize([r for r in launches if r["model"] == m]) for m in models}
-    rows["all"] = summarize(launches)
+            rows = write_json(Path(args.out), args.label, models, launches)  # an interrupted run keeps its launches
     print("\n| model | launches | exit 0 | aborts | \"terminate called\" | both ranks trained "
           "| ranks with gloo threads at exit |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for name, row in rows.items():
         print(f"| {name} | {row['launches']} | {row['exit_0']} | {row['aborted']} | {row['terminate_called']} "
               f"| {row['both_ranks_trained']} | {row['ranks_with_gloo_threads_at_exit']} |")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp_out = out.with_suffix(".json.tmp")
-    tmp_out.write_text(json.dumps({"label": args.label, "summary": rows, "launches": launches}, indent=1))
-    tmp_out.replace(out)
-    print(f"written: {out}")
+    print(f"written: {args.out}")
     return 0 if rows["all"]["exit_0"] == rows["all"]["launches"] else 1
 
 
