@@ -8,7 +8,6 @@ another run is using, 1 anything else.
 from __future__ import annotations
 
 import faulthandler
-import logging
 import os
 import sys
 
@@ -83,14 +82,7 @@ def cli() -> None:
     if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun worker (--check-config and --help import no torch)
         from framework.ddp.process_group import die_with_parent
         die_with_parent(LAUNCHER_PID)
-    code = main()
-    # Everything is written and the process group is gone. Skip the interpreter's finalisation:
-    # with gloo, torch 2.13 occasionally aborts there ("terminate called without an active
-    # exception", a few percent of 2-rank runs here), turning a finished run into a failed one.
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    raise SystemExit(main())
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ Needs the hf extra: ``pip install -e .[hf]``.
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 from pathlib import Path
@@ -109,9 +108,3 @@ if __name__ == "__main__":
         adapters = Path(parse_args(None).out) / "adapters"
         print("preempted: run the same command to resume" if summary["preempted"] else
               f"val loss {summary['final_val_loss']:.4f} after {summary['steps']} steps; adapters in {adapters}")
-    # As in ddp_training.py: skip the interpreter's finalisation, where torch 2.13 with gloo
-    # occasionally aborts after a finished run.
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)

@@ -100,6 +100,7 @@ class DDPTrainer:
             self._preemption.restore()
             raise
         self._owns_process_group = not dist.is_initialized()
+        process_group.close_at_exit(self.close)
         self._log_path = setup_logging(process_group.read_env(rank, world_size)[0], cfg.logging.dir, debug=debug)
         self.env = process_group.setup(cfg.ddp.backend, cfg.ddp.init_timeout_s or cfg.ddp.timeout_s, rank=rank,
                                        world_size=world_size, log_dir=cfg.logging.dir)
@@ -452,7 +453,8 @@ class DDPTrainer:
 
     def close(self) -> None:
         """Wait for the checkpoint write in flight, release the loader's workers and, if this
-        trainer created it, the process group. Safe to call more than once."""
+        trainer created it, the process group (``model`` is then ``raw_model``). Safe to call more
+        than once; called at interpreter exit if still open."""
         if getattr(self, "_checkpointer", None) is not None:
             try:
                 self._checkpointer.close()
@@ -463,5 +465,10 @@ class DDPTrainer:
         if getattr(self, "_watchdog", None) is not None:
             self._watchdog.close()
         if self._owns_process_group:
+            if getattr(self, "env", None) is not None and self.env.distributed:
+                # The DDP wrapper holds the group: without it, teardown frees the group (see there).
+                self.model = getattr(self, "raw_model", None)
+                if getattr(self, "_train_step", None) is not None:
+                    self._train_step.model = self.raw_model
             process_group.teardown()
         self._preemption.restore()  # last: a signal until here is recorded, not fatal

@@ -107,7 +107,7 @@ def test_recorded_micro_batch_applies_to_restarts_only(tmp_path, monkeypatch):
 
 @pytest.mark.dist
 def test_a_fatal_exit_waits_for_the_checkpoint_write_in_flight(tmp_path):
-    """FatalError ends the entry point with os._exit: the write started a step earlier must be
+    """FatalError ends the entry point with exit code 1: the write started a step earlier must be
     on disk and in the manifest by then."""
     import json
     import subprocess

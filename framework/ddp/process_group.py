@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import ctypes
 import atexit
+import ctypes
 import datetime
 import logging
 import os
@@ -11,6 +11,8 @@ import signal
 import sys
 import time
 import uuid
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +29,7 @@ PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _PARENT_AT_IMPORT = os.getppid()
 _armed_parent: int | None = None  # the agent's pid, once die_with_parent armed the death signal
 _steady = False  # set_steady_timeout has run since the last setup
+_teardown_registered = False  # teardown runs at interpreter exit
 
 
 @dataclass(frozen=True)
@@ -181,6 +184,7 @@ def setup(backend: str = "auto", timeout_s: float = 600.0, *, rank: int | None =
 
     chosen = choose_backend(backend, cuda)
     if not dist.is_initialized():
+        import_group_defaults()
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         if "MASTER_PORT" not in os.environ:
             raise ValueError("world_size > 1 without torchrun: set MASTER_ADDR and MASTER_PORT")
@@ -192,11 +196,27 @@ def setup(backend: str = "auto", timeout_s: float = 600.0, *, rank: int | None =
         dist.init_process_group(backend=chosen, rank=rank, world_size=world_size, timeout=timeout,
                                 device_id=device if chosen == "nccl" else None,
                                 store=restart_safe_store(rank, world_size, timeout))
+        global _teardown_registered
+        if not _teardown_registered:
+            atexit.register(teardown)
+            _teardown_registered = True
     else:
         chosen = dist.get_backend()
     log.info("process group up: backend=%s rank=%d/%d local_rank=%d device=%s TORCH_DISTRIBUTED_DEBUG=%s",
              chosen, rank, world_size, local_rank, device, os.environ.get("TORCH_DISTRIBUTED_DEBUG", "OFF"))
     return DistEnv(rank, local_rank, world_size, local_world_size, device, chosen)
+
+
+def import_group_defaults() -> None:
+    """Import torch.distributed.nn.functional while no process group exists.
+
+    Its collectives take ``group=group.WORLD`` as a default argument, evaluated at import. DDP
+    imports it (through torch.distributed.fsdp), so imported after init_process_group it would hold
+    the default group for the life of the process: destroy_process_group could not free it, and
+    the group's gloo threads, sockets and store client would be torn down inside the interpreter's
+    finalisation, where torch 2.13 occasionally aborts ("terminate called without an active
+    exception"). Imported first, the defaults are None (the default group at call time)."""
+    import torch.distributed.nn.functional  # noqa: F401
 
 
 def restart_count() -> int:
@@ -269,9 +289,19 @@ def agree_generation(store: dist.Store, rank: int, world_size: int, timeout: dat
 
 
 def teardown() -> None:
+    """Leave the process group and free it now, while the interpreter is whole. Freeing the group
+    joins its gloo threads and closes its sockets; a group that something still references is
+    freed only when its last holder goes, during the interpreter's finalisation if that holder
+    lives as long (a module global), and there torch 2.13 occasionally aborts."""
     global STORE, GENERATION
     if dist.is_available() and dist.is_initialized():
+        group = dist.group.WORLD
         dist.destroy_process_group()
+        holders = sys.getrefcount(group) - 2  # less this frame's name and getrefcount's argument
+        if holders > 0:
+            log.info("the process group is still referenced %d time(s) after destroy_process_group (a DDP "
+                     "module?): it is freed when the last reference goes", holders)
+        del group
     STORE = GENERATION = None  # release the store client here, not during interpreter shutdown
 
 
@@ -287,5 +317,20 @@ def join_early(timeout_s: float = 600.0) -> None:
                         "it, through accelerate, with env://): an in-place restart may connect to a dead "
                         "incarnation's workers. Import framework.hf before building TrainingArguments")
         return
-    setup("auto", timeout_s)
-    atexit.register(teardown)  # the group is ours; DDPTrainer leaves a group it found alone
+    setup("auto", timeout_s)  # which registers the teardown at exit: DDPTrainer leaves a group it found alone
+
+
+def close_at_exit(close: Callable[[], None]) -> None:
+    """Call the bound method ``close`` at interpreter exit, before the finalisation, if its object
+    is still alive then (it is held weakly): a script that simply ends without closing what it
+    built still frees the process group while the interpreter is whole (see ``teardown``).
+    Handlers run last-registered first, so these run before the ``teardown`` that ``setup``
+    registers."""
+    method = weakref.WeakMethod(close)
+
+    def at_exit() -> None:
+        bound = method()
+        if bound is not None:
+            bound()
+
+    atexit.register(at_exit)
