@@ -121,6 +121,10 @@ def launch(script: str | Path, args: list[str], out_dir: Path, *, nproc: int = 2
         output, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
+        # torchrun starts its workers in sessions of their own, holding our stdout pipe: until they
+        # are gone too, communicate() would wait for its end forever.
+        kill_registered(out_dir)
+        kill_matching(str(out_dir))
         output, _ = proc.communicate()
         output += f"\n[launch] torchrun timed out after {timeout}s and was killed"
     finally:
