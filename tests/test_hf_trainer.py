@@ -270,3 +270,36 @@ def test_a_transformers_script_runs_under_the_drop_in_and_survives_kill_9(tmp_pa
     drop = theirs[5] - theirs[20]
     assert drop > 0.2, theirs  # the recipe learns
     assert abs(ours[20] - theirs[20]) < 0.25 * drop, (ours, theirs)  # the same recipe, other sample orders
+
+
+def test_the_remaining_mapped_fields(tmp_path, caplog):
+    """The fields the parametrised test does not reach: the alias, the columns kept, the refused
+    sampling strategy, the first-step log and the warning for the samples drop_last leaves out."""
+    alias = targs(tmp_path, activation_checkpointing=True, activation_checkpointing_kwargs={"use_reentrant": True})
+    assert config_of(alias)["memory"]["activation_checkpointing"] == "reentrant"
+    with pytest.raises(ConfigError, match="gradient_checkpointing_kwargs"):
+        config_of(targs(tmp_path, gradient_checkpointing=True, gradient_checkpointing_kwargs={"preserve": 1}))
+    args = targs(tmp_path)
+    args.train_sampling_strategy = "sequential"
+    with pytest.raises(ConfigError, match="train_sampling_strategy='sequential'"):
+        config_of(args)
+
+    class Extra(StrideBytes):
+        def __getitem__(self, i):
+            return {**super().__getitem__(i), "source": 7}  # not a forward() argument
+
+    model = build_model()
+    kept = Trainer(model=model, args=targs(tmp_path), train_dataset=Extra(8))._collated(Extra(8))
+    assert "source" not in kept[0] and {"input_ids", "labels", "attention_mask"} <= set(kept[0])
+    assert "source" in Trainer(model=model, args=targs(tmp_path, remove_unused_columns=False),
+                               train_dataset=Extra(8))._collated(Extra(8))[0]
+    assert "source" in Trainer(model=model, args=targs(tmp_path, label_names=["source"]),
+                               train_dataset=Extra(8))._collated(Extra(8))[0]
+
+    rec = Recorder()
+    with caplog.at_level(logging.WARNING, logger="framework.hf"):
+        Trainer(model=model, args=targs(tmp_path, max_steps=2, logging_steps=5, logging_first_step=True,
+                                        save_strategy="no"),
+                train_dataset=StrideBytes(70), callbacks=[rec]).train()
+    assert [s for s, logs in rec.logs if "loss" in logs] == [1, 2], "the first step is logged, and the last"
+    assert any("the last 2 samples of each epoch" in r.getMessage() for r in caplog.records)
