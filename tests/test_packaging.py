@@ -63,6 +63,6 @@ def test_dependencies_agree_with_the_requirement_files():
     assert "torch>=2.13" in runtime  # never a pin that would replace an installed CUDA or CPU build
     names = {r.split(">")[0].split("=")[0] for r in requirement_lines("requirements.txt")}
     assert {r.split(">")[0] for r in runtime} <= names
-    hf_names = ("transformers", "peft")  # safetensors, the export format, is a runtime dependency
+    hf_names = ("transformers", "peft", "accelerate")  # safetensors, the export format, is a runtime dependency
     hf = [r for r in requirement_lines("requirements-dev.txt") if r.split("==")[0] in hf_names]
     assert PYPROJECT["project"]["optional-dependencies"]["hf"] == hf
