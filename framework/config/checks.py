@@ -58,10 +58,7 @@ def check_values(cfg: TrainConfig) -> list[str]:
                         "checkpoint file")
     if cfg.recovery.fault_inject:
         from ..testing.faults import parse
-        try:
-            parse(cfg.recovery.fault_inject)
-        except ValueError as err:
-            problems.append(f"recovery.fault_inject={cfg.recovery.fault_inject!r}: {err}")
+        problems += _unparsable("recovery.fault_inject", cfg.recovery.fault_inject, parse)
     problems += _check_run_health_and_speed(cfg)
     if cfg.precision.autocast == "true" and cfg.precision.dtype == "fp16" and not _cuda_available():
         problems.append("precision.dtype='fp16': needs CUDA (use bf16 on CPU, or precision.autocast=false)")
@@ -82,11 +79,17 @@ def _check_run_health_and_speed(cfg: TrainConfig) -> list[str]:
                         "return to); allowed with checkpoint.every_steps=0: off, warn")
     if cfg.data.exclude_samples:
         from ..resilience.exclusions import read
-        try:
-            read(cfg.data.exclude_samples)
-        except ValueError as err:
-            problems.append(f"data.exclude_samples={cfg.data.exclude_samples!r}: {err}")
+        problems += _unparsable("data.exclude_samples", cfg.data.exclude_samples, read)
     return problems
+
+
+def _unparsable(key: str, value: str, parse) -> list[str]:
+    """The problem of a value ``parse`` rejects with ValueError, as one line; none when it parses."""
+    try:
+        parse(value)
+    except ValueError as err:
+        return [f"{key}={value!r}: {err}"]
+    return []
 
 
 # --- the built-in data, checked before a run builds it ---------------------------------------

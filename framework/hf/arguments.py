@@ -138,6 +138,14 @@ def _interval(strategy, steps: float, steps_per_epoch: int, total_steps: int, ke
     raise ConfigError([f"TrainingArguments.{key}={strategy!r}: allowed: no, steps, epoch"])
 
 
+def ddp_backend(args) -> str:
+    """ddp.backend for ``args.ddp_backend``."""
+    backend = _plain(args.ddp_backend) or "auto"
+    if backend not in ("auto", "gloo", "nccl"):
+        raise ConfigError([f"TrainingArguments.ddp_backend={backend!r}: allowed: gloo, nccl (or unset)"])
+    return backend
+
+
 def total_steps(args, steps_per_epoch: int) -> int:
     """The optimizer steps of the run, as transformers.Trainer counts them."""
     if args.max_steps > 0:
@@ -150,9 +158,7 @@ def to_config(args, *, steps_per_epoch: int, resume: str) -> dict:
     number of optimizer steps of one epoch; ``resume`` the checkpoint.resume value."""
     out = args.output_dir or "trainer_output"
     total = total_steps(args, steps_per_epoch)
-    backend = _plain(args.ddp_backend) or "auto"
-    if backend not in ("auto", "gloo", "nccl"):
-        raise ConfigError([f"TrainingArguments.ddp_backend={backend!r}: allowed: gloo, nccl (or unset)"])
+    backend = ddp_backend(args)
     if (_plain(args.train_sampling_strategy) or "random") != "random":
         raise ConfigError([f"TrainingArguments.train_sampling_strategy={args.train_sampling_strategy!r}: "
                           "allowed: random"])

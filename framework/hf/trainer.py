@@ -17,6 +17,7 @@ import torch
 from torch.utils.data import Dataset, IterableDataset
 
 from ..config.schema import ConfigError
+from ..data.sampler import ResumableDistributedSampler
 from ..ddp import process_group
 from ..model.hf_checkpointing import hf_model_in
 from ..trainer import DDPTrainer
@@ -139,7 +140,7 @@ class Trainer:
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if dataset is None:
             raise ConfigError(["framework.hf.Trainer.evaluate: no eval_dataset"])
-        env = process_group.setup(self._backend(), float(self.args.ddp_timeout))
+        env = process_group.setup(arguments.ddp_backend(self.args), float(self.args.ddp_timeout))
         self.model.to(env.device)
         was_training = self.model.training
         self.model.eval()
@@ -174,9 +175,6 @@ class Trainer:
 
     # --- the translation ------------------------------------------------------------------------
 
-    def _backend(self) -> str:
-        return arguments.to_config(self.args, steps_per_epoch=1, resume="none")["ddp"]["backend"]
-
     def _autocast(self, env):
         dtype = torch.float16 if self.args.fp16 else torch.bfloat16
         return lambda: torch.autocast(env.device.type, dtype=dtype, enabled=bool(self.args.bf16 or self.args.fp16))
@@ -192,9 +190,10 @@ class Trainer:
         return lambda outputs, batch: user(outputs, batch["labels"], num_items_in_batch=None)
 
     def _steps_per_epoch(self) -> int:
-        world = process_group.read_env()[2]
-        per_step = self.args.per_device_train_batch_size * world * self.args.gradient_accumulation_steps
-        steps = len(self.train_dataset) // per_step
+        sampler = ResumableDistributedSampler(len(self.train_dataset), process_group.read_env()[2], 0,
+                                              self.args.per_device_train_batch_size,
+                                              self.args.gradient_accumulation_steps)
+        steps, per_step = sampler.steps_per_epoch, sampler.global_batch
         dropped = len(self.train_dataset) - steps * per_step
         if dropped:
             log.warning("the last %d samples of each epoch (less than one global batch of %d) are not trained: "

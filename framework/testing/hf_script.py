@@ -13,7 +13,6 @@ trainable weights' sha256, the log history, the steps done and the restart count
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
 import signal
 import sys
@@ -64,17 +63,9 @@ def build_model():
     return get_peft_model(base, lora)
 
 
-def trainable_sha256(model) -> str:
-    digest = hashlib.sha256()
-    for name, p in sorted(model.named_parameters()):
-        if p.requires_grad:
-            digest.update(name.encode())
-            digest.update(p.detach().cpu().contiguous().numpy().tobytes())
-    return digest.hexdigest()
-
-
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
+    from framework.resilience.consistency import model_sha256
     from framework.testing.launch import register_worker, write_result
 
     register_worker()
@@ -103,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
     train_s = time.perf_counter() - start
     rank = int(os.environ.get("RANK", 0))
     write_result(Path(os.environ.get("TEST_OUT_DIR", args.out)), rank, {
-        "sha256": trainable_sha256(model), "log_history": hf_trainer.state.log_history,
+        "sha256": model_sha256(model), "log_history": hf_trainer.state.log_history,
         "steps": hf_trainer.state.global_step, "train_s": train_s,
         "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))})
     sys.stdout.flush()
