@@ -16,7 +16,8 @@ user or a scheduler would), and checks:
   it (not after nan, bad_data, full_disk: those change the result by design);
 - no_hang: every launch ends within a bound derived from the configuration;
 - explained: exit 0, or a FATAL marker / one-line ``fatal:``/``error:`` line; a user's mistake exits
-  2 without a traceback; a transient fault gets no FATAL and the relaunched run finishes;
+  2 without a traceback; a transient fault gets no FATAL and the relaunched run finishes, but the
+  run's only checkpoint made unreadable (for good) must end in a FATAL naming it;
 - accounting: read_metrics steps strictly increasing, its last loss equal to summary.json's; with
   record_samples, no sample twice in an epoch, and each completed epoch's samples equal the
   reference's.
@@ -443,9 +444,9 @@ def newest_own_step_file(lay: Layout, foreign: set[str]) -> Path | None:
     return files[-1] if files else None
 
 
-def deliver(trial: dict, job: Job, lay: Layout, foreign: set[str], notes: list[str]) -> bool:
+def deliver(trial: dict, job: Job, lay: Layout, foreign: set[str], res: dict) -> bool:
     """Deliver an external fault now; False when its target is gone."""
-    fault, last = trial["fault"], world(trial["config"]) - 1
+    fault, last, notes = trial["fault"], world(trial["config"]) - 1, res["notes"]
     workers = job.workers()
     try:
         if fault in ("kill9_worker", "sigterm_worker", "corrupt_newest", "unreadable_newest"):
@@ -461,6 +462,10 @@ def deliver(trial: dict, job: Job, lay: Layout, foreign: set[str], notes: list[s
                 else:
                     newest.rename(lay.work / f"aside-{newest.name}")
                     newest.mkdir()
+                    # Nothing else to resume: the fault stays, so no restart can read it (a real
+                    # EIO may pass, a directory does not); an explained stop naming it is expected.
+                    if newest_own_step_file(lay, foreign) is None:
+                        res["unreadable_only"] = newest.name
                 notes.append(f"damaged {newest.name}")
             os.kill(workers[last].pid, signal.SIGTERM if fault == "sigterm_worker" else signal.SIGKILL)
         elif fault in ("kill9_agent", "kill9_node"):
@@ -748,7 +753,7 @@ def run_job(trial, job: Job, lay: Layout, foreign: set[str], marker: str, res: d
                 second = Job(trial, args, Path(res["dir"]), "second")
                 res["hit"] = True
             else:
-                res["hit"] = deliver(trial, job, lay, foreign, res["notes"])
+                res["hit"] = deliver(trial, job, lay, foreign, res)
                 res["fault_at_s"] = round(time.monotonic() - start, 1)
         if time.monotonic() - start > bound:
             timed_out = True
@@ -835,6 +840,7 @@ class Context:
         self.trial, self.res, self.ref = trial, res, ref
         self.cfg, self.fault = trial["config"], trial["fault"]
         self.spec, self.n = FAULTS[self.fault], total_steps(self.cfg)
+        self.transient = self.spec.transient and not res.get("unreadable_only")
         self.summary = res.get("summary")
         self.finished = is_finished(self.cfg, self.summary)
         self.last = res["launches"][-1] if res.get("launches") else {"codes": [], "stderr": ""}
@@ -908,9 +914,12 @@ def explained(c: Context) -> str | None:
                                        None)
         if not why and not res.get("timed_out"):
             problems.append(f"stopped (exit {codes}) without a FATAL or one-line reason: {tail_error(stderr)}")
-        if c.spec.transient and not res.get("timed_out"):
+        if c.transient and not res.get("timed_out"):
             problems.append(f"a transient fault ({c.fault}) was not survived: {(why or '')[:300]}")
-    if c.spec.transient and res.get("fatal"):
+    if res.get("unreadable_only") and res["unreadable_only"] not in (res.get("fatal") or ""):
+        problems.append(f"the run's only checkpoint {res['unreadable_only']} was made unreadable, and the run did "
+                        f"not stop with a FATAL naming it (exit {codes})")
+    if c.transient and res.get("fatal"):
         problems.append(f"FATAL after a transient fault: {res['fatal'][:300]}")
     second = res.get("second")
     if second and ((0 in second["codes"] and second["ended_while_first_ran"]) or "Traceback" in second["stderr_tail"]):

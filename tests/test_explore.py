@@ -85,6 +85,17 @@ def test_the_checker_passes_a_clean_result_and_catches_each_broken_invariant():
         "codes": [1], "timed_out": False, "wall_s": 3.0, "left_behind": 0,
         "stderr": "Traceback (most recent call last):\n  ...\nValueError: Queue is closed\n"}]))
     assert "without a FATAL or one-line reason: ValueError: Queue is closed" in found["explained"]
+    # the run's only checkpoint made unreadable for good (trial 100 of seed 2000): no restart can
+    # read it, so an explained stop naming it is expected, and a traceback alone is not one
+    only = {**trial, "fault": "unreadable_newest", "moment": "eval"}
+    res = copy.deepcopy(good)
+    res.update(summary=None, unreadable_only="step_00000004.pt", launches=[{
+        "codes": [1], "timed_out": False, "wall_s": 3.0, "left_behind": 0,
+        "stderr": "Traceback (most recent call last):\nCheckpointUnreadable: no checkpoint could be read\n"}])
+    found = violations(explore.check(only, res, reference_of(good)))
+    assert "did not stop with a FATAL naming it" in found["explained"]
+    res["fatal"] = "rank 0: CheckpointError: no checkpoint in ck could be read: step_00000004.pt: EISDIR; no restart"
+    assert violations(explore.check(only, res, reference_of(good))) == {}
     # an uninterrupted run that skips a due checkpoint (bug 3, bug 7)
     plain = {**trial, "fault": "none", "moment": "startup"}
     res = copy.deepcopy(good)

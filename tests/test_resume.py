@@ -216,11 +216,32 @@ def test_a_transient_read_error_with_nothing_else_to_resume_is_retried_not_fatal
     DDPTrainer(tiny(tmp_path, max_steps=4)).train()
     newest = tmp_path / "ck" / "step_00000004.pt"
     unreadable(monkeypatch, newest.name)
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "2")
     for resume in ("auto", str(newest)):  # auto must not start fresh over a checkpoint it could not read
-        with pytest.raises(OSError, match="step_00000004.pt.*Input/output error"):
+        with pytest.raises(OSError, match="step_00000004.pt.*Input/output error.*a restart tries again"):
             DDPTrainer(tiny(tmp_path, max_steps=8, resume=resume))
         assert markers.read(tmp_path / "ck", markers.FATAL) is None
         assert "Input/output error" in markers.read(tmp_path / "ck", markers.LAST_ERROR)
+
+
+@pytest.mark.parametrize("torchrun", [True, False])
+def test_the_last_incarnation_stops_on_an_unreadable_checkpoint_with_a_fatal_naming_it(tmp_path, monkeypatch,
+                                                                                      torchrun):
+    """The explorer's trial 100: every incarnation failed retriably on the only checkpoint (unreadable),
+    and the last one ended in a traceback and no FATAL. Without a restart left, nothing will read it
+    again: an explained stop, with the file left as it was."""
+    DDPTrainer(tiny(tmp_path, max_steps=4)).train()
+    newest = tmp_path / "ck" / "step_00000004.pt"
+    before = newest.read_bytes()
+    unreadable(monkeypatch, newest.name)
+    if torchrun:
+        monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "2")
+        restart(monkeypatch, 2)
+    with pytest.raises(CheckpointError, match="step_00000004.pt.*Input/output error.*no restart is left"):
+        DDPTrainer(tiny(tmp_path, max_steps=8))
+    assert "step_00000004.pt" in markers.read(tmp_path / "ck", markers.FATAL)
+    monkeypatch.undo()
+    assert newest.read_bytes() == before
 
 
 def test_a_rollback_takes_only_its_own_lineages_checkpoints(tmp_path):

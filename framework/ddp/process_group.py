@@ -226,6 +226,12 @@ def restart_count() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
+def restarts_left() -> int:
+    """How many more times this node's torchrun agent will restart its workers after a failure
+    (``--max-restarts`` less ``restart_count``); 0 outside torchrun, where nothing restarts."""
+    return max(0, int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) - restart_count())
+
+
 def incarnation() -> int:
     """How many times this launch's worker group has been restarted, the same on every rank: the
     agreed store generation under torchrun (see ``agree_generation``), else the restart count."""

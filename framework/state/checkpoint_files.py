@@ -399,7 +399,7 @@ class CheckpointManager:
         ``step_*.pt`` files from the highest step down, checking that each loads. Every rejected
         file is logged as a WARNING with the reason. A file that cannot be read (an OSError such as
         EIO or ESTALE, which may pass) is skipped like a damaged one; when no candidate is left and
-        one was skipped so, CheckpointUnreadable: a restart tries again, rather than starting afresh.
+        one was skipped so, CheckpointUnreadable: the caller retries, rather than starting afresh.
         """
         if self.rank == 0:
             self.wait()
@@ -421,7 +421,7 @@ class CheckpointManager:
                           and (state := self._verified(self.directory / e["file"], e)) is not None), None)
         if found is None and self._unreadable:
             raise CheckpointUnreadable(f"no checkpoint in {self.directory} could be read: "
-                                       f"{'; '.join(self._unreadable)}; a restart tries again")
+                                       f"{'; '.join(self._unreadable)}")
         return found
 
     def lineage_of(self, path: str | Path) -> str | None:

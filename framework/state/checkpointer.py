@@ -31,6 +31,19 @@ log = logging.getLogger(__name__)
 FORMAT = 2
 """The checkpoint format written; format 1 (framework 0.1.0 before the state had owners) is read too."""
 
+
+def _unreadable(err) -> list:
+    """``[message, may_pass]`` for a checkpoint that cannot be read now (EIO, ESTALE, EACCES). It may
+    pass, so while torchrun has a restart left the run fails retriably and the restart reads again;
+    the last incarnation stops with a FatalError instead, which names the file, rather than fail
+    the same way once more with a traceback (or start afresh beside a checkpoint it never read)."""
+    if process_group.restarts_left() > 0:
+        return [f"{err}; a restart tries again", True]
+    return [f"{err}; no restart is left to try again (torchrun --max-restarts), and the run does not start "
+            "afresh beside a checkpoint it could not read: make it readable, or move it out of the checkpoint "
+            "directory, and launch again", False]
+
+
 class Stateful(Protocol):
     def state_dict(self) -> dict: ...
 
@@ -234,10 +247,9 @@ class Checkpointer:
             except FileNotFoundError as err:
                 choice[1] = f"resume={self.cfg.checkpoint.resume}: {err.strerror}: {err.filename}"
             except OSError as err:
-                choice[1:] = [str(err) if isinstance(err, CheckpointUnreadable) else
-                              f"checkpoint.resume={self.cfg.checkpoint.resume}: unreadable ({err.strerror or err}); "
-                              "a restart tries again",
-                              True]
+                choice[1:] = _unreadable(err if isinstance(err, CheckpointUnreadable) else
+                                         f"checkpoint.resume={self.cfg.checkpoint.resume}: unreadable "
+                                         f"({err.strerror or err})")
             except (RuntimeError, EOFError) as err:
                 first_line = (str(err).splitlines() or [""])[0]
                 choice[1] = f"resume={self.cfg.checkpoint.resume}: unreadable: {type(err).__name__}: {first_line}"
