@@ -38,7 +38,8 @@ from .state import atomic, export, rng
 from .state.checkpoint_files import CheckpointDirLocked, CheckpointError
 from .state.checkpointer import Checkpointer, guard_restart_loop, open_manager
 from .testing.faults import FaultPlan
-from .train.callbacks import Callbacks, user_stateful
+from .train.callbacks import UserCallbacks, user_stateful
+from .train.moments import Moments
 from .train.control import Agreement, agree
 from .train.evaluation import Evaluator
 from .train.optim import optimizer_and_schedule, precision
@@ -92,7 +93,8 @@ class DDPTrainer:
                  doctor: bool = False, optimizer=None, lr_scheduler: Callable | None = None, callbacks=(),
                  stateful: dict[str, Any] | None = None):
         self._preemption = PreemptionHandler().install()
-        self._user_optim, self._callbacks = (optimizer, lr_scheduler), Callbacks(callbacks)
+        self._user_optim, self._callbacks = (optimizer, lr_scheduler), UserCallbacks(callbacks, owner=self)
+        self._moments = Moments()  # the run's moments; fault injection and the callbacks attach to it
         self._user_state = user_stateful(stateful)
         try:
             self.config = cfg = resolve_config(config)
@@ -144,7 +146,7 @@ class DDPTrainer:
         builtin_data = train_dataset is None  # checkpoint_dir's lock first: its markers may be a live run's
         self._checkpointer = Checkpointer(self.config, self.env, open_manager(self.config, self.env), {},
                                           builtin_data=builtin_data, builtin_model=model is None,
-                                          on_save=lambda s: self._callbacks("on_save", self, s))
+                                          on_save=self._moments.saved)
         markers.check_at_start(self.config.checkpoint.dir, restart_count=process_group.incarnation(),
                                is_main=self.env.is_main)
         if self.config.train.deterministic:
@@ -175,10 +177,11 @@ class DDPTrainer:
         cfg, env = self.config, self.env
         self.step = self._tokens_total = 0
         self._skips = SkipBudget(cfg.recovery.max_errors_per_epoch)
-        self._spike_guard = SpikeGuard(cfg, is_main=env.is_main)
+        self._spike_guard = SpikeGuard(cfg.spike, checkpoint_dir=cfg.checkpoint.dir,
+                                       exclude_samples=cfg.data.exclude_samples, is_main=env.is_main)
         self._spike_guard.attach(self.sampler)
         self._pending_spike = None
-        self._comm_hook = CommHook(cfg, env)
+        self._comm_hook = CommHook(cfg.ddp, env, seed=cfg.train.seed)
         self._checkpointer.attach(cfg, {
             "trainer": _Saved(self._state_dict, self._load_state_dict), "model": self.raw_model,
             "optimizer": self.optimizer, "scaler": self._scaler, "schedule": self._schedule, "sampler": self.sampler,
@@ -226,7 +229,8 @@ class DDPTrainer:
 
     def _build_run_health(self) -> None:
         cfg, env = self.config, self.env
-        self._faults = FaultPlan(cfg.recovery.fault_inject, env.rank, process_group.incarnation())
+        self._moments.attach(FaultPlan(cfg.recovery.fault_inject, env.rank, process_group.incarnation()))
+        self._moments.attach(self._callbacks)
         self._stragglers = StragglerMonitor(cfg.straggler, env)
         self._watchdog = Watchdog(step_timeout_s=cfg.recovery.step_timeout_s, factor=cfg.recovery.step_timeout_factor,
                                   log_file=log_file_stream(self._log_path), rank=env.rank, world_size=env.world_size,
@@ -234,10 +238,13 @@ class DDPTrainer:
         self._train_step = TrainStep(model=self.model, raw_model=self.raw_model, optimizer=self.optimizer,
                                      scaler=self._scaler, schedule=self._schedule, loss_fn=self._loss_fn,
                                      autocast=self._autocast, env=env, sampler=self.sampler, stream=self._stream,
-                                     faults=self._faults, skips=self._skips, cfg=cfg, oom_recovery=self._oom_recovery,
+                                     moments=self._moments, skips=self._skips, grad_clip=cfg.optim.grad_clip,
+                                     agree_nonfinite=cfg.recovery.agree_nonfinite, checkpoint_dir=cfg.checkpoint.dir,
+                                     oom_recovery=self._oom_recovery,
                                      lr_factor=self._spike_guard.lr_factor, timer=self._stragglers.timer)
-        self._evaluator = Evaluator(self.raw_model, self._val_dataset, self._loss_fn, cfg=cfg, env=env,
-                                    autocast=self._autocast, sampler=self.sampler, faults=self._faults)
+        self._evaluator = Evaluator(self.raw_model, self._val_dataset, self._loss_fn, cfg.eval,
+                                    batch_size=cfg.data.batch_size, env=env,
+                                    autocast=self._autocast, sampler=self.sampler, moments=self._moments)
         self._consistency = ConsistencyCheck(self.raw_model, interval=cfg.recovery.consistency_check_interval,
                                              device=env.device, distributed=env.distributed)
 
@@ -292,7 +299,7 @@ class DDPTrainer:
         self._preemption.started = True
         if self._preemption.installed:
             self._watchdog.dump_on(signal.SIGTERM)
-        self._callbacks("on_train_start", self)
+        self._moments.train_start()
         try:
             with GcPolicy(cfg.memory.cleanup_interval, env.device) as gc_policy:
                 preempted = (self._eval_owed == self.step and self._evaluate_mid_run(step_log)) or self._loop(
@@ -347,11 +354,11 @@ class DDPTrainer:
         if self._checkpointer.should_save(self.step, self.sampler.epoch, epoch_ended):
             with self._watchdog.phase("checkpoint save", scale=10):
                 self._checkpointer.maybe_save(self.step, self.sampler.epoch, epoch_ended)
-                self._faults.fire_process_faults(self.step, at="save")
+                self._moments.save(self.step)
 
     def _run_step(self, step_log: StepLog, samples_log: SampleLog) -> Agreement | None:
         self._watchdog.arm(self.step)
-        self._faults.fire_process_faults(self.step)
+        self._moments.step_start(self.step)
         self._stragglers.begin_step(self.step)
         micro = self._stream.next_step()
         self._stragglers.timer.lap("data")
@@ -359,7 +366,7 @@ class DDPTrainer:
             self._watchdog.disarm()
             return None
         loss = self._train_step.forward_backward_with_retry(micro, self.step)
-        self._faults.on_gradients(self.step, self.raw_model)
+        self._moments.gradients(self.step, self.raw_model)
         agreed, lr, grad_norm = self.optimizer_step(loss, preempt=self._preemption.requested is not None)
         self._stragglers.timer.end()
         ddp = self.config.ddp
@@ -367,7 +374,6 @@ class DDPTrainer:
         indices = self.sampler.advance()
         self.step += 1
         self._watchdog.disarm()
-        self._faults.on_step_end(self.step, self.raw_model)
         if self._stragglers.should_check(self.step):
             with self._watchdog.phase("straggler check"):
                 self._stragglers.check(self.step)
@@ -378,9 +384,8 @@ class DDPTrainer:
         step_log.record(self.step, self.sampler.epoch, agreed.loss, lr, grad_norm, step_tokens,
                         health={**self._spike_guard.scalars(), **self._stragglers.scalars(),
                                 "health/skipped_steps": self._skips.total})
-        if self._callbacks:
-            metrics = {"loss": agreed.loss, "lr": lr, "grad_norm": float(grad_norm), "tokens": step_tokens}
-            self._callbacks("on_step_end", self, self.step, metrics)
+        self._moments.step_end(self.step, self.raw_model, lambda: {
+            "loss": agreed.loss, "lr": lr, "grad_norm": float(grad_norm), "tokens": step_tokens})
         return agreed
 
     def _should_stop(self, agreed: Agreement) -> bool:
@@ -403,7 +408,7 @@ class DDPTrainer:
             self._save_preempted()
             return True
         with self._watchdog.phase("checkpoint save", scale=10):
-            self._faults.fire_process_faults(self.step, at="save")
+            self._moments.save(self.step)
             self._checkpointer.save_final(self.step)
         return False
 
@@ -415,7 +420,7 @@ class DDPTrainer:
         if self._evaluator.interrupted:
             return False
         step_log.record_val(self.step, val_loss)
-        self._callbacks("on_evaluate", self, self.step, val_loss)
+        self._moments.evaluated(self.step, val_loss)
         return True
 
     def _evaluate_mid_run(self, step_log: StepLog) -> bool:
@@ -443,12 +448,14 @@ class DDPTrainer:
                                    model_sha256=model_sha256(self.raw_model), preempted=preempted,
                                    skipped_steps=self._skips.total, restarts=process_group.incarnation(),
                                    **self._spike_guard.summary())
+        if not preempted:
+            self._moments.export(self.step)
         if env.is_main:
             if not preempted:
                 export.save_final_weights(self.raw_model, cfg)  # final_model.pt and the safetensors export
             atomic.write_bytes(Path(cfg.logging.dir) / "summary.json", json.dumps(summary, indent=2).encode())
         log.info("%s: %s", "preempted" if preempted else "done", json.dumps(summary))
-        self._callbacks("on_train_end", self, summary)
+        self._moments.train_end(summary)
         return summary
 
     def close(self) -> None:

@@ -183,7 +183,8 @@ def test_powersgd_state_loaded_after_registration_applies_at_once():
     from framework.config import resolve_config
 
     cfg = resolve_config({"ddp_comm_hook": "powersgd", "powersgd_rank": 2, "powersgd_start_iter": 3})
-    hook = CommHook(cfg, SimpleNamespace(rank=0, world_size=1, distributed=False, device=torch.device("cpu")))
+    hook = CommHook(cfg.ddp, SimpleNamespace(rank=0, world_size=1, distributed=False, device=torch.device("cpu")),
+                    seed=cfg.train.seed)
     registered = []
     hook.register(SimpleNamespace(register_comm_hook=lambda state, fn: registered.append((state, fn))))
     assert registered[0][0] is hook.state and hook.state.iter == 0

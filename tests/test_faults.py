@@ -82,8 +82,8 @@ def test_process_faults_take_a_moment_and_others_refuse_one():
     assert parse("crash@step=3,rank=1,at=eval") == [Fault("crash", 3, 1, at="eval")]
     assert parse("hang@step=3,at=step") == [Fault("hang", 3)]
     for spec in ("nan@step=3,at=eval", "crash@step=3,at=end"):
-        with pytest.raises(ValueError, match=re.escape("allowed: at=step, or at=eval|save for sigterm, sigkill, crash, "
-                                                       "hang")):
+        with pytest.raises(ValueError, match=re.escape("allowed: at=step, or at=eval|save|export for sigterm, "
+                                                       "sigkill, crash, hang")):
             parse(spec)
 
 
@@ -204,16 +204,16 @@ def test_on_gradients_puts_one_nan_only_when_due():
     model.inp.weight.grad = None  # the NaN goes into the first parameter that has a gradient
     clean = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
     plan = FaultPlan("nan@step=1,rank=0", 0, 0)
-    plan.on_gradients(0, model)
-    FaultPlan("nan@step=1,rank=1", 0, 0).on_gradients(1, model)
+    plan.gradients(0, model)
+    FaultPlan("nan@step=1,rank=1", 0, 0).gradients(1, model)
     assert not any(p.grad.isnan().any() for p in model.parameters() if p.grad is not None)
-    plan.on_gradients(1, model)
+    plan.gradients(1, model)
     nans = [int(p.grad.isnan().sum()) for p in model.parameters() if p.grad is not None]
     assert nans == [1] + [0] * (len(nans) - 1)
     assert model.inp.bias.grad.view(-1)[0].isnan()
     assert torch.equal(model.inp.bias.grad.view(-1)[1:], clean[1].view(-1)[1:])
     model.inp.bias.grad = clean[1].clone()
-    plan.on_gradients(1, model)  # once
+    plan.gradients(1, model)  # once
     assert not model.inp.bias.grad.isnan().any()
 
 
@@ -221,15 +221,15 @@ def test_on_step_end_moves_one_element_by_one_ulp_when_due():
     model = Blocks()
     before = [p.detach().clone() for p in model.parameters()]
     plan = FaultPlan("ulp@step=2", 0, 0)
-    plan.on_step_end(1, model)
+    plan.step_end(1, model)
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
-    plan.on_step_end(2, model)
+    plan.step_end(2, model)
     changed = sum(int((p != b).sum()) for p, b in zip(model.parameters(), before, strict=True))
     assert changed == 1
     first = model.inp.weight.view(-1)[0]
     assert first == torch.nextafter(before[0].view(-1)[0], torch.tensor(float("inf")))
     assert first.view(torch.int32) - before[0].view(-1)[0].view(torch.int32) in (1, -1)
-    plan.on_step_end(2, model)  # once
+    plan.step_end(2, model)  # once
     assert model.inp.weight.view(-1)[0] == first
 
 
@@ -284,3 +284,66 @@ def test_sigkill_fault_kills_the_process():
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == -signal.SIGKILL
     assert proc.stdout == "step 0 ok\n"
+
+
+# --- the seam: fault injection reaches the run only through its moments ------------------------
+def test_the_moments_reach_every_listener_in_order_and_a_fault_at_export_fires_before_the_export(tmp_path,
+                                                                                                  monkeypatch):
+    from framework import DDPTrainer
+    from framework.testing.tiny import tiny
+    from framework.train.moments import Listener, Moments
+
+    heard = []
+
+    class Recorder(Listener):
+        def step_start(self, step):
+            heard.append(("step_start", step))
+
+        def micro_batch(self, step, micro, batch):
+            heard.append(("micro_batch", step))
+            return batch
+
+        def step_end(self, step, model, metrics):
+            heard.append(("step_end", step, sorted(metrics())))
+
+        def evaluation(self, step):
+            heard.append(("evaluation", step))
+
+        def save(self, step):
+            heard.append(("save", step))
+
+        def export(self, step):
+            heard.append(("export", step))
+
+    seam = Moments(Recorder(), Recorder())
+    seam.step_start(0)
+    assert seam.micro_batch(0, 0, "batch") == "batch"
+    seam.step_end(1, None, lambda: {"loss": 1.0})
+    assert heard == [("step_start", 0)] * 2 + [("micro_batch", 0)] * 2 + [("step_end", 1, ["loss"])] * 2
+
+    cfg = tiny(tmp_path, max_steps=2, save_every_steps=2, fault_inject="crash@step=2,at=export",
+               export_dir=str(tmp_path / "export"))
+    with pytest.raises(RuntimeError, match=r"fault injection: crash at step 2 \(export\)"):
+        DDPTrainer(cfg).train()
+    assert list((tmp_path / "ck").glob("step_00000002*.pt"))  # the final save came first
+    assert not (tmp_path / "export").exists()
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # a fault fires in the first incarnation only
+    summary = DDPTrainer(cfg).train()
+    assert summary["steps"] == 2 and (tmp_path / "export").is_dir()
+
+
+def test_production_code_calls_the_seam_never_the_fault_plan():
+    """Only the trainer takes the fault plan (config/checks.py only parses a spec), and only to attach
+    it to the run's moments."""
+    import ast
+    framework = ROOT / "framework"
+    importers = sorted(str(p.relative_to(framework)) for p in framework.rglob("*.py") if p.parent.name != "testing"
+                       and any(isinstance(node, ast.ImportFrom) and "FaultPlan" in [a.name for a in node.names]
+                               for node in ast.walk(ast.parse(p.read_text()))))
+    assert importers == ["trainer.py"]
+    tree = ast.parse((framework / "trainer.py").read_text())
+    uses = [node for node in ast.walk(tree) if isinstance(node, ast.Name) and node.id == "FaultPlan"]
+    attached = [node for node in ast.walk(tree) if isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute) and node.func.attr == "attach"
+                and any(isinstance(a, ast.Call) and getattr(a.func, "id", None) == "FaultPlan" for a in node.args)]
+    assert len(uses) == len(attached) == 1  # the one plan, handed to attach()

@@ -52,7 +52,8 @@ def test_excluded_samples_are_dropped_from_every_epoch_and_the_committed_prefix_
 
 def guard(tmp_path, **over):
     cfg = resolve_config({**BASE, "checkpoint_dir": str(tmp_path), "spike_guard": "rollback", **over})
-    g = SpikeGuard(cfg, is_main=True)
+    g = SpikeGuard(cfg.spike, checkpoint_dir=cfg.checkpoint.dir, exclude_samples=cfg.data.exclude_samples,
+                   is_main=True)
     g.attach(ResumableDistributedSampler(64, 1, 0, 4, 1, seed=0))
     return g
 
@@ -112,10 +113,10 @@ def test_the_cooldown_ramps_the_learning_rate_back_linearly(tmp_path):
 def test_bad_data_randomizes_one_rank_s_targets_the_same_way_every_time():
     import torch
     x, y = torch.zeros(4, 8, dtype=torch.long), torch.arange(32).view(4, 8) % 16
-    a = FaultPlan("bad_data@step=3,rank=1", rank=1, restart_count=0).corrupt(3, 0, (x, y))
-    b = FaultPlan("bad_data@step=3,rank=1", rank=1, restart_count=0).corrupt(3, 0, (x, y))
+    a = FaultPlan("bad_data@step=3,rank=1", rank=1, restart_count=0).micro_batch(3, 0, (x, y))
+    b = FaultPlan("bad_data@step=3,rank=1", rank=1, restart_count=0).micro_batch(3, 0, (x, y))
     assert torch.equal(a[1], b[1]) and not torch.equal(a[1], y) and a[0] is x
-    assert FaultPlan("bad_data@step=3,rank=1", rank=0, restart_count=0).corrupt(3, 0, (x, y))[1] is y
+    assert FaultPlan("bad_data@step=3,rank=1", rank=0, restart_count=0).micro_batch(3, 0, (x, y))[1] is y
 
 
 @pytest.mark.parametrize("over, problem", [

@@ -89,7 +89,7 @@ def reaches_into_the_trainer(path: Path) -> list[str]:
 def test_no_module_but_the_trainer_reaches_into_the_trainer():
     """The trainer owns its lifecycle; the components it composes get what they need as arguments.
     train/callbacks.py needs no exception: it hands the trainer to user callbacks as an opaque
-    argument (``*args``) and reads nothing of it. framework/hf/ sits above the trainer, as a user's
+    ``owner`` and reads nothing of it. framework/hf/ sits above the trainer, as a user's
     script does: it may use the trainer's public surface, and nothing private (checked below)."""
     found = [line for path in framework_modules() if path != FRAMEWORK / "trainer.py"
              and path.parent != FRAMEWORK / "hf" for line in reaches_into_the_trainer(path)]

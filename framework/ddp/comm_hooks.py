@@ -81,12 +81,13 @@ def restore_powersgd(state: PowerSGDState, saved: dict, device: torch.device) ->
 
 
 class CommHook:
-    """The communication hook of ``cfg.ddp.comm_hook`` and, for PowerSGD, its state: a Stateful
+    """The communication hook of the ``ddp`` section's ``comm_hook`` and, for PowerSGD, its state
+    (seeded by ``seed``, the run's ``train.seed``): a Stateful
     whose ``state_dict`` gathers every rank's state (a collective) and whose ``load_state_dict``
     keeps this rank's until ``register`` creates the hook, before the first step."""
 
-    def __init__(self, cfg, env):
-        self.name, self.cfg, self.env = cfg.ddp.comm_hook, cfg, env
+    def __init__(self, ddp, env, *, seed: int):
+        self.name, self.ddp, self.env, self.seed = ddp.comm_hook, ddp, env, seed
         self.state: PowerSGDState | None = None
         self._saved: dict | None = None
         self._wait = True
@@ -97,7 +98,6 @@ class CommHook:
         return (2 if static_graph else 1) if self.name == "powersgd" else 0
 
     def register(self, ddp_model) -> None:
-        cfg = self.cfg
         if self.name == "none":
             log.info("DDP communication hook: none (fp32 all-reduce)")
             return
@@ -112,13 +112,12 @@ class CommHook:
         self._wait = not (dist.is_initialized() and dist.get_backend() == "nccl")
         ddp_model.register_comm_hook(self.state, self._powersgd)
         log.info("DDP communication hook: powersgd (rank %d, error feedback, warm start; plain all-reduce until "
-                 "iteration %d, now at %d)", cfg.ddp.powersgd_rank, cfg.ddp.powersgd_start_iter, self.state.iter)
+                 "iteration %d, now at %d)", self.ddp.powersgd_rank, self.ddp.powersgd_start_iter, self.state.iter)
 
     def _new_state(self) -> PowerSGDState:
-        cfg = self.cfg
-        return PowerSGDState(None, matrix_approximation_rank=cfg.ddp.powersgd_rank,
-                             start_powerSGD_iter=cfg.ddp.powersgd_start_iter, use_error_feedback=True, warm_start=True,
-                             random_seed=cfg.train.seed % 2**32)
+        return PowerSGDState(None, matrix_approximation_rank=self.ddp.powersgd_rank,
+                             start_powerSGD_iter=self.ddp.powersgd_start_iter, use_error_feedback=True,
+                             warm_start=True, random_seed=self.seed % 2**32)
 
     def _powersgd(self, state: PowerSGDState, bucket):
         index, size = bucket.index(), bucket.buffer().numel()
@@ -173,7 +172,7 @@ class CommHook:
             return None
         if not ranks:
             log.warning("the checkpoint holds no PowerSGD state: PowerSGD starts afresh (plain all-reduce for "
-                        "powersgd_start_iter=%d iterations)", self.cfg.ddp.powersgd_start_iter)
+                        "powersgd_start_iter=%d iterations)", self.ddp.powersgd_start_iter)
             return None
         if len(ranks) != self.env.world_size:
             log.warning("the checkpoint holds PowerSGD state for %d ranks, this run has %d: its iteration count is "

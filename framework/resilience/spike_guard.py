@@ -48,18 +48,20 @@ class Spike:
 class SpikeGuard:
     """Observes each step's agreed loss; ``observe`` returns the Spike to roll back, if any."""
 
-    def __init__(self, cfg, *, is_main: bool):
-        self.mode, self.threshold = cfg.spike.guard, cfg.spike.threshold
-        self.warmup, self.window, self.max_rollbacks = cfg.spike.warmup, cfg.spike.window, cfg.spike.max_rollbacks
-        self.cooldown = cfg.spike.lr_cooldown
-        self.checkpoint_dir, self.is_main = cfg.checkpoint.dir, is_main
+    def __init__(self, spike, *, checkpoint_dir: str, exclude_samples: str, is_main: bool):
+        """``spike``: the configuration's spike section; ``exclude_samples``: data.exclude_samples (a
+        file of sample indices, or ""); rollbacks record what they exclude in ``checkpoint_dir``."""
+        self.mode, self.threshold = spike.guard, spike.threshold
+        self.warmup, self.window, self.max_rollbacks = spike.warmup, spike.window, spike.max_rollbacks
+        self.cooldown = spike.lr_cooldown
+        self.checkpoint_dir, self.is_main = checkpoint_dir, is_main
         self.history: list[float] = []
         self.seen = 0
         self.z = 0.0
         self.max_z = 0.0
         self.spikes: list[dict] = []  # every spike seen, rolled back or not
         self.rollbacks: list[dict] = []
-        self.excluded: set[int] = set(exclusions.read(cfg.data.exclude_samples)) if cfg.data.exclude_samples else set()
+        self.excluded: set[int] = set(exclusions.read(exclude_samples)) if exclude_samples else set()
         self.cooldown_from: int | None = None
         self.sampler = None
 

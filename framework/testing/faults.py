@@ -7,7 +7,8 @@ first incarnation of the group (restart count 0) unless it says ``restart=N``, o
 exception: it delays every forward from step K on by M ms (a straggler). The process faults
 (sigterm, sigkill, crash, hang) fire at the start of step K, or with ``at=eval`` at the start of
 the evaluation after K steps, or with ``at=save`` once the checkpoint of step K is handed to its
-background writer (the final save: before it is written); the final evaluation and save included.
+background writer (the final save: before it is written), the final evaluation and save included,
+or with ``at=export`` before the final weights of a run that ended at step K are exported.
 """
 
 from __future__ import annotations
@@ -21,12 +22,14 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from ..train.moments import Listener
+
 log = logging.getLogger(__name__)
 
 KINDS = ("nan", "oom", "kill_worker", "hang", "sigterm", "sigkill", "ulp", "bad_data", "crash", "slow")
 ANY_RESTART = -1
 PROCESS_KINDS = ("sigterm", "sigkill", "crash", "hang")
-MOMENTS = ("step", "eval", "save")
+MOMENTS = ("step", "eval", "save", "export")
 
 
 @dataclass(frozen=True)
@@ -37,7 +40,7 @@ class Fault:
     restart: int = 0  # ANY_RESTART: every incarnation
     micro: int | None = None  # oom: the micro-step whose backward fails (default: the last)
     ms: int = 0  # slow: the delay added to each forward from ``step`` on
-    at: str = "step"  # process faults: the start of step K, or of the evaluation or the checkpoint save after it
+    at: str = "step"  # process faults: the start of step K, or of the evaluation, checkpoint save or export after it
 
 
 def parse(spec: str) -> list[Fault]:
@@ -58,12 +61,12 @@ def parse(spec: str) -> list[Fault]:
             if key == "at":
                 at = value.strip()
                 if at not in MOMENTS or (at != "step" and kind not in PROCESS_KINDS):
-                    raise ValueError(f"fault {part!r}: at={at!r}: allowed: at=step, or at=eval|save for "
+                    raise ValueError(f"fault {part!r}: at={at!r}: allowed: at=step, or at=eval|save|export for "
                                      f"{', '.join(PROCESS_KINDS)}")
                 continue
             if key not in ("step", "rank", "restart", "micro", "ms") or not eq or not value.strip().isdigit():
                 raise ValueError(f"fault {part!r}: {item!r} must be step=N, rank=N, restart=N|*, micro=N, ms=N "
-                                 "or at=step|eval|save")
+                                 "or at=step|eval|save|export")
             fields[key] = int(value)
         if "step" not in fields:
             raise ValueError(f"fault {part!r}: needs step=N, e.g. {kind}@step=5")
@@ -75,9 +78,10 @@ def parse(spec: str) -> list[Fault]:
     return faults
 
 
-class FaultPlan:
-    """The faults planned for this rank and incarnation, behind the moments that fire them: the
-    start of a step, a micro-step's forward and backward, the gradients, the end of a step."""
+class FaultPlan(Listener):
+    """The faults planned for this rank and incarnation, attached to the run's moments
+    (framework/train/moments.py): the start of a step, a micro-batch, a micro-step's forward and
+    backward, the gradients, the end of a step, an evaluation, a checkpoint save, the export."""
 
     def __init__(self, spec: str, rank: int, restart_count: int):
         self.rank = rank
@@ -94,13 +98,26 @@ class FaultPlan:
                     and self._mine(fault)
                     and (micro is None or micro == (last_micro if fault.micro is None else fault.micro))):
                 self.fired.add(fault)
-                during = {"step": "", "eval": " (during the evaluation)", "save": " (during the checkpoint save)"}
+                during = {"step": "", "eval": " (during the evaluation)", "save": " (during the checkpoint save)",
+                          "export": " (before the export)"}
                 log.warning("fault injection: %s at step %d on rank %d%s", kind, step, self.rank, during[at])
                 return True
         return False
 
     def _mine(self, fault: Fault) -> bool:
         return fault.rank in (None, self.rank) and fault.restart in (ANY_RESTART, self.restart_count)
+
+    def step_start(self, step: int) -> None:
+        self.fire_process_faults(step)
+
+    def evaluation(self, step: int) -> None:
+        self.fire_process_faults(step, at="eval")
+
+    def save(self, step: int) -> None:
+        self.fire_process_faults(step, at="save")
+
+    def export(self, step: int) -> None:
+        self.fire_process_faults(step, at="export")
 
     def fire_process_faults(self, step: int, at: str = "step") -> None:
         """The faults that act on the whole process, at the start of ``step``, or at the moment
@@ -143,7 +160,7 @@ class FaultPlan:
             if hook is not None:
                 hook.remove()
 
-    def corrupt(self, step: int, micro: int, batch):
+    def micro_batch(self, step: int, micro: int, batch):
         """Bad data: the step's first micro-batch on this rank gets uniformly random targets (the
         last element of a tuple, or ``labels``), seeded by step and rank, so the loss spike is a
         real one and the same in every rerun."""
@@ -159,12 +176,12 @@ class FaultPlan:
             return {**batch, "labels": randomized(batch["labels"])}
         return type(batch)([*batch[:-1], randomized(batch[-1])])
 
-    def on_gradients(self, step: int, model) -> None:
+    def gradients(self, step: int, model) -> None:
         """After backward: a NaN in this rank's first gradient."""
         if self.faults and self.due("nan", step):
             next(p for p in model.parameters() if p.grad is not None).grad.view(-1)[0] = float("nan")
 
-    def on_step_end(self, step: int, model) -> None:
+    def step_end(self, step: int, model, metrics=None) -> None:
         """After the optimizer step: this rank's first parameter moved by one ulp."""
         if self.faults and self.due("ulp", step):
             log.warning("fault injection: %s nudged by one ulp", nudge_one_ulp(model))

@@ -6,6 +6,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from .moments import Listener
+
 log = logging.getLogger(__name__)
 
 HOOKS = ("on_train_start", "on_step_end", "on_evaluate", "on_save", "on_train_end")
@@ -13,22 +15,37 @@ HOOKS = ("on_train_start", "on_step_end", "on_evaluate", "on_save", "on_train_en
 val_loss); on_save(trainer, step); on_train_end(trainer, summary)."""
 
 
-class Callbacks:
-    def __init__(self, callbacks: list[Any] | tuple[Any, ...] = ()):
-        self.callbacks = list(callbacks)
+class UserCallbacks(Listener):
+    """The user's callbacks, attached to the run's moments (framework/train/moments.py). Each hook
+    gets ``owner`` first (the DDPTrainer), which this module hands on and never reads."""
+
+    def __init__(self, callbacks: list[Any] | tuple[Any, ...] = (), *, owner=None):
+        self.callbacks, self.owner = list(callbacks), owner
         for cb in self.callbacks:
             if not any(hasattr(cb, hook) for hook in HOOKS):
                 raise TypeError(f"callback {type(cb).__name__} has none of the hooks {', '.join(HOOKS)}")
 
-    def __bool__(self) -> bool:
-        return bool(self.callbacks)
-
-    def __call__(self, hook: str, *args) -> None:
-        assert hook in HOOKS, hook
+    def _call(self, hook: str, *args) -> None:
         for cb in self.callbacks:
             method = getattr(cb, hook, None)
             if method is not None:
-                method(*args)
+                method(self.owner, *args)
+
+    def train_start(self) -> None:
+        self._call("on_train_start")
+
+    def step_end(self, step: int, model, metrics) -> None:
+        if self.callbacks:
+            self._call("on_step_end", step, metrics())
+
+    def evaluated(self, step: int, val_loss: float | None) -> None:
+        self._call("on_evaluate", step, val_loss)
+
+    def saved(self, step: int) -> None:
+        self._call("on_save", step)
+
+    def train_end(self, summary: dict) -> None:
+        self._call("on_train_end", summary)
 
     def stateful(self) -> dict[str, Any]:
         """The callbacks that have a state, by checkpoint name."""

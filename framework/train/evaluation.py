@@ -12,6 +12,7 @@ import torch.distributed as dist
 from ..data.batches import batch_loss, fetch, num_samples, to_device
 from ..data.sampler import eval_indices
 from .control import agree
+from .moments import Moments
 
 log = logging.getLogger(__name__)
 
@@ -66,11 +67,15 @@ def _agreed(stop: Callable[[], bool], *, device: torch.device, world_size: int, 
 class Evaluator:
     """The validation loss every ``eval_interval`` steps (0: only at the end), on every rank."""
 
-    def __init__(self, model: torch.nn.Module, dataset, loss_fn, *, cfg, env, autocast, sampler, faults=None):
-        self.model, self.dataset, self.loss_fn, self.faults = model, dataset, loss_fn, faults
-        self.interval = cfg.eval.interval
+    def __init__(self, model: torch.nn.Module, dataset, loss_fn, section, *, batch_size: int, env, autocast, sampler,
+                 moments: Moments | None = None):
+        """``section``: the configuration's eval section; ``batch_size``: data.batch_size (eval.steps counts
+        batches of it)."""
+        self.model, self.dataset, self.loss_fn = model, dataset, loss_fn
+        self.moments = moments or Moments()
+        self.interval = section.interval
         whole = len(dataset) if dataset is not None else 0
-        self.limit = cfg.eval.steps * cfg.data.batch_size if cfg.eval.steps else whole
+        self.limit = section.steps * batch_size if section.steps else whole
         self.sampler = sampler  # its micro-batch, which an out-of-memory error may have halved
         self.env, self.autocast = env, autocast
         self.interrupted = False  # the last run stopped at a preemption request
@@ -95,8 +100,7 @@ class Evaluator:
         self.model.eval()
         self.interrupted = False
         try:
-            if self.faults is not None:
-                self.faults.fire_process_faults(step, at="eval")
+            self.moments.evaluation(step)
             return validation_loss(self.model, self.dataset, self.loss_fn, limit=self.limit,
                                    batch_size=self.sampler.batch_size, rank=self.env.rank,
                                    world_size=self.env.world_size, device=self.env.device, autocast=self.autocast,

@@ -24,6 +24,7 @@ from ..resilience.markers import FatalError
 from ..resilience.memory import is_oom
 from ..resilience.straggler import SectionTimer, off_the_clock_buffer_broadcast
 from .control import Agreement, agree
+from .moments import Moments
 
 log = logging.getLogger(__name__)
 
@@ -114,13 +115,15 @@ class TrainStep:
     """Runs optimizer steps on ``model`` (DDP-wrapped or not; ``raw_model`` is the unwrapped one)."""
 
     def __init__(self, *, model, raw_model, optimizer, scaler, schedule, loss_fn, autocast, env, sampler, stream,
-                 faults, skips: SkipBudget, cfg, oom_recovery: bool, lr_factor: Callable[[int], float] = lambda s: 1.0,
+                 moments: Moments, skips: SkipBudget, grad_clip: float, agree_nonfinite: bool, checkpoint_dir: str,
+                 oom_recovery: bool, lr_factor: Callable[[int], float] = lambda s: 1.0,
                  timer: SectionTimer | None = None):
         self.model, self.raw_model = model, raw_model
         self.optimizer, self.scaler, self.schedule = optimizer, scaler, schedule
         self.loss_fn, self.autocast, self.env = loss_fn, autocast, env
-        self.sampler, self.stream, self.faults, self.skips = sampler, stream, faults, skips
-        self.cfg = cfg
+        self.sampler, self.stream, self.moments, self.skips = sampler, stream, moments, skips
+        self.grad_clip, self.agree_nonfinite = grad_clip, agree_nonfinite  # optim.grad_clip, recovery.agree_nonfinite
+        self.checkpoint_dir = checkpoint_dir  # where a synced backward's OOM records the halved micro-batch
         self.oom_recovery = oom_recovery
         self.lr_factor = lr_factor  # a loss-spike rollback's learning-rate cooldown
         self.timer = timer or SectionTimer(env.device)  # the straggler scores' section timings
@@ -139,7 +142,7 @@ class TrainStep:
                 micro = self.stream.refetch_step()
             except SyncedBackwardOOM as err:
                 b, a = halve_micro_batch(self.sampler, str(err))
-                markers.record_micro_batch(self.cfg.checkpoint.dir, b, a, str(err))
+                markers.record_micro_batch(self.checkpoint_dir, b, a, str(err))
                 log.error("%s: the other ranks are inside DDP's all-reduce, so this rank exits; the restarted "
                           "group resumes from the last checkpoint with micro-batch %d x %d", err, b, a)
                 raise
@@ -198,11 +201,11 @@ class TrainStep:
         return None
 
     def _micro_step(self, batch, step: int, i: int, n: int) -> torch.Tensor:
-        batch = self.faults.corrupt(step, i, to_device(batch, self.env.device))
-        with self.faults.micro_step(step, i, n - 1, self.raw_model, self.stream.kill_a_worker) as on_loss:
+        batch = self.moments.micro_batch(step, i, to_device(batch, self.env.device))
+        with self.moments.micro_step(step, i, n - 1, self.raw_model, self.stream.kill_a_worker) as on_loss:
             self.timer.lap("forward_backward")  # before DDP's buffer broadcast (off_the_clock_buffer_broadcast)
             with self.autocast():
-                loss = batch_loss(uncompiled(self.model) if self.faults.eager_now else self.model, batch,
+                loss = batch_loss(uncompiled(self.model) if self.moments.eager_now else self.model, batch,
                                   self.loss_fn) / n
             on_loss(loss)
             self.timer.lap("forward_backward")
@@ -229,8 +232,8 @@ class TrainStep:
             group["lr"] *= factor
         self.scaler.unscale_(self.optimizer)
         grad_norm = torch.nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None])
-        if self.cfg.optim.grad_clip > 0:
-            torch.nn.utils.clip_grads_with_norm_(self.params, self.cfg.optim.grad_clip, grad_norm)
+        if self.grad_clip > 0:
+            torch.nn.utils.clip_grads_with_norm_(self.params, self.grad_clip, grad_norm)
         # With a GradScaler, overflowing gradients are the scaler's to handle (it skips the step and
         # lowers the scale); a non-finite loss is a diverged run either way, and counts.
         nonfinite = ~torch.isfinite(loss)
@@ -240,7 +243,7 @@ class TrainStep:
         agreed = agree(loss=loss, world_size=self.env.world_size, distributed=self.env.distributed,
                        nonfinite=nonfinite, stop=stop, preempt=preempt)
         self.timer.lap(None)  # a collective: time spent waiting for the others
-        skip = agreed.nonfinite if self.cfg.recovery.agree_nonfinite else bool(nonfinite)
+        skip = agreed.nonfinite if self.agree_nonfinite else bool(nonfinite)
         if not skip:
             self.scaler.step(self.optimizer)
         for group, rate in zip(self.optimizer.param_groups, rates, strict=True):
