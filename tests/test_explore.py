@@ -93,9 +93,12 @@ def test_the_checker_passes_a_clean_result_and_catches_each_broken_invariant():
         "codes": [1], "timed_out": False, "wall_s": 3.0, "left_behind": 0,
         "stderr": "Traceback (most recent call last):\nCheckpointUnreadable: no checkpoint could be read\n"}])
     found = violations(explore.check(only, res, reference_of(good)))
-    assert "did not stop with a FATAL naming it" in found["explained"]
+    assert "stopped without a FATAL naming it" in found["explained"]
     res["fatal"] = "rank 0: CheckpointError: no checkpoint in ck could be read: step_00000004.pt: EISDIR; no restart"
     assert violations(explore.check(only, res, reference_of(good))) == {}
+    survived = copy.deepcopy(good)  # resume=none starts afresh, or resume=auto takes another run's: both fine
+    survived["unreadable_only"] = "step_00000004.pt"
+    assert violations(explore.check(only, survived, reference_of(good))) == {}
     # an uninterrupted run that skips a due checkpoint (bug 3, bug 7)
     plain = {**trial, "fault": "none", "moment": "startup"}
     res = copy.deepcopy(good)
