@@ -240,7 +240,7 @@ class DDPTrainer:
                                      autocast=self._autocast, env=env, sampler=self.sampler, stream=self._stream,
                                      moments=self._moments, skips=self._skips, grad_clip=cfg.optim.grad_clip,
                                      agree_nonfinite=cfg.recovery.agree_nonfinite, checkpoint_dir=cfg.checkpoint.dir,
-                                     oom_recovery=self._oom_recovery,
+                                     oom_recovery=self._oom_recovery, loss_average=cfg.train.loss_average,
                                      lr_factor=self._spike_guard.lr_factor, timer=self._stragglers.timer)
         self._evaluator = Evaluator(self.raw_model, self._val_dataset, self._loss_fn, cfg.eval,
                                     batch_size=cfg.data.batch_size, env=env,

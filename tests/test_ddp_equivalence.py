@@ -35,6 +35,15 @@ def test_gradients_match_single_process(two_ranks, name, rank):
     assert out["unreduced_local_diff"] > 100 * TOL
 
 
+@pytest.mark.parametrize("rank", [0, 1])
+def test_token_averaged_gradients_match_single_process(two_ranks, rank):
+    """train.loss_average=tokens on targets with -100 past random lengths: the 2-rank step's
+    gradient is the single process's mean over every labelled token of the global batch."""
+    out = case(two_ranks, rank, "tokens")
+    assert out["max_abs_diff"] <= TOL, out
+    assert out["micro_batch_mean_diff"] > 100 * TOL  # the data makes the two averages differ
+
+
 def single_process_run(tmp_path, overrides, world_size=2):
     cfg = {**BASE, **overrides, "batch_size": overrides["batch_size"] * world_size,
            "log_dir": str(tmp_path / "logs"), "checkpoint_dir": str(tmp_path / "ck")}

@@ -303,3 +303,52 @@ def test_the_remaining_mapped_fields(tmp_path, caplog):
                 train_dataset=StrideBytes(70), callbacks=[rec]).train()
     assert [s for s, logs in rec.logs if "loss" in logs] == [1, 2], "the first step is logged, and the last"
     assert any("the last 2 samples of each epoch" in r.getMessage() for r in caplog.records)
+
+
+class PaddedBytes(torch.utils.data.Dataset):
+    """StrideBytes of different lengths, right-padded to 16 with labels -100: micro-batches that
+    hold different numbers of labelled tokens, as an SFT dataset's do."""
+
+    def __init__(self, lengths=(16, 4, 12, 3)):
+        self.items = []
+        for i, n in enumerate(lengths):
+            ids = (torch.arange(16) + 37 * i) % 256
+            mask = (torch.arange(16) < n).long()
+            self.items.append({"input_ids": ids * mask, "attention_mask": mask,
+                               "labels": torch.where(mask.bool(), ids, torch.full_like(ids, -100))})
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> dict:
+        return self.items[i]
+
+
+def lora_weights(model) -> dict:
+    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("across_devices", [True, False])
+def test_a_padded_step_weighs_every_labelled_token_as_transformers_does(tmp_path, across_devices):
+    """transformers.Trainer divides a step's summed loss by its labelled tokens (num_items_in_batch),
+    not by micro-batches: with gradient accumulation over micro-batches of 16 and 4 labelled tokens,
+    the drop-in averaged the two micro-batch means instead, and its step differed. One step of SGD
+    over the whole (4-sample) dataset, so the sample order does not matter."""
+    from transformers import Trainer as HFTrainer
+
+    def one_step(trainer_cls, run, **extra):
+        model = build_model()
+        args = targs(run, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=1,
+                     save_steps=10, learning_rate=0.5, lr_scheduler_type="constant", use_cpu=True,
+                     average_tokens_across_devices=across_devices, **extra)
+        optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+        trainer_cls(model=model, args=args, train_dataset=PaddedBytes(), optimizers=(optimizer, None)).train()
+        return lora_weights(model)
+
+    theirs = one_step(HFTrainer, tmp_path / "hf")
+    ours = one_step(Trainer, tmp_path / "ours")
+    before = lora_weights(build_model())
+    moved = max(float((theirs[n] - before[n]).abs().max()) for n in theirs)
+    assert moved > 1e-3
+    for name in theirs:
+        torch.testing.assert_close(ours[name], theirs[name], rtol=1e-5, atol=1e-6, msg=name)

@@ -17,8 +17,8 @@ def help_text() -> str:
         for key in _section_keys(section):
             kind = "true|false" if TYPES[key] is bool else describe_type(key).upper()
             f = FIELDS[key]
-            was = f.metadata['was'].replace('_', '-')
-            lines.append(f"  --{key} {kind}  (default: {describe_default(key)}; was --{was})")
+            was = f"; was --{f.metadata['was'].replace('_', '-')}" if f.metadata["was"] else ""
+            lines.append(f"  --{key} {kind}  (default: {describe_default(key)}{was})")
             lines.append(f"      {FIELD_DOCS[key]}")
     return "\n".join(lines)
 
@@ -39,6 +39,7 @@ def markdown_table() -> str:
             f = FIELDS[key]
             default = "''" if f.default == "" else describe_default(key)
             out.append(f"| `{key}` | {_cell(describe_type(key))} | {_cell(f'`{default}`')} | "
-                       f"{f.metadata['resume']} | {_cell(FIELD_DOCS[key])} | `{f.metadata['was']}` |")
+                       f"{f.metadata['resume']} | {_cell(FIELD_DOCS[key])} | "
+                       f"{'`' + f.metadata['was'] + '`' if f.metadata['was'] else 'none'} |")
         out.append("")
     return "\n".join(out[:-1])

@@ -49,7 +49,7 @@ data (no ``train_dataset``)."""
 
 
 def bounded(default: int | float, *, lo: int | float | None, hi: int | float | None = None,
-            resume: Resume, was: str, auto: bool = False, used_by: tuple[Builtin, ...] = ()):
+            resume: Resume, was: str | None, auto: bool = False, used_by: tuple[Builtin, ...] = ()):
     """A numeric field whose value must lie in [lo, hi] (None: no bound on that side), or be
     ``AUTO`` when ``auto``. Every numeric field is declared through this, so a missing bound is a
     visible choice. ``used_by``: the built-in parts that read it (none: every run does)."""
@@ -57,8 +57,9 @@ def bounded(default: int | float, *, lo: int | float | None, hi: int | float | N
                                             "used_by": used_by})
 
 
-def option(default: Any, *, resume: Resume, was: str, used_by: tuple[Builtin, ...] = ()):
-    """A non-numeric field (a string, a switch or a choice)."""
+def option(default: Any, *, resume: Resume, was: str | None, used_by: tuple[Builtin, ...] = ()):
+    """A non-numeric field (a string, a switch or a choice). ``was``: its flat name before the
+    configuration had sections (None for a key added since, which has no old name)."""
     return field(default=default, metadata={"resume": resume, "was": was, "used_by": used_by})
 
 
@@ -149,6 +150,10 @@ class TrainSection:
     """Seed for model init, data order and dropout."""
     deterministic: bool = option(False, resume="changes", was="deterministic")
     """Use deterministic kernels only (bit-reproducible runs, slower on CUDA)."""
+    loss_average: Literal["micro_batch", "tokens", "rank_tokens"] = option("micro_batch", resume="changes", was=None)
+    """How a step's loss averages: micro_batch = each micro-batch's mean, averaged; tokens = every labelled
+    token (label != -100) of the global batch weighs the same (transformers' average_tokens_across_devices);
+    rank_tokens = each rank's tokens weigh the same, then the ranks are averaged."""
 
 
 @dataclass
@@ -318,7 +323,7 @@ def _field_docs(cls: type) -> dict[str, str]:
         if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
                 and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
                 and isinstance(nxt.value.value, str)):
-            docs[node.target.id] = nxt.value.value.strip()
+            docs[node.target.id] = " ".join(nxt.value.value.split())  # a long one spans lines
     return docs
 
 
@@ -327,7 +332,7 @@ FIELDS = {f"{name}.{f.name}": f for name, cls in SECTIONS.items() for f in field
 KEYS = list(FIELDS)
 FIELD_DOCS = {f"{name}.{key}": doc for name, cls in SECTIONS.items() for key, doc in _field_docs(cls).items()}
 TYPES = {f"{name}.{key}": tp for name, cls in SECTIONS.items() for key, tp in typing.get_type_hints(cls).items()}
-ALIASES = {f.metadata["was"]: key for key, f in FIELDS.items()}
+ALIASES = {f.metadata["was"]: key for key, f in FIELDS.items() if f.metadata["was"] is not None}
 """Flat key of the config before sections ('spike_threshold') -> its dotted key."""
 RESUME = {key: f.metadata["resume"] for key, f in FIELDS.items()}
 

@@ -32,10 +32,12 @@ def to_device(batch: Any, device: torch.device) -> Any:
     return batch
 
 
-def batch_loss(model: torch.nn.Module, batch: Any, loss_fn: Callable | None) -> torch.Tensor:
-    """The mean loss of ``batch`` under ``model`` (see the module docstring)."""
+def batch_loss(model: torch.nn.Module, batch: Any, loss_fn: Callable | None,
+               model_kwargs: dict | None = None) -> torch.Tensor:
+    """The mean loss of ``batch`` under ``model`` (see the module docstring). ``model_kwargs`` go to
+    the forward of a dict batch's model with the batch (transformers' ``num_items_in_batch``)."""
     if isinstance(batch, Mapping):
-        out = model(**batch)
+        out = model(**batch, **(model_kwargs or {}))
         if loss_fn is not None:
             return loss_fn(out, batch)
         loss = getattr(out, "loss", None)
@@ -45,6 +47,23 @@ def batch_loss(model: torch.nn.Module, batch: Any, loss_fn: Callable | None) -> 
         return loss
     inputs, targets = batch
     return (loss_fn or lm_loss)(model(inputs), targets)
+
+
+def label_count(batch: Any, *, shifted: bool = False) -> torch.Tensor:
+    """How many labelled tokens ``batch`` holds: its ``labels`` (a dict batch) or targets (the last
+    element of a tuple) that are not -100, the ignore index of cross-entropy and transformers. With
+    ``shifted`` (a causal LM that shifts its labels inside), ``labels[..., 1:]``, or the batch's own
+    ``shift_labels``, as transformers.Trainer counts them."""
+    if isinstance(batch, Mapping):
+        labels = batch.get("shift_labels") if "shift_labels" in batch else batch.get("labels")
+        if shifted and "shift_labels" not in batch and isinstance(labels, torch.Tensor):
+            labels = labels[..., 1:]
+    else:
+        labels = batch[-1]
+    if not isinstance(labels, torch.Tensor):
+        raise ValueError("train.loss_average=tokens|rank_tokens counts the labelled tokens of each batch: it needs "
+                         "a 'labels' tensor in a dict batch, or targets last in a tuple batch")
+    return (labels != -100).sum()
 
 
 def _first_tensor(batch: Any) -> torch.Tensor:

@@ -4,6 +4,7 @@ inside a wrapper), enabling its checkpointing, keeping the user's."""
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import sys
 
@@ -21,6 +22,33 @@ def hf_model_in(model: nn.Module) -> nn.Module | None:
     if transformers is None:
         return None
     return next((m for m in model.modules() if isinstance(m, transformers.PreTrainedModel)), None)
+
+
+def accepts_loss_kwargs(model: nn.Module) -> bool:
+    """Whether ``model`` is a transformers model (or a PEFT model around one) whose forward takes
+    ``num_items_in_batch`` and then divides its summed loss by it, decided as transformers.Trainer
+    decides it: the model's ``accepts_loss_kwargs``, else a ``**kwargs`` in its forward."""
+    hf = hf_model_in(model)
+    get_base = getattr(model, "get_base_model", None)
+    if hf is None or not (model is hf or (callable(get_base) and get_base() is hf)):
+        return False  # a user's wrapper around it may not pass the keyword on
+    flag = getattr(hf, "accepts_loss_kwargs", None)
+    if flag is not None:
+        return bool(flag)
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in inspect.signature(hf.forward).parameters.values())
+
+
+def loss_shifts_labels(model: nn.Module) -> bool:
+    """Whether the transformers model in ``model`` computes a causal LM's loss, which shifts the
+    labels inside (position 0 is never a target), so that its tokens are counted over
+    ``labels[..., 1:]``: transformers.Trainer's rule (its LOSS_MAPPING; never an encoder-decoder)."""
+    hf = hf_model_in(model)
+    try:
+        from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
+    except ImportError:  # a transformers without the loss mapping counts every label
+        return False
+    return (hf is not None and LOSS_MAPPING.get(getattr(hf, "loss_type", None)) is ForCausalLMLoss
+            and not getattr(getattr(hf, "config", None), "is_encoder_decoder", False))
 
 
 def hf_checkpointing_on(hf: nn.Module) -> bool:

@@ -15,10 +15,12 @@ import logging
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 
-from ..data.batches import batch_loss, to_device
+from ..data.batches import batch_loss, label_count, to_device
 from ..ddp import policy
 from ..ddp.compile import is_ddp, uncompiled
+from ..model.hf_checkpointing import accepts_loss_kwargs, loss_shifts_labels
 from ..resilience import markers
 from ..resilience.markers import FatalError
 from ..resilience.memory import is_oom
@@ -116,14 +118,21 @@ class TrainStep:
 
     def __init__(self, *, model, raw_model, optimizer, scaler, schedule, loss_fn, autocast, env, sampler, stream,
                  moments: Moments, skips: SkipBudget, grad_clip: float, agree_nonfinite: bool, checkpoint_dir: str,
-                 oom_recovery: bool, lr_factor: Callable[[int], float] = lambda s: 1.0,
-                 timer: SectionTimer | None = None):
+                 oom_recovery: bool, loss_average: str = "micro_batch",
+                 lr_factor: Callable[[int], float] = lambda s: 1.0, timer: SectionTimer | None = None):
         self.model, self.raw_model = model, raw_model
         self.optimizer, self.scaler, self.schedule = optimizer, scaler, schedule
         self.loss_fn, self.autocast, self.env = loss_fn, autocast, env
         self.sampler, self.stream, self.moments, self.skips = sampler, stream, moments, skips
         self.grad_clip, self.agree_nonfinite = grad_clip, agree_nonfinite  # optim.grad_clip, recovery.agree_nonfinite
         self.checkpoint_dir = checkpoint_dir  # where a synced backward's OOM records the halved micro-batch
+        self.loss_average = loss_average  # train.loss_average
+        # transformers' own way to average over tokens: the model sums its loss and divides it by
+        # num_items_in_batch (transformers.Trainer passes it to such models); other models' mean
+        # loss is weighted by their micro-batch's share of the tokens instead.
+        self.model_divides = loss_average != "micro_batch" and loss_fn is None and accepts_loss_kwargs(raw_model)
+        self.shifted = loss_average != "micro_batch" and loss_shifts_labels(raw_model)
+        self._weights: list[tuple[dict, torch.Tensor | float]] | None = None  # the current step's, per micro-batch
         self.oom_recovery = oom_recovery
         self.lr_factor = lr_factor  # a loss-spike rollback's learning-rate cooldown
         self.timer = timer or SectionTimer(env.device)  # the straggler scores' section timings
@@ -158,8 +167,26 @@ class TrainStep:
                 raise
             raise diagnosed from err
 
+    def _token_weights(self, micro_batches: list) -> list[tuple[dict, torch.Tensor | float]]:
+        """For ``loss_average`` tokens or rank_tokens: per micro-batch, the model's extra keyword
+        arguments and the factor its loss is multiplied by, so that the step's gradient is the
+        mean over the labelled tokens of the global batch (tokens: a SUM all-reduce of the count
+        before the first forward, the same point on every rank; DDP then averages over the W ranks,
+        which the factor W undoes) or of this rank's micro-batches (rank_tokens)."""
+        counts = [label_count(batch, shifted=self.shifted).to(self.env.device) for batch in micro_batches]
+        total = torch.stack(counts).sum()
+        world = 1
+        if self.loss_average == "tokens" and self.env.distributed:
+            dist.all_reduce(total)
+            world = self.env.world_size
+        total = total.clamp(min=1)
+        if self.model_divides:
+            return [({"num_items_in_batch": total}, world) for _ in counts]
+        return [({}, count * world / total) for count in counts]
+
     def _accumulate(self, micro_batches: list, step: int) -> torch.Tensor:
         n = len(micro_batches)
+        self._weights = None if self.loss_average == "micro_batch" else self._token_weights(micro_batches)
         total = torch.zeros((), device=self.env.device)
         agree_oom = self.oom_recovery and self.env.distributed
         oom = False
@@ -204,9 +231,10 @@ class TrainStep:
         batch = self.moments.micro_batch(step, i, to_device(batch, self.env.device))
         with self.moments.micro_step(step, i, n - 1, self.raw_model, self.stream.kill_a_worker) as on_loss:
             self.timer.lap("forward_backward")  # before DDP's buffer broadcast (off_the_clock_buffer_broadcast)
+            model_kwargs, factor = self._weights[i] if self._weights is not None else ({}, 1 / n)
             with self.autocast():
                 loss = batch_loss(uncompiled(self.model) if self.moments.eager_now else self.model, batch,
-                                  self.loss_fn) / n
+                                  self.loss_fn, model_kwargs) * factor
             on_loss(loss)
             self.timer.lap("forward_backward")
             self.scaler.scale(loss).backward()

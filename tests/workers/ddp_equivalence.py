@@ -25,6 +25,7 @@ TRAIN_CASES = {
     "train_b4_accum1": dict(batch_size=4, gradient_accumulation_steps=1, max_steps=6),
     "train_b2_accum2": dict(batch_size=2, gradient_accumulation_steps=2, max_steps=6),
 }
+TOKENS_CASE = dict(batch_size=4, gradient_accumulation_steps=2)  # train.loss_average=tokens, masked targets
 EVAL_CASE = dict(batch_size=7, eval_steps=5)  # 35 samples: unequal shards of 18 and 17
 
 
@@ -83,6 +84,56 @@ def run_train_case(name: str, overrides: dict, out_dir, rank: int, world: int) -
             "final_model": str(out_dir / name / "ck" / "final_model.pt")}
 
 
+def masked_targets(n: int = 64):
+    """Random sequences whose targets are -100 past a random length: every micro-batch holds a
+    different number of labelled tokens."""
+    from torch.utils.data import TensorDataset
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randint(0, BASE["vocab_size"], (n, BASE["seq_len"]), generator=g)
+    y = torch.randint(0, BASE["vocab_size"], (n, BASE["seq_len"]), generator=g)
+    lengths = torch.randint(1, BASE["seq_len"] + 1, (n, 1), generator=g)
+    return TensorDataset(x, torch.where(torch.arange(BASE["seq_len"]) < lengths, y, -100))
+
+
+def token_mean_grads(world_size: int, *, per_micro_batch: bool = False) -> dict[str, torch.Tensor]:
+    """One plain process on the first step's global micro-batches: the summed cross-entropy over
+    every labelled token, divided by their count (or, ``per_micro_batch``, the mean of the
+    micro-batch means: what train.loss_average=micro_batch computes)."""
+    from framework.config import resolve_config
+    from framework.data.batches import fetch
+    from framework.data.sampler import ResumableDistributedSampler
+    from framework.model.gpt import GPT, GPTConfig
+
+    cfg = resolve_config({**BASE, **TOKENS_CASE})
+    torch.manual_seed(cfg.train.seed)
+    model = GPT(GPTConfig.from_train_config(cfg))
+    data, n = masked_targets(), cfg.data.gradient_accumulation_steps
+    sampler = ResumableDistributedSampler(len(data), 1, 0, cfg.data.batch_size * world_size, n, cfg.train.seed)
+    batches = iter(sampler)
+    micro = [fetch(data, next(batches)) for _ in range(n)]
+    total = sum(int((y != -100).sum()) for _, y in micro)
+    for x, y in micro:
+        loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten(), reduction="sum")
+        (loss / (y != -100).sum() / n if per_micro_batch else loss / total).backward()
+    return {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+def run_tokens_case(name: str, overrides: dict, out_dir, rank: int, world: int) -> dict:
+    from framework.trainer import DDPTrainer
+
+    cfg = {**BASE, **overrides, "train.loss_average": "tokens", "log_dir": str(out_dir / name),
+           "checkpoint_dir": str(out_dir / name / "ck")}
+    trainer = DDPTrainer(cfg, train_dataset=masked_targets())
+    batches = iter(trainer._stream.loader)
+    trainer.forward_backward([next(batches) for _ in range(trainer.sampler.accumulation)])
+    ref, other = token_mean_grads(world), token_mean_grads(world, per_micro_batch=True)
+    grads = {n: p.grad for n, p in trainer.raw_model.named_parameters()}
+    trainer.close()
+    return {"max_abs_diff": max((grads[n] - ref[n]).abs().max().item() for n in ref),
+            "micro_batch_mean_diff": max((other[n] - ref[n]).abs().max().item() for n in ref)}
+
+
 def run_eval_case(out_dir, rank: int, world: int) -> dict:
     from framework.trainer import DDPTrainer
 
@@ -100,6 +151,7 @@ def main() -> None:
     cases += [(n, run_train_case, o) for n, o in TRAIN_CASES.items()]
     for name, fn, overrides in cases:
         results[name] = recorded(fn, name, overrides, out_dir, rank, world)
+    results["tokens"] = recorded(run_tokens_case, "tokens", TOKENS_CASE, out_dir, rank, world)
     results["eval"] = recorded(run_eval_case, out_dir, rank, world)
     finish_worker(out_dir, rank, {"world_size": world, "cases": results})
 
