@@ -145,3 +145,35 @@ def test_a_stream_resumed_mid_epoch_with_dropout_equals_the_uninterrupted_run(tm
     resumed = DDPTrainer(stream_config(tmp_path, **cfg), train_dataset=StatefulRows(32))
     assert (resumed.step, resumed.sampler.epoch) == (9, 1)
     assert resumed.train()["model_sha256"] == whole["model_sha256"]
+
+
+@pytest.mark.parametrize("data", [StatefulRows, Rows])
+def test_the_preflight_peek_of_a_stream_at_the_end_of_its_pass_reads_the_next_pass(data):
+    """The explorer's trial 72 of seed 3000 (2 ranks): save_every_steps wrote the epoch's last step
+    before the stream ran out, and the resumed run's DDP preflight peeked at a stream with nothing
+    left in its pass: no batch, and a TypeError in the policy's probe. The peek now reads the start
+    of the next pass, which the loop trains on next, and leaves the position as it was."""
+    import torch
+
+    from framework.data.iterable_stream import IterableStream
+
+    rows = data(32)
+    stream = IterableStream(rows, StreamPosition(1, 4, 1), device=torch.device("cpu"), distributed=False, rank=0)
+    stream.start_epoch()
+    while stream.next_step() is not None:
+        if isinstance(rows, StatefulRows) and rows.pos == 32:
+            break  # the last batch is read; the stream has not run out yet
+    first = [b[0] for b in stream.peek(2, torch.device("cpu"))]
+    assert len(first) == 2 and torch.equal(first[0][0], rows.table[0][0])
+    if isinstance(rows, StatefulRows):
+        assert rows.pos == 32
+
+
+def test_a_preflight_with_no_batch_is_a_fatal_error_not_a_type_error():
+    import torch
+
+    from framework.ddp import policy
+    from framework.resilience.markers import FatalError
+
+    with pytest.raises(FatalError, match="no batch of the training set"):
+        policy.probe(torch.nn.Linear(2, 2), [], None, lambda: torch.autocast("cpu", enabled=False))

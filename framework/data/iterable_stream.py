@@ -123,9 +123,14 @@ class IterableStream:
         return micro
 
     def peek(self, n: int, device: torch.device) -> list:
-        """``n`` micro-batches for the DDP preflight; the stream's position is left as it was."""
+        """``n`` micro-batches for the DDP preflight; the stream's position is left as it was. At
+        the end of a pass (a run resumed from a checkpoint written after its epoch's last step),
+        they come from the start of the next pass, as the loop's next batches will."""
         saved = self.dataset.state_dict() if self.stateful else None
-        batches = [to_device(b, device) for b in itertools.islice(iter(self.loader), n)]
+        batches = list(itertools.islice(iter(self.loader), n))
+        if len(batches) < n:
+            batches += itertools.islice(iter(self.loader), n - len(batches))
+        batches = [to_device(b, device) for b in batches]
         if saved is not None:
             self.dataset.load_state_dict(saved)
         return batches

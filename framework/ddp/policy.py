@@ -33,6 +33,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..data.batches import batch_loss, num_samples
 from ..model.activation_checkpointing import Checkpointing, checkpointing_of
+from ..resilience.markers import FatalError
 from ..resilience.memory import is_oom
 
 log = logging.getLogger(__name__)
@@ -147,6 +148,8 @@ def probe(model: nn.Module, batches: list, loss_fn, autocast) -> ProbeReport:
     finally:
         for h in handles:
             h.remove()
+    if not used_sets:
+        raise FatalError("the DDP preflight got no batch of the training set to run: the dataset yielded nothing")
     every = set(params)
     ever_used = set().union(*used_sets)
     always_used = set.intersection(*used_sets)
