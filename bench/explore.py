@@ -743,9 +743,8 @@ def run_job(trial, job: Job, lay: Layout, foreign: set[str], marker: str, res: d
                 no_workers_since = None
             elif no_workers_since is None:
                 no_workers_since = time.monotonic()
-            elif time.monotonic() - no_workers_since > 3.0:
+            elif time.monotonic() - no_workers_since > 10.0:  # past a restart's re-rendezvous
                 res["notes"].append("the job ended by the explorer: only torchrun's agent was left")
-                res["agent_ended"] = True
                 job.kill(marker + "__none__")
                 break
         if second is not None and second_ended is None and second.done():

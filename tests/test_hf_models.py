@@ -479,3 +479,21 @@ def test_one_process_training_of_a_lora_model(tmp_path):
     lora = [k for k in init if ".lora_" in k]
     assert len(lora) == 20 and all(not torch.equal(state[k], init[k]) for k in lora)
     assert all(torch.equal(state[k], init[k]) for k in init if k not in lora)  # frozen weights untouched
+
+
+def test_only_a_loss_that_divides_by_num_items_in_batch_is_handed_it():
+    """A classifier's forward takes **kwargs as a causal LM's does, but its loss ignores
+    num_items_in_batch and returns a mean: handing it the count and dropping the 1/n (as
+    transformers.Trainer does) would make its step n x W too large. train.loss_average=tokens
+    weighs such a mean by its share of the labels instead."""
+    transformers = pytest.importorskip("transformers")
+    from framework.model.hf_checkpointing import accepts_loss_kwargs, divides_by_num_items, loss_shifts_labels
+
+    bert = transformers.BertForSequenceClassification(transformers.BertConfig(
+        vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32))
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1))
+    assert accepts_loss_kwargs(bert) and not divides_by_num_items(bert) and not loss_shifts_labels(bert)
+    assert accepts_loss_kwargs(llama) and divides_by_num_items(llama) and loss_shifts_labels(llama)
+    assert not divides_by_num_items(nn.Linear(2, 2)) and not loss_shifts_labels(nn.Linear(2, 2))

@@ -125,3 +125,20 @@ def test_a_grad_scaler_overflow_is_skipped_by_the_scaler_and_not_counted_as_non_
     trainer._train_step.optimizer_step(torch.tensor(1.0), 1)  # a finite step: the scaler steps the optimizer
     assert not all(torch.equal(a, b) for a, b in zip(before, trainer.raw_model.parameters(), strict=True))
     trainer.close()
+
+
+def test_token_averaging_gives_a_micro_batch_without_labels_no_weight_and_skips_no_step(tmp_path):
+    """train.loss_average=tokens: a micro-batch whose targets are all -100 has a NaN mean loss
+    (0/0) and a zero gradient. Multiplied by its weight of 0 it was still NaN, and the step was
+    skipped as non-finite; it now contributes nothing, and every step trains."""
+    from torch.utils.data import TensorDataset
+
+    from framework.testing.tiny import tiny
+
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randint(0, 32, (16, 16), generator=g), torch.randint(0, 32, (16, 16), generator=g)
+    y[::2] = -100  # every other sample has no labelled token: with batch_size=1, a micro-batch of its own
+    cfg = tiny(tmp_path, batch_size=1, gradient_accumulation_steps=2, max_steps=6, **{"train.loss_average": "tokens"})
+    summary = DDPTrainer(cfg, train_dataset=TensorDataset(x, y)).train()
+    assert summary["skipped_steps"] == 0 and summary["steps"] == 6
+    assert torch.isfinite(torch.tensor(summary["final_train_loss"]))

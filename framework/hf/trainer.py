@@ -232,9 +232,12 @@ class Trainer:
         steps_per_epoch = self._steps_per_epoch()
         config = arguments.to_config(self.args, steps_per_epoch=steps_per_epoch, resume=resume)
         total = config["train"]["max_steps"]
-        # transformers.Trainer averages over tokens when the model takes num_items_in_batch (or a
-        # compute_loss_func is given); then across devices, unless average_tokens_across_devices=False.
-        if accepts_loss_kwargs(self.model) or self.compute_loss_func is not None:
+        # transformers.Trainer averages over tokens when the batches have labels and the model takes
+        # num_items_in_batch (or a compute_loss_func is given); across devices, unless
+        # average_tokens_across_devices=False.
+        first = self._collated(self.train_dataset)[0]
+        if (isinstance(first, dict) and "labels" in first
+                and (accepts_loss_kwargs(self.model) or self.compute_loss_func is not None)):
             config["train"]["loss_average"] = "tokens" if self.args.average_tokens_across_devices else "rank_tokens"
         if self.args.ddp_find_unused_parameters is None and hf_model_in(self.model) is not self.model:
             log.info("ddp_find_unused_parameters unset: transformers.Trainer would turn it on for %s (not a "

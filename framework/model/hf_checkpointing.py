@@ -26,8 +26,9 @@ def hf_model_in(model: nn.Module) -> nn.Module | None:
 
 def accepts_loss_kwargs(model: nn.Module) -> bool:
     """Whether ``model`` is a transformers model (or a PEFT model around one) whose forward takes
-    ``num_items_in_batch`` and then divides its summed loss by it, decided as transformers.Trainer
-    decides it: the model's ``accepts_loss_kwargs``, else a ``**kwargs`` in its forward."""
+    transformers' loss keyword arguments (``num_items_in_batch``), decided as transformers.Trainer
+    decides it: the model's ``accepts_loss_kwargs``, else a ``**kwargs`` in its forward. Its loss
+    need not use them: see ``divides_by_num_items``."""
     hf = hf_model_in(model)
     get_base = getattr(model, "get_base_model", None)
     if hf is None or not (model is hf or (callable(get_base) and get_base() is hf)):
@@ -38,17 +39,38 @@ def accepts_loss_kwargs(model: nn.Module) -> bool:
     return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in inspect.signature(hf.forward).parameters.values())
 
 
+def _loss_function(hf: nn.Module | None):
+    """The transformers loss function ``hf`` computes its loss with (its ``loss_type`` in
+    transformers' LOSS_MAPPING), or None."""
+    if hf is None:
+        return None
+    try:
+        from transformers.loss.loss_utils import LOSS_MAPPING
+    except ImportError:  # a transformers without the loss mapping
+        return None
+    return LOSS_MAPPING.get(getattr(hf, "loss_type", None))
+
+
+def divides_by_num_items(model: nn.Module) -> bool:
+    """Whether ``model`` takes ``num_items_in_batch`` (``accepts_loss_kwargs``) and its loss
+    function divides its summed loss by it: a causal or masked LM's does; a classifier's, which
+    takes ``**kwargs`` too, ignores it and returns its mean (transformers.Trainer then leaves the
+    gradient n x W too large; the framework weighs that mean by its share of the labels instead)."""
+    loss_function = _loss_function(hf_model_in(model))
+    return (loss_function is not None and accepts_loss_kwargs(model)
+            and "num_items_in_batch" in inspect.signature(loss_function).parameters)
+
+
 def loss_shifts_labels(model: nn.Module) -> bool:
     """Whether the transformers model in ``model`` computes a causal LM's loss, which shifts the
     labels inside (position 0 is never a target), so that its tokens are counted over
     ``labels[..., 1:]``: transformers.Trainer's rule (its LOSS_MAPPING; never an encoder-decoder)."""
     hf = hf_model_in(model)
-    try:
-        from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
-    except ImportError:  # a transformers without the loss mapping counts every label
+    loss_function = _loss_function(hf)
+    if loss_function is None:
         return False
-    return (hf is not None and LOSS_MAPPING.get(getattr(hf, "loss_type", None)) is ForCausalLMLoss
-            and not getattr(getattr(hf, "config", None), "is_encoder_decoder", False))
+    from transformers.loss.loss_utils import ForCausalLMLoss
+    return loss_function is ForCausalLMLoss and not getattr(getattr(hf, "config", None), "is_encoder_decoder", False)
 
 
 def hf_checkpointing_on(hf: nn.Module) -> bool:

@@ -63,6 +63,11 @@ def parse(spec: str) -> list[Fault]:
                 if at not in MOMENTS or (at != "step" and kind not in PROCESS_KINDS):
                     raise ValueError(f"fault {part!r}: at={at!r}: allowed: at=step, or at=eval|save|export for "
                                      f"{', '.join(PROCESS_KINDS)}")
+                if at == "export" and kind == "hang":
+                    # The export runs after the last collective, with the watchdog closed: rank 0
+                    # writes files, and nothing waits on it that a deadline could end.
+                    raise ValueError(f"fault {part!r}: hang at=export: allowed: sigterm, sigkill or crash at=export "
+                                     "(the export runs after the watchdog is closed)")
                 continue
             if key not in ("step", "rank", "restart", "micro", "ms") or not eq or not value.strip().isdigit():
                 raise ValueError(f"fault {part!r}: {item!r} must be step=N, rank=N, restart=N|*, micro=N, ms=N "

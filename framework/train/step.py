@@ -20,7 +20,7 @@ import torch.distributed as dist
 from ..data.batches import batch_loss, label_count, to_device
 from ..ddp import policy
 from ..ddp.compile import is_ddp, uncompiled
-from ..model.hf_checkpointing import accepts_loss_kwargs, loss_shifts_labels
+from ..model.hf_checkpointing import divides_by_num_items, loss_shifts_labels
 from ..resilience import markers
 from ..resilience.markers import FatalError
 from ..resilience.memory import is_oom
@@ -130,7 +130,7 @@ class TrainStep:
         # transformers' own way to average over tokens: the model sums its loss and divides it by
         # num_items_in_batch (transformers.Trainer passes it to such models); other models' mean
         # loss is weighted by their micro-batch's share of the tokens instead.
-        self.model_divides = loss_average != "micro_batch" and loss_fn is None and accepts_loss_kwargs(raw_model)
+        self.model_divides = loss_average != "micro_batch" and loss_fn is None and divides_by_num_items(raw_model)
         self.shifted = loss_average != "micro_batch" and loss_shifts_labels(raw_model)
         self._weights: list[tuple[dict, torch.Tensor | float]] | None = None  # the current step's, per micro-batch
         self.oom_recovery = oom_recovery
@@ -173,7 +173,10 @@ class TrainStep:
         mean over the labelled tokens of the global batch (tokens: a SUM all-reduce of the count
         before the first forward, the same point on every rank; DDP then averages over the W ranks,
         which the factor W undoes) or of this rank's micro-batches (rank_tokens)."""
-        counts = [label_count(batch, shifted=self.shifted).to(self.env.device) for batch in micro_batches]
+        try:
+            counts = [label_count(batch, shifted=self.shifted).to(self.env.device) for batch in micro_batches]
+        except ValueError as err:  # no labels to count: every step would fail the same way
+            raise FatalError(str(err)) from None
         total = torch.stack(counts).sum()
         world = 1
         if self.loss_average == "tokens" and self.env.distributed:
@@ -234,7 +237,10 @@ class TrainStep:
             model_kwargs, factor = self._weights[i] if self._weights is not None else ({}, 1 / n)
             with self.autocast():
                 loss = batch_loss(uncompiled(self.model) if self.moments.eager_now else self.model, batch,
-                                  self.loss_fn, model_kwargs) * factor
+                                  self.loss_fn, model_kwargs)
+            # A micro-batch with no labelled token has a NaN mean (0/0) and weighs nothing: its
+            # gradient is zero, and so is its share of the loss.
+            loss = torch.where(factor > 0, loss * factor, 0.0) if torch.is_tensor(factor) else loss * factor
             on_loss(loss)
             self.timer.lap("forward_backward")
             self.scaler.scale(loss).backward()
