@@ -9,6 +9,7 @@ seed, under ``torchrun --max-restarts 1``: finished (exit 0 with both ranks' res
 per-launch timeout). The script passes ``resume_from_checkpoint=None``, as most scripts do.
 
     python bench/hf_peer.py --kills 10 --out hf_peer.json
+    python bench/hf_peer.py --peers framework.hf.Trainer --out hf_peer_dropin.json
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=180, help="seconds per launch before it counts as hung")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="hf_peer.json", help="a file name under bench/results/, or a path")
+    parser.add_argument("--peers", nargs="+", choices=list(PEERS), default=list(PEERS),
+                        help="run only these (the ratios need both)")
     args = parser.parse_args()
     steps = ["--max-steps", str(args.max_steps)]
     rng = random.Random(args.seed)
@@ -53,7 +56,7 @@ def main() -> None:
     report = {"max_steps": args.max_steps, "kill_steps": kill_steps, "peers": {}}
     with tempfile.TemporaryDirectory(prefix="hf-peer-") as tmp:
         work = Path(tmp)
-        for peer, flags in PEERS.items():
+        for peer, flags in ((p, PEERS[p]) for p in args.peers):
             ref = one(work, f"{len(report['peers'])}-ref", flags + steps, timeout=args.timeout)
             kills = []
             for i, step in enumerate(kill_steps):
@@ -78,8 +81,8 @@ def main() -> None:
     for peer, s in rows:
         print(f"{peer:22} {s['wall_s']:>7.1f} {s['train_s'] or float('nan'):>8.1f} {s['steps_per_s']:>8.2f} "
               f"{s['finished']:>5}/{s['kills']:<3} {s['bit_exact']:>6}/{s['kills']:<3} {s['failed']:>7} {s['hung']:>5}")
-    a, b = (report["peers"][p]["summary"] for p in PEERS)
-    if a["steps_per_s"] and b["wall_s"]:
+    a, b = (report["peers"].get(p, {}).get("summary") for p in PEERS)
+    if a and b and a["steps_per_s"] and b["wall_s"]:
         report["ratios"] = {"speed_dropin_over_hf": b["steps_per_s"] / a["steps_per_s"],
                             "wall_dropin_over_hf": b["wall_s"] / a["wall_s"]}
         print(f"\ndrop-in / transformers: speed {report['ratios']['speed_dropin_over_hf']:.3f}x, "

@@ -2,6 +2,7 @@
 one process with the schedule recomputed, refusals that leave a FATAL marker."""
 
 import dataclasses
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -284,3 +285,21 @@ def test_resuming_fp16_from_a_checkpoint_without_loss_scaling_is_a_one_line_chec
         ck.restore(state)
     message = str(info.value)
     assert "\n" not in message and "saved without fp16 loss scaling" in message and "precision.autocast" in message
+
+
+def test_resume_auto_goes_back_to_where_a_path_run_began_when_all_its_checkpoints_are_unusable(tmp_path):
+    """The explorer's trial 187 of seed 3000: a run begun with resume=PATH wrote one checkpoint,
+    which was damaged; relaunched with resume=auto, it found nothing usable and started afresh from
+    step 0, a different model. It now goes back to the checkpoint it began from."""
+    base = DDPTrainer(tiny(tmp_path / "base", max_steps=4, save_every_steps=4))
+    base.train()
+    began = tmp_path / "base" / "ck" / "step_00000004.pt"
+    whole = DDPTrainer(tiny(tmp_path / "whole", max_steps=8, save_every_steps=6, resume=str(began))).train()
+    with pytest.raises(RuntimeError, match="crash at step 6"):
+        DDPTrainer(tiny(tmp_path / "run", max_steps=8, save_every_steps=6, resume=str(began),
+                        fault_inject="crash@step=6")).train()
+    (own,) = (tmp_path / "run" / "ck").glob("step_00000006*.pt")
+    os.truncate(own, own.stat().st_size // 2)
+    relaunched = DDPTrainer(tiny(tmp_path / "run", max_steps=8, save_every_steps=6, resume="auto"))
+    assert relaunched.step == 4
+    assert relaunched.train()["model_sha256"] == whole["model_sha256"]

@@ -151,6 +151,9 @@ class CheckpointManager:
         self.lineage: str = uuid.uuid4().hex[:12]
         """The lineage this manager's saves belong to."""
         self.resumed_from: str | None = None
+        # The checkpoint outside ``directory`` this lineage began from (resume=PATH), recorded in
+        # its manifest entries: where a resume goes back to when all of them are unusable.
+        self.began_from: str | None = None
         """The name of the file in ``directory`` this run resumed from, which pruning never deletes."""
         self.last_wait_s: float | None = None
         """Seconds the last ``save`` waited for the previous write to finish."""
@@ -196,6 +199,7 @@ class CheckpointManager:
         self.wait()
         path = Path(path)
         if path.resolve().parent != self.directory.resolve():
+            self.began_from = str(path.resolve())
             return
         self.resumed_from = path.name
         try:
@@ -209,7 +213,7 @@ class CheckpointManager:
             return
         newest = max((e for e in entries if e["lineage"] == entry["lineage"]), key=lambda e: e["seq"])
         if newest is entry:
-            self.lineage = entry["lineage"]
+            self.lineage, self.began_from = entry["lineage"], entry.get("began_from")
             log.info("resuming from %s, the newest checkpoint of lineage %s: continuing it", path, self.lineage)
         else:
             log.info("resuming from %s, older than %s of its lineage %s: this run starts lineage %s and "
@@ -308,7 +312,8 @@ class CheckpointManager:
         sha256, size = atomic.torch_save(snapshot, path)  # streamed: the snapshot is the one copy in memory
         entries = self._read_manifest_for_update(path.name)
         entry = {"file": path.name, "step": step, "sha256": sha256, "bytes": size,
-                 "lineage": self.lineage, "seq": max((e["seq"] for e in entries), default=0) + 1}
+                 "lineage": self.lineage, "seq": max((e["seq"] for e in entries), default=0) + 1,
+                 **({"began_from": self.began_from} if self.began_from else {})}
         entries = [e for e in entries if e["file"] != path.name and self._still_there(e)] + [entry]
         mine = [e for e in entries if e["lineage"] == self.lineage]
         keep = {e["file"] for e in mine[-self.keep_last:]} | {path.name, self.resumed_from}
@@ -423,6 +428,16 @@ class CheckpointManager:
             raise CheckpointUnreadable(f"no checkpoint in {self.directory} could be read: "
                                        f"{'; '.join(self._unreadable)}")
         return found
+
+    def beginning_of_newest(self) -> Path | None:
+        """Where the newest-written lineage of the manifest began, when that was a checkpoint
+        outside ``directory`` (resume=PATH) that still exists; None otherwise."""
+        try:
+            entries = _read_manifest(self.manifest_path)
+        except (ValueError, OSError):
+            return None
+        began = entries[-1].get("began_from") if entries else None
+        return Path(began) if began and Path(began).is_file() else None
 
     def lineage_of(self, path: str | Path) -> str | None:
         """The lineage the manifest gives ``path`` (a file in ``directory``), or None when it lists none."""

@@ -283,6 +283,13 @@ class Checkpointer:
             found = self.manager.latest_valid()
         elif self.cfg.checkpoint.resume != "none":
             found = Path(self.cfg.checkpoint.resume), checkpoint_files.load_file(self.cfg.checkpoint.resume)
+        if found is None and self.cfg.checkpoint.resume != "none" and (began := self.manager.beginning_of_newest()):
+            # Every checkpoint this directory's newest run wrote is unusable, and that run began
+            # from a checkpoint elsewhere (resume=PATH): going back there loses only its own steps,
+            # where starting afresh would silently train another model.
+            log.warning("no checkpoint in %s is usable; its newest run began from %s: resuming from there",
+                        self.manager.directory, began)
+            found = began, checkpoint_files.load_file(began)
         path, state = found or (None, None)
         if path is not None:
             self.manager.mark_resumed(path)  # protected from pruning; a restart continues its lineage
