@@ -32,16 +32,22 @@ FORMAT = 2
 """The checkpoint format written; format 1 (framework 0.1.0 before the state had owners) is read too."""
 
 
-def _unreadable(err, restarts_left: int) -> list:
-    """``[message, may_pass]`` for a checkpoint that cannot be read now (EIO, ESTALE, EACCES). It may
-    pass, so while torchrun has a restart left the run fails retriably and the restart reads again;
-    the last incarnation stops with a FatalError instead, which names the file, rather than fail
-    the same way once more with a traceback (or start afresh beside a checkpoint it never read)."""
-    if restarts_left > 0:
-        return [f"{err}; a restart tries again", True]
-    return [f"{err}; no restart is left to try again (torchrun --max-restarts), and the run does not start "
-            "afresh beside a checkpoint it could not read: make it readable, or move it out of the checkpoint "
-            "directory, and launch again", False]
+def _unreadable(message: str, env) -> OSError | CheckpointError:
+    """The error for a checkpoint that cannot be read now (EIO, ESTALE, EACCES), raised on every rank
+    (a collective). It may pass, so while torchrun has a restart left the run fails retriably and
+    the restart reads again; the last incarnation stops with a CheckpointError (a FATAL)
+    instead, which names the file, rather than fail the same way once more with a traceback (or
+    start afresh beside a checkpoint it never read). The fewest restarts any node's agent has left
+    decides: the agents count their own, and an agent restarted for another node's failure does
+    not count it (see process_group.restart_count)."""
+    left = torch.tensor([process_group.restarts_left()], device=env.device)
+    if env.distributed:
+        dist.all_reduce(left, op=dist.ReduceOp.MIN)
+    if int(left) > 0:
+        return CheckpointUnreadable(f"{message}; a restart tries again")
+    return CheckpointError(f"{message}; no restart is left to try again (torchrun --max-restarts), and the run "
+                           "does not start afresh beside a checkpoint it could not read: make it readable, or "
+                           "move it out of the checkpoint directory, and launch again")
 
 
 class Stateful(Protocol):
@@ -238,11 +244,6 @@ class Checkpointer:
         that cannot be read now) raises CheckpointUnreadable, any other CheckpointError."""
         choice: list = [None, None, False]  # the path, or the error that every rank raises and if it may pass
         state = None
-        # The fewest restarts any node's agent has left: the agents count their own, and an agent
-        # restarted for another node's failure does not count it (see process_group.restart_count).
-        restarts_left = torch.tensor([process_group.restarts_left()], device=self.env.device)
-        if self.env.distributed:
-            dist.all_reduce(restarts_left, op=dist.ReduceOp.MIN)
         if self.env.is_main:
             try:
                 path, state = self._choose(before)
@@ -252,16 +253,16 @@ class Checkpointer:
             except FileNotFoundError as err:
                 choice[1] = f"resume={self.cfg.checkpoint.resume}: {err.strerror}: {err.filename}"
             except OSError as err:
-                choice[1:] = _unreadable(err if isinstance(err, CheckpointUnreadable) else
-                                         f"checkpoint.resume={self.cfg.checkpoint.resume}: unreadable "
-                                         f"({err.strerror or err})", int(restarts_left))
+                choice[1:] = [str(err) if isinstance(err, CheckpointUnreadable) else
+                              f"checkpoint.resume={self.cfg.checkpoint.resume}: unreadable ({err.strerror or err})",
+                              True]
             except (RuntimeError, EOFError) as err:
                 first_line = (str(err).splitlines() or [""])[0]
                 choice[1] = f"resume={self.cfg.checkpoint.resume}: unreadable: {type(err).__name__}: {first_line}"
         if self.env.distributed:
             dist.broadcast_object_list(choice, src=0)
         if choice[1] is not None:
-            raise (CheckpointUnreadable if choice[2] else CheckpointError)(choice[1])
+            raise _unreadable(choice[1], self.env) if choice[2] else CheckpointError(choice[1])
         if choice[0] is None:
             return None
         return upgrade(state if state is not None else checkpoint_files.load_file(Path(choice[0])))
