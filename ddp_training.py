@@ -1,13 +1,16 @@
 #!/usr/bin/env python3
 """Entry point: ``python ddp_training.py [--config FILE] [--key value ...]``, alone or under torchrun.
 
-Exit codes: 0 done, 2 bad configuration (before any process group starts) or a checkpoint_dir that
-another run is using, 1 anything else.
+Exit codes: 0 done (or preempted and saved), 2 bad configuration (before any process group starts)
+or a checkpoint_dir that another run is using, 75 a node of the run is lost (a torchrun agent died,
+or a peer process went away in a collective; a restart or relaunch continues from the newest
+checkpoint), 1 anything else (a FATAL marker says when a restart cannot help).
 """
 
 from __future__ import annotations
 
 import faulthandler
+import logging
 import os
 import sys
 
@@ -52,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     from framework.ddp import process_group
+    from framework.resilience import markers
     from framework.state.checkpoint_files import CheckpointDirLocked
     from framework.ddp.policy import format_report
     from framework.trainer import DDPTrainer, FatalError
@@ -71,6 +75,17 @@ def main(argv: list[str] | None = None) -> int:
         # Already logged with its marker; one line, no traceback: a restart would not help.
         print(f"fatal: {err}", file=sys.stderr)
         return 1
+    except process_group.PeerLost as err:
+        print(f"error: {err}", file=sys.stderr)
+        return process_group.EXIT_PEER_LOST
+    except Exception as err:
+        if not markers.peer_lost(err):
+            raise
+        # Not this process's fault: its peer's error (in that peer's log) is the cause.
+        logging.getLogger("ddp_training").error("a peer process went away", exc_info=True)
+        print(f"error: a peer process of the run went away ({type(err).__name__}: "
+              f"{(str(err).splitlines() or [''])[0]}); exiting with {process_group.EXIT_PEER_LOST}", file=sys.stderr)
+        return process_group.EXIT_PEER_LOST
     finally:
         process_group.teardown()
     return 0

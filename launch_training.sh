@@ -22,16 +22,24 @@ usage: ./launch_training.sh [options] [-- ddp_training.py flags]
       --doctor              run only the DDP preflight on every rank and print its report
       --max-restarts N      restart the worker group up to N times after a failure (torchrun);
                             each restart resumes from the newest valid checkpoint
-      --nnodes N            number of nodes (multi-node, with --rdzv-endpoint and --rdzv-id)
-      --rdzv-endpoint H:P   the c10d rendezvous endpoint, the same on every node
+      --nnodes N|MIN:MAX    number of nodes (multi-node, with --rdzv-endpoint and --rdzv-id); a range
+                            is elastic: with --max-restarts, the run continues on the nodes left
+                            after a node is lost (the global batch kept), and grows back when a
+                            node rejoins
+      --rdzv-endpoint H:P   the rendezvous endpoint, the same on every node
       --rdzv-id ID          a run id, the same on every node
+      --rdzv-join-timeout S how long a rendezvous waits for --nnodes (the minimum) to join: at the
+                            start, and after a failure (default 60)
+      --rdzv-last-call S    with a range, how long a rendezvous that has its minimum waits for more
+                            nodes (default 5)
   -h, --help                this help
 
 With neither --gpus nor --cpu, all visible GPUs are used, or 2 CPU processes if there is none.
 Everything after -- is passed to ddp_training.py (see: python ddp_training.py --help).
 Relative paths (options, flags after --, DDP_* variables, values in the config file) are relative
 to the current directory, as with python ddp_training.py; --test writes to runs/test/ there.
-The exit code is torchrun's; 2 means the configuration is invalid.
+The exit code is torchrun's; 2 means the configuration is invalid. A worker exits 75 when a node
+of the run is lost (see docs/fault-tolerance.md).
 EOF
 }
 
@@ -45,7 +53,7 @@ gpu_count() { "$python" -c 'import torch; print(torch.cuda.device_count())' 2>/d
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 python="${PYTHON:-python3}"
 gpus="" cpu=0 nproc="" test_mode=0 debug=0
-max_restarts=0 nnodes=1 rdzv_endpoint="" rdzv_id=""
+max_restarts=0 nnodes=1 rdzv_endpoint="" rdzv_id="" join_timeout=60 last_call=5
 train_args=()
 
 while [[ $# -gt 0 ]]; do
@@ -66,6 +74,8 @@ while [[ $# -gt 0 ]]; do
     --nnodes) need_value "$@"; nnodes="$2"; shift 2 ;;
     --rdzv-endpoint) need_value "$@"; rdzv_endpoint="$2"; shift 2 ;;
     --rdzv-id) need_value "$@"; rdzv_id="$2"; shift 2 ;;
+    --rdzv-join-timeout) need_value "$@"; join_timeout="$2"; shift 2 ;;
+    --rdzv-last-call) need_value "$@"; last_call="$2"; shift 2 ;;
     -h|--help) usage; exit 0 ;;
     --) shift; train_args+=("$@"); break ;;
     *) die "unknown option '$1' (see --help; flags for ddp_training.py go after --)" ;;
@@ -75,8 +85,13 @@ done
 [[ -n "$gpus" && $cpu -eq 1 ]] && die "--gpus and --cpu exclude each other"
 [[ -z "$nproc" || "$nproc" =~ ^[1-9][0-9]*$ ]] || die "--nproc '$nproc': must be a positive integer"
 [[ "$max_restarts" =~ ^[0-9]+$ ]] || die "--max-restarts '$max_restarts': must be a non-negative integer"
-[[ "$nnodes" =~ ^[1-9][0-9]*$ ]] || die "--nnodes '$nnodes': must be a positive integer"
-if [[ $nnodes -gt 1 ]]; then
+[[ "$nnodes" =~ ^[1-9][0-9]*(:[1-9][0-9]*)?$ ]] ||
+  die "--nnodes '$nnodes': must be a positive integer N or a range MIN:MAX"
+min_nodes=${nnodes%%:*} max_nodes=${nnodes##*:}
+[[ $min_nodes -le $max_nodes ]] || die "--nnodes $nnodes: MIN must not exceed MAX"
+[[ "$join_timeout" =~ ^[1-9][0-9]*$ ]] || die "--rdzv-join-timeout '$join_timeout': must be a positive integer"
+[[ "$last_call" =~ ^[1-9][0-9]*$ ]] || die "--rdzv-last-call '$last_call': must be a positive integer"
+if [[ $max_nodes -gt 1 ]]; then
   [[ "$rdzv_endpoint" =~ ^[A-Za-z0-9._-]+:[0-9]+$ ]] || die "--nnodes $nnodes needs --rdzv-endpoint HOST:PORT"
   [[ "$rdzv_id" =~ ^[A-Za-z0-9._-]+$ ]] || die "--nnodes $nnodes needs --rdzv-id ID (letters, digits, . _ -)"
 fi
@@ -126,7 +141,7 @@ if [[ $test_mode -eq 1 ]]; then
               --checkpoint.dir runs/test/checkpoints "${train_args[@]}")
 fi
 
-if [[ $nnodes -eq 1 ]]; then
+if [[ $max_nodes -eq 1 ]]; then
   export GLOO_SOCKET_IFNAME="${GLOO_SOCKET_IFNAME:-lo}"
   export MASTER_ADDR=127.0.0.1
 fi
@@ -142,11 +157,21 @@ if [[ $debug -eq 1 ]]; then
 fi
 
 # WORLD_SIZE: the check refuses data that cannot fill one global batch of every rank.
-checkpoint_dir=$(WORLD_SIZE=$(( nproc * nnodes )) "$python" "$here/ddp_training.py" --check-config "${train_args[@]}") ||
+checkpoint_dir=$(WORLD_SIZE=$(( nproc * max_nodes )) "$python" "$here/ddp_training.py" --check-config "${train_args[@]}") ||
   exit $?
 
-if [[ $nnodes -gt 1 ]]; then
-  rdzv=(--nnodes "$nnodes" --rdzv-backend c10d --rdzv-endpoint "$rdzv_endpoint" --rdzv-id "$rdzv_id")
+if [[ $max_nodes -gt 1 ]]; then
+  # A lost node is dropped from the rendezvous after keep_alive_interval x keep_alive_max_attempt
+  # (6 s) without a heartbeat, instead of 15 s. A worker that sees a node go exits 75, so the
+  # surviving agents take torchrun's failure path at once (docs/fault-tolerance.md, Node loss).
+  rdzv=(--nnodes "$nnodes" --rdzv-backend c10d --rdzv-endpoint "$rdzv_endpoint" --rdzv-id "$rdzv_id"
+        --rdzv-conf "join_timeout=$join_timeout,last_call_timeout=$last_call,keep_alive_interval=2,keep_alive_max_attempt=3")
+  if [[ $min_nodes -lt $max_nodes ]]; then
+    # torch 2.13's shared agent store cannot admit a node into a running job (the newcomer waits
+    # forever for bootstrap keys of an earlier round): off, and the workers keep their restart-safe
+    # store in the rendezvous store instead (framework/ddp/process_group.py, RDZV_STORE_ENV).
+    export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 RDZV_STORE_ENDPOINT="$rdzv_endpoint"
+  fi
 else
   port=$("$python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
   rdzv=(--nnodes 1 --rdzv-backend c10d --rdzv-endpoint "127.0.0.1:$port" --local-addr 127.0.0.1)

@@ -288,6 +288,11 @@ class DDPTrainer:
         with self._fatal_on_error():
             summary = self._train()
         self.close()
+        if summary["agent_lost"]:
+            saved = "saved a checkpoint of" if summary["preempted"] else "finished at"
+            raise process_group.PeerLost(
+                f"a torchrun agent of this run died; the run {saved} step {summary['steps']}: exiting with "
+                f"{process_group.EXIT_PEER_LOST} so that the surviving agents restart or end now")
         return summary
 
     def _train(self) -> dict:
@@ -295,6 +300,8 @@ class DDPTrainer:
         step_log = StepLog.open(cfg, env, total_steps=self._total_steps, initial_step=self.step)
         samples_log = SampleLog(Path(cfg.logging.dir) / f"samples_rank_{env.rank}.jsonl"
                                 if cfg.logging.record_samples else None)
+        if cfg.logging.record_samples and env.is_main:
+            SampleLog.purge_absent_ranks(Path(cfg.logging.dir), env.world_size, self.step + 1)
         self.model.train()
         self._preemption.started = True
         if self._preemption.installed:
@@ -450,9 +457,14 @@ class DDPTrainer:
                                    **self._spike_guard.summary())
         if not preempted:
             self._moments.export(self.step)
+        if env.is_main and not preempted:
+            export.save_final_weights(self.raw_model, cfg)  # final_model.pt and the safetensors export
+        # Last, so that an agent's death at any moment before it is known to every rank: they all
+        # exit non-zero then (train raises PeerLost), and no surviving agent waits in torchrun's
+        # exit barrier for the dead one.
+        summary["agent_lost"] = agree(loss=torch.zeros((), device=env.device), world_size=env.world_size,
+                                      distributed=env.distributed, agent_lost=process_group.agent_gone()).agent_lost
         if env.is_main:
-            if not preempted:
-                export.save_final_weights(self.raw_model, cfg)  # final_model.pt and the safetensors export
             atomic.write_bytes(Path(cfg.logging.dir) / "summary.json", json.dumps(summary, indent=2).encode())
         log.info("%s: %s", "preempted" if preempted else "done", json.dumps(summary))
         self._moments.train_end(summary)

@@ -51,11 +51,65 @@ def test_resume_continues_at_the_exact_sample():
         resumed.advance()
     state = resumed.state_dict()
     assert state == {"epoch": 0, "consumed": 4 * 12, "batch_size": 3, "accumulation": 2, "world_size": 2,
-                     "num_samples": 120, "seed": 5}
+                     "num_samples": 120, "seed": 5, "configured": [3, 2]}
     fresh = ResumableDistributedSampler(120, 2, 1, 3, 2, seed=5)
     fresh.load_state_dict(state)
     assert list(fresh) == expected[4 * 2:]
     assert len(fresh) == len(expected) - 8
+
+
+def step_samples(world: int, batch: int, accum: int, state: dict | None = None, n: int = 96,
+                 keep: bool = True) -> tuple[list[list[int]], list]:
+    """Each remaining step's global samples (every rank's micro-batches), and the ranks' samplers."""
+    ranks = [ResumableDistributedSampler(n, world, r, batch, accum, seed=7, keep_global_batch=keep)
+             for r in range(world)]
+    for s in ranks:
+        if state is not None:
+            s.load_state_dict(state)
+    micro = [list(s) for s in ranks]
+    a = ranks[0].accumulation
+    steps = [sorted(i for r in range(world) for m in micro[r][k * a:(k + 1) * a] for i in m)
+             for k in range(len(micro[0]) // a)]
+    return steps, ranks
+
+
+@pytest.mark.parametrize("before, after, split", [
+    ((2, 4, 1), 1, (4, 2)),   # 2 -> 1: accumulation doubles
+    ((1, 4, 1), 2, (2, 1)),   # 1 -> 2: the micro-batch halves
+    ((2, 4, 1), 4, (2, 1)),   # 2 -> 4
+    ((4, 2, 1), 2, (4, 1)),   # 4 -> 2 (the configured micro-batch is 4: a resize back)
+    ((2, 2, 2), 4, (2, 1)),   # an out-of-memory halving's split, then 4 ranks
+])
+def test_a_world_size_change_keeps_the_global_batch_and_each_steps_samples(before, after, split):
+    """N -> M: the steps after the resume hold exactly the samples the uninterrupted N-rank run's
+    steps hold, in the same order of steps; the micro-batch and accumulation are re-split."""
+    world, batch, accum = before
+    full, ranks = step_samples(world, batch, accum)
+    for s in ranks:
+        for _ in range(3):
+            s.advance()
+    state = ranks[0].state_dict()
+    state["configured"] = [4, 1]  # the configuration's split (an OOM halving or earlier resize may differ)
+    resumed, new_ranks = step_samples(after, 4, 1, state)
+    assert (new_ranks[0].batch_size, new_ranks[0].accumulation) == split
+    assert new_ranks[0].global_batch == world * batch * accum
+    assert resumed == full[3:]
+
+
+def test_a_global_batch_that_does_not_split_is_a_fatal_error_naming_the_sizes_unless_scaling_is_allowed():
+    ranks = [ResumableDistributedSampler(96, 2, r, 3, 1, seed=7) for r in range(2)]
+    state = ranks[0].state_dict()  # 6 samples a step
+    with pytest.raises(FatalError, match=r"global batch of 6 samples \(2 ranks x micro-batch 3 x accumulation 1\) "
+                                         r"does not split over 4 ranks.*scale_global_batch"):
+        step_samples(4, 3, 1, state)
+    _, scaled = step_samples(4, 3, 1, state, keep=False)
+    assert scaled[0].global_batch == 12 and scaled[0].consumed == 0
+
+
+def test_a_changed_configured_batch_is_the_users_choice_not_a_resize():
+    state = ResumableDistributedSampler(96, 2, 0, 4, 1, seed=7).state_dict()
+    _, ranks = step_samples(1, 8, 2, state)  # the user asked for 8 x 2 on one rank
+    assert (ranks[0].batch_size, ranks[0].accumulation) == (8, 2)
 
 
 def test_markov_data_is_deterministic_and_has_known_floor():

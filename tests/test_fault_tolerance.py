@@ -273,7 +273,9 @@ def test_resume_on_a_different_world_size_continues_at_the_global_offset(tmp_pat
                checkpoint_dir=str(tmp_path / "ck"))
     trainer = DDPTrainer(cfg)  # one process, resuming the 2-rank checkpoint of step 21
     assert trainer.step == 21 and trainer.sampler.consumed == 21 * 8
-    assert "no longer bitwise equal" in rank_log(tmp_path / "one")
+    # The global batch is the checkpoint's: 1 rank x micro-batch 4 x accumulation 2 (tests/test_elastic.py).
+    assert (trainer.sampler.batch_size, trainer.sampler.accumulation, trainer.sampler.global_batch) == (4, 2, 8)
+    assert "resuming a world-size-2 checkpoint on 1 ranks" in rank_log(tmp_path / "one")
     trainer.close()
 
 

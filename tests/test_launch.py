@@ -57,6 +57,7 @@ def shim(tmp_path):
 
     def run(args, gpus=None, cwd=ROOT, **env):
         env = {"PYTHON": str(path), "SHIM_RECORD": str(record), **env}
+        record.unlink(missing_ok=True)  # an earlier call's
         if gpus is not None:
             env["SHIM_GPUS"] = str(gpus)
         proc = run_script(args, timeout=60, cwd=cwd, env=env)
@@ -190,6 +191,23 @@ def test_loopback_only_for_one_node(shim, nnodes, ifname, expected):
     assert torchrun["env"].get("GLOO_SOCKET_IFNAME") == expected
     assert torchrun["env"].get("MASTER_ADDR") == ("127.0.0.1" if nnodes == 1 else None)
     assert option(torchrun["argv"], "--nnodes") == str(nnodes)
+
+
+def test_an_elastic_node_range_reaches_torchrun_with_bounded_rendezvous_waits(shim):
+    rdzv = ["--rdzv-endpoint", "node0:29500", "--rdzv-id", "job7"]
+    proc, torchrun = shim(["--cpu", "--nnodes", "1:2", *rdzv, "--rdzv-join-timeout", "40"])
+    assert proc.returncode == 0, proc.stderr
+    argv = torchrun["argv"]
+    assert option(argv, "--nnodes") == "1:2" and option(argv, "--rdzv-backend") == "c10d"
+    conf = dict(kv.split("=") for kv in option(argv, "--rdzv-conf").split(","))
+    assert conf == {"join_timeout": "40", "last_call_timeout": "5", "keep_alive_interval": "2",
+                    "keep_alive_max_attempt": "3"}
+    for bad, says in ((["--nnodes", "3:2", *rdzv], "MIN must not exceed MAX"),
+                      (["--nnodes", "1:2"], "needs --rdzv-endpoint"),
+                      (["--nnodes", "2:", *rdzv], "a positive integer N or a range MIN:MAX"),
+                      (["--nnodes", "2", *rdzv, "--rdzv-last-call", "0"], "--rdzv-last-call '0'")):
+        proc, torchrun = shim(["--cpu", *bad])
+        assert proc.returncode == 2 and says in proc.stderr and torchrun is None, (bad, proc.stderr)
 
 
 def test_relative_config_data_and_resume_are_the_callers(shim, tmp_path):

@@ -76,3 +76,27 @@ def test_a_relaunch_that_resumes_at_the_last_step_reports_the_loss_it_ended_with
     rows = read_metrics(tmp_path / "logs" / "metrics.jsonl")
     assert again["final_train_loss"] == first["final_train_loss"] == rows[-1]["train/loss"]
     assert json.loads((tmp_path / "logs" / "summary.json").read_text())["final_train_loss"] == rows[-1]["train/loss"]
+
+
+def test_a_run_on_fewer_ranks_purges_the_files_of_the_ranks_it_does_not_have(tmp_path):
+    """2 ranks recorded steps 1-12 and died after the checkpoint of step 8; the run resumed there on
+    1 rank, and later on 2 again from step 20. Rank 1's steps 9-12 belong to no run: without the
+    purge at the 1-rank resume, rank 1's own purge (from step 21) would leave them."""
+    from framework.observability.metrics import SampleLog, read_samples
+    logs = {rank: SampleLog(tmp_path / f"samples_rank_{rank}.jsonl") for rank in (0, 1)}
+    for step in range(1, 13):
+        for rank, log in logs.items():
+            log.write(0, step, [2 * step + rank])
+    for log in logs.values():
+        log.close()
+    SampleLog.purge_absent_ranks(tmp_path, world_size=1, from_step=9)  # the 1-rank resume at step 8
+    alone = SampleLog(tmp_path / "samples_rank_0.jsonl")
+    for step in range(9, 21):
+        alone.write(0, step, [2 * step, 2 * step + 1])
+    alone.close()
+    SampleLog.purge_absent_ranks(tmp_path, world_size=2, from_step=21)  # nothing absent: a no-op
+    back = SampleLog(tmp_path / "samples_rank_1.jsonl")
+    back.write(0, 21, [43])
+    back.close()
+    assert [r["step"] for r in read_samples(tmp_path / "samples_rank_1.jsonl")] == [*range(1, 9), 21]
+    assert [r["step"] for r in read_samples(tmp_path / "samples_rank_0.jsonl")] == list(range(1, 21))

@@ -110,6 +110,9 @@ class DataSection:
     """Sequences per micro-batch on each rank."""
     gradient_accumulation_steps: int = bounded(1, lo=1, resume="changes", was="gradient_accumulation_steps")
     """Micro-batches per optimizer step; all but the last run under no_sync()."""
+    world_size_change: Literal["keep_global_batch", "scale_global_batch"] = option(
+        "keep_global_batch", resume="neutral", was=None)
+    """On resume at another world size: keep the checkpoint's global batch (re-split per rank), or scale it."""
     num_workers: int = bounded(AUTO, lo=0, resume="neutral", was="num_workers", auto=True)
     """DataLoader workers per rank, capped by the cores left after one per rank (min 1); auto: up to 4, 0 if none."""
     pin_memory: bool = option(True, resume="neutral", was="pin_memory")

@@ -253,7 +253,8 @@ def build_stream(dataset, cfg, env, val_dataset=None) -> tuple[ResumableDistribu
         return position, IterableStream(dataset, position, device=env.device, distributed=env.distributed,
                                         rank=env.rank), 0
     sampler = ResumableDistributedSampler(len(dataset), env.world_size, env.rank, cfg.data.batch_size,
-                                          cfg.data.gradient_accumulation_steps, cfg.train.seed)
+                                          cfg.data.gradient_accumulation_steps, cfg.train.seed,
+                                          keep_global_batch=cfg.data.world_size_change == "keep_global_batch")
     # The built-in datasets are in memory and batch in one vectorised read: a worker process
     # would only add the cost of shipping each batch back (measured: ~1.5 ms a step on CPU).
     in_memory = isinstance(dataset, (MarkovDataset, TokenWindows))

@@ -32,13 +32,18 @@ class ResumableDistributedSampler(torch.utils.data.Sampler[list[int]]):
     """
 
     def __init__(self, num_samples: int, world_size: int, rank: int, batch_size: int,
-                 accumulation: int = 1, seed: int = 0):
+                 accumulation: int = 1, seed: int = 0, keep_global_batch: bool = True):
         self.num_samples = num_samples
         self.world_size = world_size
         self.rank = rank
         self.batch_size = batch_size
         self.accumulation = accumulation
         self.seed = seed
+        # The configured split, which a checkpoint records beside the live one (an out-of-memory
+        # halving or a world-size change alters the live one): a resume with the same configured
+        # split keeps the checkpoint's global batch (data.world_size_change=keep_global_batch).
+        self.configured = (batch_size, accumulation)
+        self.keep_global_batch = keep_global_batch
         self.epoch = 0
         self.consumed = 0
         self.excluded: frozenset[int] = frozenset()
@@ -135,24 +140,54 @@ class ResumableDistributedSampler(torch.utils.data.Sampler[list[int]]):
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "consumed": self.consumed, "batch_size": self.batch_size,
                 "accumulation": self.accumulation, "world_size": self.world_size,
-                "num_samples": self.num_samples, "seed": self.seed}
+                "num_samples": self.num_samples, "seed": self.seed, "configured": list(self.configured)}
 
     def load_state_dict(self, state: dict) -> None:
-        """Continue at the saved sample. The saved micro-batch split (an out-of-memory error may
-        have halved it) is kept when the world size and the per-rank batch are the configured
-        ones; otherwise the configured split applies and the position is a global sample offset."""
+        """Continue at the saved sample (a global sample offset in the epoch, valid at any world
+        size: the permutation does not depend on it).
+
+        The step's split: the saved one (an out-of-memory error may have halved the micro-batch)
+        when the world size and the configured split are the checkpoint's. When only the world size
+        changed, ``keep_global_batch`` keeps the checkpoint's global batch, so that the run's steps,
+        their samples and the schedule stay those of an uninterrupted run (``resize``); otherwise
+        the configured split applies at the new world size (the global batch changes with it).
+        A change of batch_size or gradient_accumulation_steps in the configuration is the user's:
+        the configured split applies."""
         for key in ("num_samples", "seed"):
             if key in state and int(state[key]) != getattr(self, key):
                 raise ValueError(f"the checkpoint's data order was drawn with {key}={state[key]}, this run has "
                                  f"{getattr(self, key)}: its sample position does not apply")
         self.epoch = int(state["epoch"])
         self.consumed = int(state["consumed"])
-        if "batch_size" not in state or int(state["world_size"]) != self.world_size:
+        if "batch_size" not in state:
             return
-        b, a = int(state["batch_size"]), int(state["accumulation"])
-        if b * a == self.batch_size * self.accumulation:
-            self.batch_size, self.accumulation = b, a
+        b, a, world = int(state["batch_size"]), int(state["accumulation"]), int(state["world_size"])
+        configured = tuple(int(x) for x in state.get("configured", (b, a)))
+        same_config = configured == self.configured or (
+            "configured" not in state and b * a == self.configured[0] * self.configured[1])
+        if world == self.world_size:
+            if same_config:
+                self.batch_size, self.accumulation = b, a
+        elif same_config and self.keep_global_batch:
+            self.resize(world * b * a, saved=f"{world} ranks x micro-batch {b} x accumulation {a}")
 
+    def resize(self, global_batch: int, saved: str) -> None:
+        """Split ``global_batch`` over this world size: the largest micro-batch up to the
+        configured one that divides each rank's share, and as many accumulation steps as it takes.
+        A share that is not whole is a FatalError naming the sizes."""
+        share, rest = divmod(global_batch, self.world_size)
+        if rest:
+            raise FatalError(
+                f"data.world_size_change=keep_global_batch: the checkpoint's global batch of {global_batch} samples "
+                f"({saved}) does not split over {self.world_size} ranks; run on a world size that divides "
+                f"{global_batch}, or set data.world_size_change=scale_global_batch to train on with "
+                f"{self.world_size} x {self.configured[0]} x {self.configured[1]} samples a step (then the run "
+                f"differs from an uninterrupted one)")
+        micro = max(d for d in range(1, min(share, self.configured[0]) + 1) if share % d == 0)
+        self.batch_size, self.accumulation = micro, share // micro
+        log.warning("world size changed (checkpoint: %s = %d samples a step): %d ranks x micro-batch %d x "
+                    "accumulation %d keep the global batch, so the steps, their samples and the schedule are the "
+                    "uninterrupted run's", saved, global_batch, self.world_size, micro, self.accumulation)
 
 def peek_batches(sampler: ResumableDistributedSampler, dataset: Dataset, n: int, device: torch.device) -> list:
     """This rank's next ``n`` micro-batches on ``device``, read without consuming them."""

@@ -25,6 +25,25 @@ STORE: dist.Store | None = None
 # The store generation this incarnation of the group agreed on, when this module built the group.
 GENERATION: int | None = None
 
+EXIT_PEER_LOST = 75
+"""A worker's exit code when a node of the run is lost: its agent died (then every rank saves and
+exits with it), or a peer process went away in a collective. sysexits' EX_TEMPFAIL: a restart or a
+relaunch continues from the newest checkpoint. Never 0, so that torchrun takes its failure path (a
+restart, or its own exit) instead of waiting 300 s in its exit barrier for an agent that is dead."""
+
+
+class PeerLost(SystemExit):
+    """Raised by ``DDPTrainer.train`` after its save when some rank's agent died: the process exits
+    with EXIT_PEER_LOST unless the caller catches it."""
+
+    def __init__(self, message: str):
+        super().__init__(EXIT_PEER_LOST)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _PARENT_AT_IMPORT = os.getppid()
 _armed_parent: int | None = None  # the agent's pid, once die_with_parent armed the death signal
@@ -238,20 +257,46 @@ def incarnation() -> int:
     return GENERATION - 1 if GENERATION is not None else restart_count()
 
 
+RDZV_STORE_ENV = "RDZV_STORE_ENDPOINT"
+"""HOST:PORT of the c10d rendezvous store, set by launch_training.sh for an elastic node range,
+where it also turns torchrun's store sharing off (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1): in torch
+2.13 a node that joins a running job waits forever in its rendezvous for bootstrap keys that the
+agent of rank 0 wrote only in an earlier round. The workers then keep a store that outlives their
+incarnations by joining the rendezvous store itself, under a prefix of their own."""
+
+
+def agent_store_address() -> tuple[str, int, str] | None:
+    """``(host, port, key prefix)`` of a store that outlives the worker group's incarnations:
+    torchrun's shared agent store, or the rendezvous store of ``RDZV_STORE_ENV``; None outside
+    torchrun (or under torchrun with neither)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), ""
+    endpoint = os.environ.get(RDZV_STORE_ENV, "")
+    if endpoint and "TORCHELASTIC_RUN_ID" in os.environ:
+        host, _, port = endpoint.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"{RDZV_STORE_ENV}={endpoint!r}: must be HOST:PORT, the rendezvous endpoint")
+        return host, int(port), f"ddp_framework/{os.environ['TORCHELASTIC_RUN_ID']}/"
+    return None
+
+
 def restart_safe_store(rank: int, world_size: int, timeout: datetime.timedelta) -> dist.Store | None:
-    """Under torchrun, the agent's store with a key prefix per incarnation of the group; None
-    (env://) otherwise.
+    """Under torchrun, the agent's store (``agent_store_address``) with a key prefix per
+    incarnation of the group; None (env://) otherwise.
 
     torchrun keeps its agent store across restarts of the worker group. Without a prefix, a
     restarted group can read the previous incarnation's gloo addresses from it and connect to a
     dead worker ("Gloo connectFullMesh failed ... Connection refused"). The prefix is not the
     restart count, which the nodes of a multi-node group need not share (see ``restart_count``):
     with it, a restarted 2-node group waited for keys under another node's prefix until timeout_s."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+    address = agent_store_address()
+    if address is None:
         return None
     global STORE
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
-                          is_master=False, timeout=timeout)
+    host, port, prefix = address
+    store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
+    if prefix:
+        store = dist.PrefixStore(prefix, store)
     generation = agree_generation(store, rank, world_size, timeout)
     log.info("store generation %d (this agent's restart count: %d)", generation, restart_count())
     STORE = dist.PrefixStore(f"generation_{generation}/", store)
@@ -315,7 +360,7 @@ def join_early(timeout_s: float = 600.0) -> None:
     """Under torchrun with more than one process, join the process group now, through
     ``restart_safe_store``, so that a library that would initialise it with ``env://`` (accelerate,
     through transformers' TrainingArguments) finds it up and reuses it. Nothing elsewhere."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or int(os.environ.get("WORLD_SIZE", "1")) < 2:
+    if agent_store_address() is None or int(os.environ.get("WORLD_SIZE", "1")) < 2:
         return
     if dist.is_initialized():
         if STORE is None:

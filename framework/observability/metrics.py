@@ -266,6 +266,20 @@ class SampleLog:
         if self.file is not None:
             self.file.close()
 
+    @staticmethod
+    def purge_absent_ranks(log_dir: Path, world_size: int, from_step: int) -> None:
+        """Rank 0, at the start of a run on ``world_size`` ranks: the files of ranks this run does
+        not have (an earlier incarnation had more) get ``{"purge_from": from_step}``. Their lines of
+        later steps were written by an incarnation that died before its next checkpoint, and no
+        rank of this run would purge them; a rank that exists purges its own file at its first step."""
+        for path in log_dir.glob("samples_rank_*.jsonl"):
+            rank = path.stem.removeprefix("samples_rank_")
+            if rank.isdigit() and int(rank) >= world_size:
+                file, earlier = _open_appending(path)
+                with file:
+                    if earlier:
+                        file.write(json.dumps({"purge_from": from_step}) + "\n")
+
 
 def read_samples(path: str | Path) -> list[dict]:
     """The records of a samples_rank_N.jsonl with purges applied: ``{"epoch", "step", "indices"}``

@@ -80,12 +80,17 @@ def _recorded_by_this_incarnation(path: Path) -> bool:
         return False
 
 
+def peer_lost(err: BaseException) -> bool:
+    """Whether ``err`` is what a rank sees when a peer process went away (gloo's "Connection closed
+    by peer", NCCL's DistBackendError): a consequence, whose cause is on the peer's side."""
+    return type(err).__name__ == "DistBackendError" or any(s in str(err) for s in _PEER_LOST)
+
+
 def record_error(directory: str | Path, rank: int, err: BaseException) -> None:
     """The error a rank is exiting with, for the restart-loop guard to name. A rank that only saw
     a peer go away (gloo's "Connection closed by peer", NCCL's DistBackendError) does not replace
     the error another rank of this incarnation recorded: that one is the cause."""
-    consequential = type(err).__name__ == "DistBackendError" or any(s in str(err) for s in _PEER_LOST)
-    if consequential and _recorded_by_this_incarnation(Path(directory) / LAST_ERROR):
+    if peer_lost(err) and _recorded_by_this_incarnation(Path(directory) / LAST_ERROR):
         return
     try:
         write(directory, LAST_ERROR, f"rank {rank}: {type(err).__name__}: {(str(err).splitlines() or [''])[0]}")

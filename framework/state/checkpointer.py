@@ -115,6 +115,12 @@ def config_changes(saved: dict, cfg: TrainConfig, *, builtin_data: bool,
     return refused, changed
 
 
+def _saved_global_batch(state: dict) -> int:
+    sampler = state["sampler"]
+    return int(sampler.get("world_size", state["world_size"])) * int(sampler.get("batch_size", 0)) * int(
+        sampler.get("accumulation", 1))
+
+
 def gather_rng(distributed: bool, world_size: int) -> list[dict]:
     """Every rank's RNG state, in rank order (a collective: all ranks must call it)."""
     mine = rng.capture()
@@ -340,11 +346,14 @@ class Checkpointer:
                     f"{saved.get('precision.dtype', '?')}) and this run scales its fp16 loss: resume with the "
                     f"checkpoint's precision settings, or start fresh with checkpoint.resume=none") from err
         if int(state["world_size"]) != self.env.world_size:
-            sampler = state["sampler"]
-            log.warning("resuming a world-size-%d checkpoint on %d ranks: model and optimizer resume, the data "
-                        "continues at global sample %d of epoch %d, but the run is no longer bitwise equal to "
-                        "an uninterrupted one", state["world_size"], self.env.world_size, sampler["consumed"],
-                        sampler["epoch"])
+            sampler = self.components["sampler"]
+            log.warning("resuming a world-size-%d checkpoint on %d ranks: the data continues at global sample %d "
+                        "of epoch %d with %d samples a step (%s); per-rank state that does not map to the new ranks "
+                        "starts afresh: the dropout and data RNG streams (re-seeded per rank), PowerSGD's error "
+                        "feedback (if used), the straggler history (never saved)", state["world_size"],
+                        self.env.world_size, sampler.consumed, sampler.epoch, sampler.global_batch,
+                        "the checkpoint's global batch" if sampler.global_batch == _saved_global_batch(state)
+                        else "not the checkpoint's: the run differs from an uninterrupted one")
 
     def roll_back(self, before: int) -> int | None:
         """Restore, in-process, the newest valid checkpoint of a step before ``before`` (every

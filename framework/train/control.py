@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-SLOTS = ("loss_sum", "stop", "nonfinite", "oom", "preempt")
+SLOTS = ("loss_sum", "stop", "nonfinite", "oom", "preempt", "agent_lost")
 
 
 @dataclass(frozen=True)
@@ -18,6 +18,7 @@ class Agreement:
     nonfinite: bool
     oom: bool
     preempt: bool
+    agent_lost: bool = False  # some rank's torchrun agent died (framework/ddp/process_group.agent_gone)
 
 
 def spread(values: dict[str, float]) -> dict[str, tuple[float, float]]:

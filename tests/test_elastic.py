@@ -1,0 +1,207 @@
+"""Elastic training: a checkpoint written by N ranks resumes on M ranks with the same global batch
+(2->4, 4->2, 2->1 and 1->2 in one chain of launches), every sample seen once, and the final
+model within 1e-5 of an uninterrupted run."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from framework.observability.metrics import read_metrics, read_samples
+from framework.testing.tiny import tiny
+from tests.dist_helper import ROOT, cli_args, free_port, kill_matching, launch, torchrun_cmd, wait_gone, worker_env
+
+pytestmark = pytest.mark.dist
+
+# 64 samples, 2 ranks x micro-batch 4: 8 samples a step, 8 steps an epoch, 16 in all.
+ELASTIC = tiny(dataset_size=64, batch_size=4, num_epochs=2, deterministic=True, record_samples=True, eval_interval=0,
+               save_every_steps=0, save_interval=1, keep_last=10, seed=11, log_interval=1)
+
+
+def run(run_dir: Path, nproc: int, **extra):
+    cfg = {**ELASTIC, "log_dir": str(run_dir / "logs"), "checkpoint_dir": str(run_dir / "ck"), **extra}
+    result = launch(ROOT / "ddp_training.py", cli_args(cfg), run_dir / f"out{len(list(run_dir.glob('out*')))}",
+                    nproc=nproc, timeout=120)
+    assert result.returncode == 0, result.output[-4000:]
+    assert not result.leftovers
+    return result
+
+
+def steps_by_epoch(log_dir: Path) -> dict[int, dict[int, list[int]]]:
+    """epoch -> step -> the step's global samples, sorted (every rank's records, purges applied)."""
+    out: dict[int, dict[int, list[int]]] = {}
+    for path in log_dir.glob("samples_rank_*.jsonl"):
+        for rec in read_samples(path):
+            out.setdefault(rec["epoch"], {}).setdefault(rec["step"], []).extend(rec["indices"])
+    return {e: {s: sorted(i) for s, i in steps.items()} for e, steps in out.items()}
+
+
+def test_a_run_resumed_on_4_2_1_and_2_ranks_keeps_its_global_batch_its_samples_and_its_model(tmp_path):
+    ref = tmp_path / "uninterrupted"
+    run(ref, 2)
+    chain = tmp_path / "chain"
+    # (ranks, preempted after step): 2 -> 4 -> 2 -> 1 -> 2 ranks, one epoch boundary crossed at 2 ranks.
+    stages = [(2, 2), (4, 6), (2, 9), (1, 12), (2, None)]
+    for nproc, stop in stages:
+        run(chain, nproc, **({"fault_inject": f"sigterm@step={stop},rank=0"} if stop is not None else {}))
+    rank0 = (chain / "logs" / "rank_0.log").read_text()
+    for before, after, micro, accum in ((2, 4, 2, 1), (4, 2, 4, 1), (2, 1, 4, 2), (1, 2, 4, 1)):
+        assert (f"resuming a world-size-{before} checkpoint on {after} ranks" in rank0
+                and f"{after} ranks x micro-batch {micro} x accumulation {accum} keep the global batch" in rank0), \
+            (before, after)
+    assert "the dropout and data RNG streams (re-seeded per rank)" in rank0
+
+    summary = json.loads((chain / "logs" / "summary.json").read_text())
+    assert summary["steps"] == 16 and not summary["preempted"]
+    assert [r["step"] for r in read_metrics(chain / "logs" / "metrics.jsonl")] == list(range(1, 17))
+    # Each step holds the uninterrupted run's samples; each epoch sees each of its samples once.
+    got, want = steps_by_epoch(chain / "logs"), steps_by_epoch(ref / "logs")
+    assert got == want
+    for steps in got.values():
+        seen = [i for s in steps.values() for i in s]
+        assert len(seen) == len(set(seen)) == 64
+    # The weights: the same up to the order of the gradient summation.
+    a = torch.load(chain / "ck" / "final_model.pt", weights_only=True)
+    b = torch.load(ref / "ck" / "final_model.pt", weights_only=True)
+    assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-5
+
+
+# --- node loss: 2 nodes x 1 process on loopback --------------------------------------------------
+
+# 256 samples, 2 ranks x 4: 32 steps an epoch, 64 in all; each step slowed to >= 60 ms (in every
+# incarnation) so that a node can be lost, and can rejoin, mid-run.
+NODES = {**ELASTIC, "dataset_size": 256, "save_every_steps": 8, "save_interval": 0, "timeout_s": 30,
+         "fault_inject": "slow@step=0,ms=60,restart=*"}
+RDZV_CONF = "join_timeout=30,last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3"
+
+
+def start_agent(run_dir: Path, port: int, name: str, nnodes: str, restarts: int = 0) -> subprocess.Popen:
+    """One node: a torchrun agent with one worker, joining the c10d rendezvous on ``port``."""
+    cfg = {**NODES, "log_dir": str(run_dir / "logs"), "checkpoint_dir": str(run_dir / "ck")}
+    cmd = torchrun_cmd(ROOT / "ddp_training.py", cli_args(cfg), nproc=1, port=port,
+                       extra=["--rdzv-id", run_dir.name, "--max-restarts", str(restarts), "--rdzv-conf", RDZV_CONF])
+    cmd[cmd.index("--nnodes") + 1] = nnodes
+    with (run_dir / f"{name}.out").open("a") as out:
+        # As launch_training.sh sets them for a node range (see there).
+        elastic = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "RDZV_STORE_ENDPOINT": f"127.0.0.1:{port}"}
+        return subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                env=worker_env({"TEST_OUT_DIR": str(run_dir), "LOGLEVEL": "INFO",
+                                                **(elastic if ":" in nnodes else {})}))
+
+
+def rank0_log(run_dir: Path) -> str:
+    path = run_dir / "logs" / "rank_0.log"
+    return path.read_text() if path.exists() else ""
+
+
+def wait_for(condition, timeout: float, what: str) -> float:
+    start = time.monotonic()
+    while not condition():
+        assert time.monotonic() - start < timeout, f"waited {timeout} s for {what}"
+        time.sleep(0.02)
+    return time.monotonic() - start
+
+
+def worker_of(agent: subprocess.Popen) -> psutil.Process:
+    children = [c for c in psutil.Process(agent.pid).children() if "RANK" in c.environ()]
+    assert len(children) == 1, children
+    return children[0]
+
+
+def lose_node(agent: subprocess.Popen) -> None:
+    """A whole node lost at once: its agent and its worker, kill -9."""
+    worker = worker_of(agent)
+    os.kill(agent.pid, signal.SIGKILL)
+    worker.kill()
+    agent.wait()
+
+
+def end(agents: list[subprocess.Popen], run_dir: Path) -> None:
+    for agent in agents:
+        if agent.poll() is None:
+            os.killpg(agent.pid, signal.SIGKILL)
+            agent.wait()
+    kill_matching(str(run_dir))
+
+
+def test_a_lost_agent_ends_the_surviving_node_in_seconds_with_a_save_and_exit_75(tmp_path):
+    """kill -9 of the other node's agent (its worker lives on): that worker saves and every rank
+    exits 75, so the surviving agent takes torchrun's failure path instead of waiting 300 s in its
+    exit barrier for the dead agent."""
+    port = free_port()
+    agents = [start_agent(tmp_path, port, "node0", "2")]
+    time.sleep(0.5)  # node 0 hosts the store
+    agents.append(start_agent(tmp_path, port, "node1", "2"))
+    try:
+        wait_for(lambda: "checkpoint step 8 written" in rank0_log(tmp_path), 90, "the first checkpoint")
+        workers = [worker_of(a) for a in agents]
+        os.kill(agents[1].pid, signal.SIGKILL)
+        lost_at = time.monotonic()
+        agents[1].wait()
+        agents[0].wait(timeout=60)
+        survivor_s = time.monotonic() - lost_at
+        assert wait_gone([w.pid for w in workers], timeout=5) == []
+    finally:
+        end(agents, tmp_path)
+    node0 = (tmp_path / "node0.out").read_text()
+    assert survivor_s <= 30, (survivor_s, node0[-3000:])
+    assert agents[0].returncode != 0 and "exitcode  : 75" in node0, node0[-3000:]
+    assert "a torchrun agent of this run died; the run saved a checkpoint of step" in node0
+    summary = json.loads((tmp_path / "logs" / "summary.json").read_text())
+    assert summary["preempted"] and summary["agent_lost"]
+    assert f"step_{summary['steps']:08d}.pt" in (tmp_path / "ck" / "manifest.json").read_text()
+
+
+def test_a_lost_node_leaves_the_survivor_training_on_one_node_then_it_rejoins(tmp_path):
+    """--nnodes 1:2: node 1 (agent and worker) is killed after the checkpoint of step 8. The
+    survivor re-forms the group alone within seconds and continues from that checkpoint with the
+    same global batch (accumulation 2); node 1 comes back, the group grows back to 2 ranks, and
+    the run ends as the uninterrupted one: each step's samples, each sample once per epoch, the
+    weights within 1e-5."""
+    ref = tmp_path / "uninterrupted"
+    run(ref, 2, **{k: v for k, v in NODES.items() if k != "fault_inject"})
+    run_dir = tmp_path / "elastic"
+    run_dir.mkdir()
+    port = free_port()
+    agents = [start_agent(run_dir, port, "node0", "1:2", restarts=2)]
+    time.sleep(0.5)  # node 0 hosts the store
+    agents.append(start_agent(run_dir, port, "node1", "1:2", restarts=2))
+    try:
+        wait_for(lambda: "checkpoint step 8 written" in rank0_log(run_dir), 90, "the first checkpoint")
+        lose_node(agents[1])
+        lost_at = time.monotonic()
+        wait_for(lambda: "resuming a world-size-2 checkpoint on 1 ranks" in rank0_log(run_dir), 30,
+                 "the survivor to resume alone")
+        resumed = rank0_log(run_dir).split("resuming a world-size-2 checkpoint on 1 ranks")[1]
+        wait_for(lambda: re.search(r"step \d+/64", rank0_log(run_dir).split(resumed[:200])[-1]), 30,
+                 "a step on one node")
+        recovered_s = time.monotonic() - lost_at
+        agents.append(start_agent(run_dir, port, "node1_back", "1:2", restarts=2))
+        wait_for(lambda: "resuming a world-size-1 checkpoint on 2 ranks" in rank0_log(run_dir), 60,
+                 "the group to grow back to 2 ranks")
+        for agent in (agents[0], agents[2]):
+            agent.wait(timeout=120)
+    finally:
+        end(agents, run_dir)
+    outputs = "".join((run_dir / f"{n}.out").read_text()[-2000:] for n in ("node0", "node1_back"))
+    assert agents[0].returncode == 0 and agents[2].returncode == 0, outputs
+    assert recovered_s <= 30, recovered_s
+    log0 = rank0_log(run_dir)
+    assert "1 ranks x micro-batch 4 x accumulation 2 keep the global batch" in log0
+    assert "2 ranks x micro-batch 4 x accumulation 1 keep the global batch" in log0
+    summary = json.loads((run_dir / "logs" / "summary.json").read_text())
+    assert summary["steps"] == 64 and summary["world_size"] == 2 and not summary["preempted"]
+    assert [r["step"] for r in read_metrics(run_dir / "logs" / "metrics.jsonl")] == list(range(1, 65))
+    got, want = steps_by_epoch(run_dir / "logs"), steps_by_epoch(ref / "logs")
+    assert got == want
+    a = torch.load(run_dir / "ck" / "final_model.pt", weights_only=True)
+    b = torch.load(ref / "ck" / "final_model.pt", weights_only=True)
+    assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-5
+    print(f"node loss -> training again on one node: {recovered_s:.1f} s")
