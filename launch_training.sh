@@ -26,7 +26,11 @@ usage: ./launch_training.sh [options] [-- ddp_training.py flags]
                             is elastic: with --max-restarts, the run continues on the nodes left
                             after a node is lost (the global batch kept), and grows back when a
                             node rejoins
-      --rdzv-endpoint H:P   the rendezvous endpoint, the same on every node
+      --rdzv-endpoint H:P   the rendezvous endpoint, the same on every node: the host of the c10d
+                            store (one of the nodes), or an etcd server (etcd-v2)
+      --rdzv-backend B      c10d (default: the store lives in one node's agent, and the job ends
+                            with that node) or etcd-v2 (an etcd server that no training node owns;
+                            needs python-etcd, and a fresh --rdzv-id for each launch)
       --rdzv-id ID          a run id, the same on every node
       --rdzv-join-timeout S how long a rendezvous waits for --nnodes (the minimum) to join: at the
                             start, and after a failure (default 60)
@@ -53,7 +57,7 @@ gpu_count() { "$python" -c 'import torch; print(torch.cuda.device_count())' 2>/d
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 python="${PYTHON:-python3}"
 gpus="" cpu=0 nproc="" test_mode=0 debug=0
-max_restarts=0 nnodes=1 rdzv_endpoint="" rdzv_id="" join_timeout=60 last_call=5
+max_restarts=0 nnodes=1 rdzv_endpoint="" rdzv_id="" rdzv_backend=c10d join_timeout=60 last_call=5
 train_args=()
 
 while [[ $# -gt 0 ]]; do
@@ -74,6 +78,7 @@ while [[ $# -gt 0 ]]; do
     --nnodes) need_value "$@"; nnodes="$2"; shift 2 ;;
     --rdzv-endpoint) need_value "$@"; rdzv_endpoint="$2"; shift 2 ;;
     --rdzv-id) need_value "$@"; rdzv_id="$2"; shift 2 ;;
+    --rdzv-backend) need_value "$@"; rdzv_backend="$2"; shift 2 ;;
     --rdzv-join-timeout) need_value "$@"; join_timeout="$2"; shift 2 ;;
     --rdzv-last-call) need_value "$@"; last_call="$2"; shift 2 ;;
     -h|--help) usage; exit 0 ;;
@@ -89,6 +94,8 @@ done
   die "--nnodes '$nnodes': must be a positive integer N or a range MIN:MAX"
 min_nodes=${nnodes%%:*} max_nodes=${nnodes##*:}
 [[ $min_nodes -le $max_nodes ]] || die "--nnodes $nnodes: MIN must not exceed MAX"
+[[ "$rdzv_backend" == c10d || "$rdzv_backend" == etcd-v2 ]] ||
+  die "--rdzv-backend '$rdzv_backend': allowed: c10d, etcd-v2"
 [[ "$join_timeout" =~ ^[1-9][0-9]*$ ]] || die "--rdzv-join-timeout '$join_timeout': must be a positive integer"
 [[ "$last_call" =~ ^[1-9][0-9]*$ ]] || die "--rdzv-last-call '$last_call': must be a positive integer"
 if [[ $max_nodes -gt 1 ]]; then
@@ -164,13 +171,14 @@ if [[ $max_nodes -gt 1 ]]; then
   # A lost node is dropped from the rendezvous after keep_alive_interval x keep_alive_max_attempt
   # (6 s) without a heartbeat, instead of 15 s. A worker that sees a node go exits 75, so the
   # surviving agents take torchrun's failure path at once (docs/fault-tolerance.md, Node loss).
-  rdzv=(--nnodes "$nnodes" --rdzv-backend c10d --rdzv-endpoint "$rdzv_endpoint" --rdzv-id "$rdzv_id"
+  rdzv=(--nnodes "$nnodes" --rdzv-backend "$rdzv_backend" --rdzv-endpoint "$rdzv_endpoint" --rdzv-id "$rdzv_id"
         --rdzv-conf "join_timeout=$join_timeout,last_call_timeout=$last_call,keep_alive_interval=2,keep_alive_max_attempt=3")
-  if [[ $min_nodes -lt $max_nodes ]]; then
+  if [[ $min_nodes -lt $max_nodes || $rdzv_backend == etcd-v2 ]]; then
     # torch 2.13's shared agent store cannot admit a node into a running job (the newcomer waits
-    # forever for bootstrap keys of an earlier round): off, and the workers keep their restart-safe
-    # store in the rendezvous store instead (framework/ddp/process_group.py, RDZV_STORE_ENV).
-    export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 RDZV_STORE_ENDPOINT="$rdzv_endpoint"
+    # forever for bootstrap keys of an earlier round), and under etcd it would live in the node of
+    # rank 0: off, and the workers agree on their incarnation in the rendezvous's own store
+    # instead (framework/ddp/process_group.py, RDZV_STORE_ENV).
+    export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 RDZV_STORE_ENDPOINT="$rdzv_backend://$rdzv_endpoint"
   fi
 else
   port=$("$python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')

@@ -5,6 +5,7 @@ model within 1e-5 of an uninterrupted run."""
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import time
@@ -16,7 +17,8 @@ import torch
 
 from framework.observability.metrics import read_metrics, read_samples
 from framework.testing.tiny import tiny
-from tests.dist_helper import ROOT, cli_args, free_port, kill_matching, launch, torchrun_cmd, wait_gone, worker_env
+from tests.dist_helper import (ROOT, cli_args, free_port, kill_matching, launch, torchrun_cmd, wait_gone,
+                               worker_env, workers_by_rank)
 
 pytestmark = pytest.mark.dist
 
@@ -82,18 +84,21 @@ NODES = {**ELASTIC, "dataset_size": 256, "save_every_steps": 8, "save_interval":
 RDZV_CONF = "join_timeout=30,last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3"
 
 
-def start_agent(run_dir: Path, port: int, name: str, nnodes: str, restarts: int = 0) -> subprocess.Popen:
-    """One node: a torchrun agent with one worker, joining the c10d rendezvous on ``port``."""
+def start_agent(run_dir: Path, port: int, name: str, nnodes: str, restarts: int = 0,
+                backend: str = "c10d") -> subprocess.Popen:
+    """One node: a torchrun agent with one worker, joining the rendezvous on ``port`` (c10d: the
+    store of the first agent; etcd-v2: an etcd server)."""
     cfg = {**NODES, "log_dir": str(run_dir / "logs"), "checkpoint_dir": str(run_dir / "ck")}
     cmd = torchrun_cmd(ROOT / "ddp_training.py", cli_args(cfg), nproc=1, port=port,
                        extra=["--rdzv-id", run_dir.name, "--max-restarts", str(restarts), "--rdzv-conf", RDZV_CONF])
     cmd[cmd.index("--nnodes") + 1] = nnodes
+    cmd[cmd.index("--rdzv-backend") + 1] = backend
     with (run_dir / f"{name}.out").open("a") as out:
-        # As launch_training.sh sets them for a node range (see there).
-        elastic = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "RDZV_STORE_ENDPOINT": f"127.0.0.1:{port}"}
+        # As launch_training.sh sets them for a node range or etcd (see there).
+        elastic = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "RDZV_STORE_ENDPOINT": f"{backend}://127.0.0.1:{port}"}
         return subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                                 env=worker_env({"TEST_OUT_DIR": str(run_dir), "LOGLEVEL": "INFO",
-                                                **(elastic if ":" in nnodes else {})}))
+                                                **(elastic if ":" in nnodes or backend != "c10d" else {})}))
 
 
 def rank0_log(run_dir: Path) -> str:
@@ -205,3 +210,73 @@ def test_a_lost_node_leaves_the_survivor_training_on_one_node_then_it_rejoins(tm
     b = torch.load(ref / "ck" / "final_model.pt", weights_only=True)
     assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-5
     print(f"node loss -> training again on one node: {recovered_s:.1f} s")
+
+
+@pytest.fixture
+def etcd_server(tmp_path):
+    """A real etcd 3.4 (Debian's etcd-server, with the v2 API torchrun's etcd-v2 rendezvous uses) on
+    loopback in a temporary directory, installed when missing; its client port. Stopped by pid."""
+    if shutil.which("etcd") is None:
+        install = subprocess.run("apt-get update -qq && apt-get install -y -qq etcd-server", shell=True,
+                                 capture_output=True, text=True, timeout=600)
+        if install.returncode != 0 or shutil.which("etcd") is None:
+            pytest.skip(f"etcd-server could not be installed: {(install.stderr.strip().splitlines() or ['?'])[-1]}")
+    pytest.importorskip("etcd", reason="python-etcd (requirements-dev.txt) is not installed")
+    client, peer = free_port(), free_port()
+    data = tmp_path / "etcd"
+    with (tmp_path / "etcd.log").open("w") as log:
+        server = subprocess.Popen(
+            ["etcd", "--enable-v2", "--data-dir", str(data), "--name", "test",
+             "--listen-client-urls", f"http://127.0.0.1:{client}", "--advertise-client-urls", f"http://127.0.0.1:{client}",
+             "--listen-peer-urls", f"http://127.0.0.1:{peer}", "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+             "--initial-cluster", f"test=http://127.0.0.1:{peer}"], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        import etcd
+        wait_for(lambda: _etcd_up(etcd, client) or server.poll() is not None, 30, "etcd to answer")
+        assert server.poll() is None, (tmp_path / "etcd.log").read_text()[-2000:]
+        yield client
+    finally:
+        server.kill()
+        server.wait()
+
+
+def _etcd_up(etcd, port: int) -> bool:
+    try:
+        etcd.Client(host="127.0.0.1", port=port).write("/probe", "1")
+        return True
+    except Exception:  # not listening yet (etcd's client raises several kinds): the wait tries again
+        return False
+
+
+def test_with_etcd_losing_the_node_of_rank_0_leaves_the_other_node_training(etcd_server, tmp_path):
+    """etcd-v2: the rendezvous is an etcd server that no training node owns. The node of rank 0
+    (under c10d, the store host, whose loss ends the job) is lost after the checkpoint of step 8:
+    the other node re-forms the group alone, as rank 0, and finishes the run with the uninterrupted
+    run's samples and weights (within 1e-5)."""
+    ref = tmp_path / "uninterrupted"
+    run(ref, 2, **{k: v for k, v in NODES.items() if k != "fault_inject"})
+    run_dir = tmp_path / "etcd_run"
+    run_dir.mkdir()
+    agents = [start_agent(run_dir, etcd_server, f"node{i}", "1:2", restarts=2, backend="etcd-v2") for i in (0, 1)]
+    try:
+        wait_for(lambda: "checkpoint step 8 written" in rank0_log(run_dir), 90, "the first checkpoint")
+        rank0 = workers_by_rank([a.pid for a in agents])[0]
+        lost = next(a for a in agents if a.pid == rank0.ppid())
+        lose_node(lost)
+        lost_at = time.monotonic()
+        wait_for(lambda: "resuming a world-size-2 checkpoint on 1 ranks" in rank0_log(run_dir), 30,
+                 "the other node to resume alone")
+        recovered_s = time.monotonic() - lost_at
+        survivor = next(a for a in agents if a is not lost)
+        survivor.wait(timeout=120)
+    finally:
+        end(agents, run_dir)
+    assert survivor.returncode == 0, (run_dir / f"node{agents.index(survivor)}.out").read_text()[-3000:]
+    assert recovered_s <= 30, recovered_s
+    summary = json.loads((run_dir / "logs" / "summary.json").read_text())
+    assert summary["steps"] == 64 and summary["world_size"] == 1 and not summary["preempted"]
+    assert steps_by_epoch(run_dir / "logs") == steps_by_epoch(ref / "logs")
+    a = torch.load(run_dir / "ck" / "final_model.pt", weights_only=True)
+    b = torch.load(ref / "ck" / "final_model.pt", weights_only=True)
+    assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-5
+    print(f"etcd: node of rank 0 lost -> the other node resumed alone in {recovered_s:.1f} s")

@@ -202,10 +202,19 @@ def test_an_elastic_node_range_reaches_torchrun_with_bounded_rendezvous_waits(sh
     conf = dict(kv.split("=") for kv in option(argv, "--rdzv-conf").split(","))
     assert conf == {"join_timeout": "40", "last_call_timeout": "5", "keep_alive_interval": "2",
                     "keep_alive_max_attempt": "3"}
+    env = torchrun["env"]
+    assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1" and env["RDZV_STORE_ENDPOINT"] == "c10d://node0:29500"
+    proc, torchrun = shim(["--cpu", "--nnodes", "2", *rdzv])  # a fixed size keeps torchrun's shared store
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in torchrun["env"] and "RDZV_STORE_ENDPOINT" not in torchrun["env"]
+    proc, torchrun = shim(["--cpu", "--nnodes", "2", "--rdzv-backend", "etcd-v2", "--rdzv-endpoint", "etcd0:2379",
+                           "--rdzv-id", "job7"])
+    assert option(torchrun["argv"], "--rdzv-backend") == "etcd-v2"
+    assert torchrun["env"]["RDZV_STORE_ENDPOINT"] == "etcd-v2://etcd0:2379"
     for bad, says in ((["--nnodes", "3:2", *rdzv], "MIN must not exceed MAX"),
                       (["--nnodes", "1:2"], "needs --rdzv-endpoint"),
                       (["--nnodes", "2:", *rdzv], "a positive integer N or a range MIN:MAX"),
-                      (["--nnodes", "2", *rdzv, "--rdzv-last-call", "0"], "--rdzv-last-call '0'")):
+                      (["--nnodes", "2", *rdzv, "--rdzv-last-call", "0"], "--rdzv-last-call '0'"),
+                      (["--nnodes", "2", *rdzv, "--rdzv-backend", "etcd"], "allowed: c10d, etcd-v2")):
         proc, torchrun = shim(["--cpu", *bad])
         assert proc.returncode == 2 and says in proc.stderr and torchrun is None, (bad, proc.stderr)
 

@@ -31,7 +31,7 @@ def test_pip_builds_the_metadata_offline_and_needs_nothing_new(tmp_path):
     metadata = install[0]["metadata"]
     assert metadata["version"] == __version__
     assert "torch>=2.13" in metadata["requires_dist"]
-    assert metadata["provides_extra"] == ["hf"]
+    assert metadata["provides_extra"] == ["hf", "etcd"]
     assert not list(ROOT.glob("*.egg-info"))
 
 
@@ -66,3 +66,5 @@ def test_dependencies_agree_with_the_requirement_files():
     hf_names = ("transformers", "peft", "accelerate")  # safetensors, the export format, is a runtime dependency
     hf = [r for r in requirement_lines("requirements-dev.txt") if r.split("==")[0] in hf_names]
     assert PYPROJECT["project"]["optional-dependencies"]["hf"] == hf
+    etcd = [r for r in requirement_lines("requirements-dev.txt") if r.startswith("python-etcd==")]
+    assert PYPROJECT["project"]["optional-dependencies"]["etcd"] == etcd

@@ -258,49 +258,75 @@ def incarnation() -> int:
 
 
 RDZV_STORE_ENV = "RDZV_STORE_ENDPOINT"
-"""HOST:PORT of the c10d rendezvous store, set by launch_training.sh for an elastic node range,
-where it also turns torchrun's store sharing off (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1): in torch
-2.13 a node that joins a running job waits forever in its rendezvous for bootstrap keys that the
-agent of rank 0 wrote only in an earlier round. The workers then keep a store that outlives their
-incarnations by joining the rendezvous store itself, under a prefix of their own."""
+"""``[BACKEND://]HOST:PORT`` of the rendezvous (BACKEND c10d, the default, or etcd-v2), set by
+launch_training.sh for an elastic node range or an etcd rendezvous, where it also turns torchrun's
+store sharing off (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1): in torch 2.13 a node that joins a running
+job waits forever in its rendezvous for bootstrap keys that the agent of rank 0 wrote only in an
+earlier round. The workers then agree on their incarnation in the rendezvous's own store (the c10d
+store, or etcd), under a prefix of their own, which outlives the worker groups as the agent store
+did."""
 
 
-def agent_store_address() -> tuple[str, int, str] | None:
-    """``(host, port, key prefix)`` of a store that outlives the worker group's incarnations:
-    torchrun's shared agent store, or the rendezvous store of ``RDZV_STORE_ENV``; None outside
-    torchrun (or under torchrun with neither)."""
+@dataclass(frozen=True)
+class StoreAddress:
+    backend: str  # "agent" (torchrun's shared store), "c10d" or "etcd-v2"
+    host: str
+    port: int
+    prefix: str
+
+
+def agent_store_address() -> StoreAddress | None:
+    """Where the store lives that outlives the worker group's incarnations: torchrun's shared
+    agent store, or the rendezvous of ``RDZV_STORE_ENV``; None outside torchrun (or under torchrun
+    with neither)."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        return os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), ""
-    endpoint = os.environ.get(RDZV_STORE_ENV, "")
-    if endpoint and "TORCHELASTIC_RUN_ID" in os.environ:
-        host, _, port = endpoint.rpartition(":")
-        if not host or not port.isdigit():
-            raise ValueError(f"{RDZV_STORE_ENV}={endpoint!r}: must be HOST:PORT, the rendezvous endpoint")
-        return host, int(port), f"ddp_framework/{os.environ['TORCHELASTIC_RUN_ID']}/"
-    return None
+        return StoreAddress("agent", os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), "")
+    value = os.environ.get(RDZV_STORE_ENV, "")
+    if not value or "TORCHELASTIC_RUN_ID" not in os.environ:
+        return None
+    backend, _, endpoint = value.rpartition("://")
+    host, _, port = endpoint.rpartition(":")
+    if backend not in ("", "c10d", "etcd-v2") or not host or not port.isdigit():
+        raise ValueError(f"{RDZV_STORE_ENV}={value!r}: must be [c10d://|etcd-v2://]HOST:PORT, the rendezvous endpoint")
+    return StoreAddress(backend or "c10d", host, int(port), f"ddp_framework/{os.environ['TORCHELASTIC_RUN_ID']}/")
+
+
+def _connect(address: StoreAddress, world_size: int, timeout: datetime.timedelta) -> dist.Store:
+    """A client of the store at ``address``, under its prefix."""
+    if address.backend == "etcd-v2":
+        import etcd  # python-etcd, which torchrun's etcd-v2 rendezvous needs as well
+
+        from torch.distributed.elastic.rendezvous.etcd_store import EtcdStore
+        return EtcdStore(etcd.Client(host=address.host, port=address.port, protocol="http"),
+                         "/" + address.prefix, timeout=timeout)
+    store = dist.TCPStore(address.host, address.port, world_size, is_master=False, timeout=timeout)
+    return dist.PrefixStore(address.prefix, store) if address.prefix else store
 
 
 def restart_safe_store(rank: int, world_size: int, timeout: datetime.timedelta) -> dist.Store | None:
-    """Under torchrun, the agent's store (``agent_store_address``) with a key prefix per
-    incarnation of the group; None (env://) otherwise.
+    """Under torchrun, a store for the process group with a key prefix per incarnation of the
+    group; None (env://) otherwise.
 
     torchrun keeps its agent store across restarts of the worker group. Without a prefix, a
     restarted group can read the previous incarnation's gloo addresses from it and connect to a
     dead worker ("Gloo connectFullMesh failed ... Connection refused"). The prefix is not the
     restart count, which the nodes of a multi-node group need not share (see ``restart_count``):
-    with it, a restarted 2-node group waited for keys under another node's prefix until timeout_s."""
+    with it, a restarted 2-node group waited for keys under another node's prefix until timeout_s.
+
+    The incarnation is agreed in the store of ``agent_store_address``. The group forms there too,
+    except under etcd (which is too slow for it): then it forms on torchrun's MASTER_ADDR:MASTER_PORT,
+    a port the agent of rank 0 picks afresh for each incarnation, hosted by rank 0."""
     address = agent_store_address()
     if address is None:
         return None
-    global STORE
-    host, port, prefix = address
-    store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
-    if prefix:
-        store = dist.PrefixStore(prefix, store)
+    global STORE, GENERATION
+    store = _connect(address, world_size, timeout)
     generation = agree_generation(store, rank, world_size, timeout)
     log.info("store generation %d (this agent's restart count: %d)", generation, restart_count())
+    if address.backend == "etcd-v2":
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                              is_master=rank == 0, timeout=timeout)
     STORE = dist.PrefixStore(f"generation_{generation}/", store)
-    global GENERATION
     GENERATION = generation
     return STORE
 
@@ -320,7 +346,7 @@ def agree_generation(store: dist.Store, rank: int, world_size: int, timeout: dat
         store.set("generation/current", str(generation))
         joins = [f"generation/{generation}/rank{r}" for r in range(1, world_size)]
         store.wait(joins, timeout)
-        store.set(f"generation/{generation}/members", b" ".join(store.multi_get(joins)))
+        store.set(f"generation/{generation}/members", b" ".join(store.get(key) for key in joins))
         return generation
     nonce = uuid.uuid4().hex
     deadline = time.monotonic() + timeout.total_seconds()
