@@ -25,7 +25,7 @@ from .model.activation_checkpointing import enable_checkpointing
 from .model.gpt import GPT, GPTConfig, lm_loss
 from .model.tiled_mlp import tile_user_mlps
 from .observability.logs import log_file_stream, setup_logging
-from .observability.metrics import SampleLog, StepLog, log_run_start
+from .observability.metrics import SampleLog, StartupClock, StepLog, log_run_start
 from .resilience import markers
 from .resilience.consistency import ConsistencyCheck, model_sha256
 from .resilience.markers import FatalError
@@ -93,6 +93,7 @@ class DDPTrainer:
                  doctor: bool = False, optimizer=None, lr_scheduler: Callable | None = None, callbacks=(),
                  stateful: dict[str, Any] | None = None):
         self._preemption = PreemptionHandler().install()
+        self._startup = StartupClock()
         self._user_optim, self._callbacks = (optimizer, lr_scheduler), UserCallbacks(callbacks, owner=self)
         self._moments = Moments()  # the run's moments; fault injection and the callbacks attach to it
         self._user_state = user_stateful(stateful)
@@ -106,6 +107,7 @@ class DDPTrainer:
         self._log_path = setup_logging(process_group.read_env(rank, world_size)[0], cfg.logging.dir, debug=debug)
         self.env = process_group.setup(cfg.ddp.backend, cfg.ddp.init_timeout_s or cfg.ddp.timeout_s, rank=rank,
                                        world_size=world_size, log_dir=cfg.logging.dir)
+        self._startup.mark("process group")
         with self._fatal_on_error():
             self._build(model, train_dataset, val_dataset, loss_fn, doctor)
 
@@ -161,12 +163,15 @@ class DDPTrainer:
         self._amp, self._amp_dtype, self._scaler = precision(self.config, self.env.device)
         self.optimizer, self._schedule = optimizer_and_schedule(self.config, self.raw_model, *self._user_optim)
         self._build_data()
+        self._startup.mark("model and data")
         state = self._restore(load=not doctor)
+        self._startup.mark("checkpoint load")
         self._total_steps = self._schedule.total_steps = self.sampler.last_step(self.step, self.config)
         log_run_start(self.config, self.env, self.sampler, model=self.raw_model, amp=self._amp,
                       total_steps=self._total_steps, num_workers=self._num_workers, builtin_model=model is None,
                       builtin_data=builtin_data)
         self._wrap(doctor)
+        self._startup.mark("DDP preflight")
         if state is not None:
             self._checkpointer.restore_rng(state, self.step)
         self._build_run_health()
@@ -393,6 +398,9 @@ class DDPTrainer:
                                 "health/skipped_steps": self._skips.total})
         self._moments.step_end(self.step, self.raw_model, lambda: {
             "loss": agreed.loss, "lr": lr, "grad_norm": float(grad_norm), "tokens": step_tokens})
+        if not self._startup.logged:
+            self._startup.mark("first step")
+            self._startup.log_once()
         return agreed
 
     def _should_stop(self, agreed: Agreement) -> bool:

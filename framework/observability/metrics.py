@@ -243,6 +243,32 @@ class StepLog:
         return self.tokens / wall if wall > 0 else 0.0
 
 
+class StartupClock:
+    """Where a process's seconds go before its first step ends (a restart's cost, bench/goodput.py):
+    the interpreter and imports (from the process's start), then each phase the trainer marks.
+    Logged once, at the first step's end, on every rank."""
+
+    def __init__(self) -> None:
+        import psutil  # the process's start time, which only the OS knows
+        self._created = psutil.Process().create_time()
+        self._last = time.time()
+        self.phases: dict[str, float] = {"interpreter and imports": self._last - self._created}
+        self.logged = False
+
+    def mark(self, phase: str) -> None:
+        """The phase that has just ended."""
+        now = time.time()
+        self.phases[phase] = self.phases.get(phase, 0.0) + now - self._last
+        self._last = now
+
+    def log_once(self) -> None:
+        if self.logged:
+            return
+        self.logged = True
+        log.info("start-up took %.2f s to the end of the first step: %s", self._last - self._created,
+                 ", ".join(f"{name} {seconds:.2f} s" for name, seconds in self.phases.items()))
+
+
 class SampleLog:
     """The audit trail of record_samples: each committed step's sample indices on this rank, one
     JSON line per step, line-buffered so that a process killed with -9 keeps every line it wrote.

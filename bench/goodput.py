@@ -1,0 +1,237 @@
+#!/usr/bin/env python3
+"""Goodput under repeated faults: train for a few minutes with a fault every T seconds and report
+the ideal time for the steps done (steps x the uninterrupted run's step time) divided by the wall
+time, and where each recovery's seconds went.
+
+Variants (each a fresh run of --minutes, the same model and data):
+
+- ``none``: no fault, the baseline (its goodput < 1 only by start-up and the final save);
+- ``kill9_worker``: 1 node x 2 processes under ``torchrun --max-restarts 100``; every T s a
+  kill -9 of one worker (rank 1, then rank 0, ...): torchrun restarts the group, which resumes
+  from the newest checkpoint;
+- ``sigterm``: 1 node x 2; every T s a SIGTERM to a worker: the ranks save and exit, and the
+  bench relaunches the same command at once (a scheduler's requeue);
+- ``node_loss``: 2 nodes x 1 process, ``--nnodes 1:2`` (c10d; node 0 hosts the store); every T s
+  node 1 (its agent and worker, kill -9) is lost and a replacement node 1 is started at once: the
+  survivor re-forms the group alone, then grows back to 2 ranks when the new node joins.
+
+Each recovery: seconds from the fault to the next new step line in rank 0's log, and the restarted
+rank 0's own account of its start-up (the "start-up took" line: interpreter and imports, process
+group, model and data, checkpoint load, DDP preflight, first step).
+
+usage: python bench/goodput.py [--minutes 3] [--every 60] [--variants none,kill9_worker,sigterm,node_loss]
+                               [--out goodput.json]
+Run it alone: the figures are times on a 2-core machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT))
+
+from fault_campaign import LogWatch  # noqa: E402  (tails the rank logs, timing each line)
+from framework.testing.launch import cli_args, free_port, kill_matching, torchrun_cmd, worker_env  # noqa: E402
+
+# The fault campaign's model (about 60 ms a step on 2 ranks here), trained without end: the bench
+# stops it. A checkpoint every 40 steps (about 3 s), asynchronous.
+CONFIG = dict(vocab_size=64, hidden_size=96, num_heads=2, num_layers=2, seq_len=48, dataset_size=2560,
+              batch_size=40, dropout=0.0, max_steps=10**6, num_epochs=10**4, save_every_steps=40, keep_last=2,
+              log_interval=1, eval_interval=0, num_workers=0, deterministic=True, tensorboard=False,
+              target_loss=0.0, learning_rate=2e-3, warmup_steps=4, seed=5, straggler_interval=0)
+RDZV_CONF = "join_timeout=60,last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3"
+STEP_LINE = re.compile(r"step (\d+)/")
+STARTUP_LINE = re.compile(r"start-up took ([\d.]+) s to the end of the first step: (.*)")
+
+
+class Job:
+    """The agents of one variant's run, each in a session of its own."""
+
+    def __init__(self, variant: str, run_dir: Path):
+        self.variant, self.dir = variant, run_dir
+        args = cli_args({**CONFIG, "log_dir": str(run_dir / "logs"), "checkpoint_dir": str(run_dir / "ck")})
+        self.port = free_port()
+        script = ROOT / "ddp_training.py"
+        if variant == "node_loss":
+            cmd = torchrun_cmd(script, args, nproc=1, port=self.port,
+                               extra=["--rdzv-id", "goodput", "--max-restarts", "100", "--rdzv-conf", RDZV_CONF])
+            cmd[cmd.index("--nnodes") + 1] = "1:2"
+            self.cmds = [cmd, cmd]
+            # As launch_training.sh sets them for a node range.
+            self.env = worker_env({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+                                   "RDZV_STORE_ENDPOINT": f"c10d://127.0.0.1:{self.port}"})
+        else:
+            self.cmds = [torchrun_cmd(script, args, nproc=2, port=self.port, extra=["--max-restarts", "100"])]
+            self.env = worker_env()
+        self.procs: list[subprocess.Popen | None] = [None] * len(self.cmds)
+        self.launches = 0
+
+    def start(self, node: int) -> None:
+        with open(self.dir / f"agent{node}.{self.launches}.out", "wb") as out:
+            self.procs[node] = subprocess.Popen(self.cmds[node], cwd=ROOT, env=self.env, stdout=out,
+                                                stderr=subprocess.STDOUT, start_new_session=True)
+        self.launches += 1
+
+    def workers(self, node: int) -> list[psutil.Process]:
+        try:
+            return [c for c in psutil.Process(self.procs[node].pid).children() if "RANK" in c.environ()]
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            return []
+
+    def done(self) -> bool:
+        return all(p is None or p.poll() is not None for p in self.procs)
+
+    def kill_everything(self) -> None:
+        for proc in self.procs:
+            if proc is not None and proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        kill_matching(f"{self.dir}/")
+
+
+def last_step(watch: LogWatch) -> int:
+    steps = [int(m.group(1)) for _, r, line in watch.lines if r == 0 and (m := STEP_LINE.search(line))]
+    return steps[-1] if steps else 0
+
+
+def run_variant(variant: str, minutes: float, every: float, workdir: Path, step_s: float | None) -> dict:
+    run_dir = workdir / variant
+    (run_dir / "logs").mkdir(parents=True)
+    job, watch = Job(variant, run_dir), LogWatch(run_dir)
+    start = time.monotonic()
+    for node in range(len(job.cmds)):
+        job.start(node)
+    stop_at, next_fault = start + 60 * minutes, start + every
+    faults: list[dict] = []
+    victim = 1
+    try:
+        while time.monotonic() < stop_at:
+            watch.poll()
+            now = time.monotonic()
+            if variant == "sigterm" and job.done():  # saved and exited: the scheduler requeues at once
+                job.start(0)
+            if variant != "none" and now >= next_fault and last_step(watch) > 0:
+                fault = {"at_s": round(now - start, 1), "step": last_step(watch)}
+                if variant == "kill9_worker":
+                    workers = {int(w.environ()["RANK"]): w for w in job.workers(0)}
+                    if victim in workers:
+                        workers[victim].kill()
+                        fault["what"] = f"kill -9 of rank {victim}"
+                        victim = 1 - victim
+                elif variant == "sigterm":
+                    workers = job.workers(0)
+                    if workers:
+                        workers[-1].send_signal(signal.SIGTERM)
+                        fault["what"] = "SIGTERM to a worker; relaunched when the job ended"
+                elif variant == "node_loss":
+                    workers = job.workers(1)
+                    os.kill(job.procs[1].pid, signal.SIGKILL)
+                    for w in workers:
+                        w.kill()
+                    job.procs[1].wait()
+                    job.start(1)  # a replacement node joins at once
+                    fault["what"] = "node 1 lost (agent and worker, kill -9), a replacement node started"
+                if "what" in fault:
+                    fault["t"] = now
+                    faults.append(fault)
+                next_fault = now + every
+            time.sleep(0.01)
+        # The end: every worker saves and exits (a preemption), as at the end of an allocation.
+        end = time.monotonic()
+        for node in range(len(job.cmds)):
+            for w in job.workers(node):
+                w.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 60
+        while not job.done() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        watch.poll()
+    finally:
+        job.kill_everything()
+        watch.close()
+    summary = json.loads((run_dir / "logs" / "summary.json").read_text())
+    # Each fault's recovery: from the fault to rank 0's first step after its resume, and to the first
+    # step beyond what was done before the fault (the work lost since the checkpoint is redone first).
+    for fault in faults:
+        t = fault.pop("t")
+        before = max([int(m.group(1)) for ts, r, line in watch.lines if ts < t and r == 0
+                      and (m := STEP_LINE.search(line))] or [0])
+        resumed = next((ts for ts, r, line in watch.lines if ts >= t and r == 0 and "resumed from step" in line), None)
+        steps_after = [(ts, int(m.group(1))) for ts, r, line in watch.lines if ts >= t and r == 0
+                       and (m := STEP_LINE.search(line))]
+        first = next((ts for ts, _ in steps_after if resumed is not None and ts >= resumed), None)
+        fault["to_first_step_s"] = round(first - t, 2) if first is not None else None
+        fault["to_new_progress_s"] = next((round(ts - t, 2) for ts, s in steps_after if s > before), None)
+        startups = [m for ts, r, line in watch.lines if ts >= t and r == 0 and (m := STARTUP_LINE.search(line))]
+        if startups:
+            fault["startup_s"], fault["startup"] = float(startups[0].group(1)), startups[0].group(2)
+    wall = end - start
+    steps = int(summary["steps"])
+    gaps = []
+    if variant == "none":
+        seen = {}
+        for ts, r, line in watch.lines:
+            if r == 0 and (m := STEP_LINE.search(line)):
+                seen.setdefault(int(m.group(1)), ts)
+        times = [seen[k] for k in sorted(seen)]
+        gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
+        step_s = statistics.median(gaps)
+    result = {"variant": variant, "wall_s": round(wall, 1), "steps": steps, "step_s": step_s,
+              "goodput": round(steps * step_s / wall, 4) if step_s else None, "faults": faults,
+              "startup_first_launch": next((m.group(0) for _, r, line in watch.lines
+                                            if r == 0 and (m := STARTUP_LINE.search(line))), None)}
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--minutes", type=float, default=3.0)
+    parser.add_argument("--every", type=float, default=60.0, help="seconds between faults")
+    parser.add_argument("--variants", default="none,kill9_worker,sigterm,node_loss")
+    parser.add_argument("--out", default="goodput.json", help="a file name under bench/results/, or a path")
+    parser.add_argument("--keep", action="store_true", help="keep the work directory")
+    args = parser.parse_args()
+    variants = args.variants.split(",")
+    if variants[0] != "none":
+        variants.insert(0, "none")  # the step time every goodput is computed with
+    workdir = Path(tempfile.mkdtemp(prefix="goodput-"))
+    results, step_s = [], None
+    try:
+        for variant in variants:
+            result = run_variant(variant, args.minutes, args.every, workdir, step_s)
+            step_s = result["step_s"]
+            results.append(result)
+            print(f"{variant}: {result['steps']} steps in {result['wall_s']} s, goodput {result['goodput']}, "
+                  f"recoveries {[f.get('to_new_progress_s') for f in result['faults']]}", flush=True)
+    finally:
+        if not args.keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+    print("\n| variant | faults | steps | wall s | goodput | fault -> first step s (each) | fault -> new progress s "
+          "(each) |\n|---|---|---|---|---|---|---|")
+    for r in results:
+        firsts = ", ".join(str(f.get("to_first_step_s")) for f in r["faults"]) or "-"
+        news = ", ".join(str(f.get("to_new_progress_s")) for f in r["faults"]) or "-"
+        print(f"| {r['variant']} | {len(r['faults'])} | {r['steps']} | {r['wall_s']} | {r['goodput']:.3f} | {firsts} "
+              f"| {news} |")
+    out = Path(args.out) if "/" in args.out else ROOT / "bench" / "results" / args.out
+    out.write_text(json.dumps({"minutes": args.minutes, "every_s": args.every, "config": CONFIG,
+                               "machine": f"{os.cpu_count()} CPUs", "results": results}, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
