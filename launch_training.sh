@@ -39,6 +39,11 @@ usage: ./launch_training.sh [options] [-- ddp_training.py flags]
   -h, --help                this help
 
 With neither --gpus nor --cpu, all visible GPUs are used, or 2 CPU processes if there is none.
+Inside a SLURM allocation (run once per node through srun), the node count, the rendezvous endpoint
+(the first host of the node list, a port from the job id), the run id (the job id and its requeue
+count) and, on a CPU partition, one process per allocated CPU come from SLURM unless given here.
+Under Kubeflow (PET_* variables), torchrun takes the nodes, processes and rendezvous from PET_*:
+the launcher passes none of its own.
 Everything after -- is passed to ddp_training.py (see: python ddp_training.py --help).
 Relative paths (options, flags after --, DDP_* variables, values in the config file) are relative
 to the current directory, as with python ddp_training.py; --test writes to runs/test/ there.
@@ -57,7 +62,7 @@ gpu_count() { "$python" -c 'import torch; print(torch.cuda.device_count())' 2>/d
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 python="${PYTHON:-python3}"
 gpus="" cpu=0 nproc="" test_mode=0 debug=0
-max_restarts=0 nnodes=1 rdzv_endpoint="" rdzv_id="" rdzv_backend=c10d join_timeout=60 last_call=5
+max_restarts="" nnodes="" rdzv_endpoint="" rdzv_id="" rdzv_backend=c10d join_timeout=60 last_call=5
 train_args=()
 
 while [[ $# -gt 0 ]]; do
@@ -89,7 +94,39 @@ done
 
 [[ -n "$gpus" && $cpu -eq 1 ]] && die "--gpus and --cpu exclude each other"
 [[ -z "$nproc" || "$nproc" =~ ^[1-9][0-9]*$ ]] || die "--nproc '$nproc': must be a positive integer"
-[[ "$max_restarts" =~ ^[0-9]+$ ]] || die "--max-restarts '$max_restarts': must be a non-negative integer"
+[[ -z "$max_restarts" || "$max_restarts" =~ ^[0-9]+$ ]] ||
+  die "--max-restarts '$max_restarts': must be a non-negative integer"
+
+# Where this runs: a Kubeflow job's pod (torchrun reads PET_*), a SLURM allocation, or a host.
+platform=host
+if [[ -n "${PET_NNODES:-}${PET_MASTER_ADDR:-}${PET_RDZV_ENDPOINT:-}" ]]; then
+  platform=kubernetes
+elif [[ -n "${SLURM_JOB_ID:-}" && -n "${SLURM_JOB_NODELIST:-}" ]]; then
+  platform=slurm
+fi
+if [[ $platform == kubernetes ]]; then
+  [[ -z "$nnodes$rdzv_endpoint$rdzv_id" ]] ||
+    die "--nnodes/--rdzv-endpoint/--rdzv-id: under Kubeflow (PET_* set) torchrun takes them from PET_NNODES, PET_RDZV_ENDPOINT or PET_MASTER_ADDR/PORT, and PET_RDZV_ID"
+  nnodes=${PET_NNODES:-1}
+  [[ -n "$nproc" || ! "${PET_NPROC_PER_NODE:-}" =~ ^[1-9][0-9]*$ ]] || nproc=$PET_NPROC_PER_NODE
+elif [[ $platform == slurm && -z "$nnodes" ]]; then
+  nnodes=${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-1}}
+  if [[ $nnodes -gt 1 ]]; then
+    if [[ -z "$rdzv_endpoint" ]]; then
+      head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1) ||
+        die "SLURM: 'scontrol show hostnames $SLURM_JOB_NODELIST' failed; pass --rdzv-endpoint HOST:PORT"
+      # A port from the job id, the same on every node: 20000-39999.
+      rdzv_endpoint="$head_node:$(( 20000 + SLURM_JOB_ID % 20000 ))"
+    fi
+    # A requeued job is a new launch: a rendezvous of its own.
+    rdzv_id=${rdzv_id:-slurm-$SLURM_JOB_ID-${SLURM_RESTART_COUNT:-0}}
+  fi
+fi
+nnodes=${nnodes:-1}
+max_restarts_flag=(--max-restarts "${max_restarts:-0}")
+if [[ $platform == kubernetes && -z "$max_restarts" && -n "${PET_MAX_RESTARTS:-}" ]]; then
+  max_restarts_flag=()  # torchrun reads PET_MAX_RESTARTS
+fi
 [[ "$nnodes" =~ ^[1-9][0-9]*(:[1-9][0-9]*)?$ ]] ||
   die "--nnodes '$nnodes': must be a positive integer N or a range MIN:MAX"
 min_nodes=${nnodes%%:*} max_nodes=${nnodes##*:}
@@ -98,7 +135,7 @@ min_nodes=${nnodes%%:*} max_nodes=${nnodes##*:}
   die "--rdzv-backend '$rdzv_backend': allowed: c10d, etcd-v2"
 [[ "$join_timeout" =~ ^[1-9][0-9]*$ ]] || die "--rdzv-join-timeout '$join_timeout': must be a positive integer"
 [[ "$last_call" =~ ^[1-9][0-9]*$ ]] || die "--rdzv-last-call '$last_call': must be a positive integer"
-if [[ $max_nodes -gt 1 ]]; then
+if [[ $max_nodes -gt 1 && $platform != kubernetes ]]; then
   [[ "$rdzv_endpoint" =~ ^[A-Za-z0-9._-]+:[0-9]+$ ]] || die "--nnodes $nnodes needs --rdzv-endpoint HOST:PORT"
   [[ "$rdzv_id" =~ ^[A-Za-z0-9._-]+$ ]] || die "--nnodes $nnodes needs --rdzv-id ID (letters, digits, . _ -)"
 fi
@@ -133,9 +170,13 @@ elif [[ $cpu -eq 0 ]]; then
 fi
 if [[ $cpu -eq 1 ]]; then
   export CUDA_VISIBLE_DEVICES=""
+  if [[ -z "$nproc" && $platform == slurm && "${SLURM_CPUS_ON_NODE:-}" =~ ^[1-9][0-9]*$ ]]; then
+    nproc=$SLURM_CPUS_ON_NODE  # a CPU partition: one process per allocated CPU
+  fi
   nproc=${nproc:-2}
   train_args=(--ddp.backend gloo "${train_args[@]}")
-  cores=$(nproc 2>/dev/null || echo 1)
+  # getconf, not nproc(1): nproc obeys OMP_NUM_THREADS.
+  cores=${SLURM_CPUS_ON_NODE:-$(getconf _NPROCESSORS_ONLN 2>/dev/null || echo 1)}
   threads=$(( cores / nproc ))
   export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( threads > 0 ? threads : 1 ))}"
 fi
@@ -148,7 +189,7 @@ if [[ $test_mode -eq 1 ]]; then
               --checkpoint.dir runs/test/checkpoints "${train_args[@]}")
 fi
 
-if [[ $max_nodes -eq 1 ]]; then
+if [[ $max_nodes -eq 1 && $platform != kubernetes ]]; then
   export GLOO_SOCKET_IFNAME="${GLOO_SOCKET_IFNAME:-lo}"
   export MASTER_ADDR=127.0.0.1
 fi
@@ -167,7 +208,17 @@ fi
 checkpoint_dir=$(WORLD_SIZE=$(( nproc * max_nodes )) "$python" "$here/ddp_training.py" --check-config "${train_args[@]}") ||
   exit $?
 
-if [[ $max_nodes -gt 1 ]]; then
+nproc_flag=(--nproc-per-node "$nproc")
+if [[ $platform == kubernetes ]]; then
+  # torchrun reads PET_NNODES, PET_NPROC_PER_NODE, PET_NODE_RANK, PET_MASTER_ADDR/PORT and
+  # PET_RDZV_*: a flag here would override what the job's controller set.
+  rdzv=()
+  [[ -z "${PET_NPROC_PER_NODE:-}" ]] || nproc_flag=()
+  if [[ $min_nodes -lt $max_nodes && -n "${PET_RDZV_ENDPOINT:-}" ]]; then
+    export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1  # see the range below
+    export RDZV_STORE_ENDPOINT="${PET_RDZV_BACKEND:-c10d}://$PET_RDZV_ENDPOINT"
+  fi
+elif [[ $max_nodes -gt 1 ]]; then
   # A lost node is dropped from the rendezvous after keep_alive_interval x keep_alive_max_attempt
   # (6 s) without a heartbeat, instead of 15 s. A worker that sees a node go exits 75, so the
   # surviving agents take torchrun's failure path at once (docs/fault-tolerance.md, Node loss).
@@ -208,23 +259,28 @@ stamp=$(mktemp)
 # waits for it: neither torchrun nor its workers outlive the script. If the script itself is killed
 # (kill -9 cannot be trapped), the kernel sends torchrun SIGTERM (PR_SET_PDEATHSIG = 1), so the workers
 # still save and nothing is orphaned; a script that died before prctl took effect is caught by getppid.
+# torchrun ignores SIGUSR1: it has no handler for it and would die of one that reaches it directly
+# (SLURM's `scancel --signal=USR1` signals every process of the job step), leaving its workers to
+# save as orphans after this script has exited. The workers install their own handler.
 "$python" -c 'import ctypes, os, signal, sys
 ppid = os.getppid()
 os.setsid()
+signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 if sys.platform == "linux":
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
     if os.getppid() != ppid:
         sys.exit(143)
 os.execvp(sys.argv[1], sys.argv[1:])' \
-  "$python" -m torch.distributed.run "${rdzv[@]}" --nproc-per-node "$nproc" --max-restarts "$max_restarts" \
+  "$python" -m torch.distributed.run "${rdzv[@]}" "${nproc_flag[@]}" "${max_restarts_flag[@]}" \
   "$here/ddp_training.py" "${train_args[@]}" &
 child=$!
 [[ -z "$pending" ]] || kill -s "$pending" "$child" 2>/dev/null || true
-status=0
-while true; do
-  wait "$child" && status=0 || status=$?
-  kill -0 "$child" 2>/dev/null || break
+# `wait` returns early (128 + the signal) when a trapped signal arrives: wait until torchrun has
+# really ended, then ask once more for its own status (bash keeps it for an ended child).
+while kill -0 "$child" 2>/dev/null; do
+  wait "$child" || true
 done
+wait "$child" && status=0 || status=$?
 marker="$checkpoint_dir/PREEMPTED"
 final="$checkpoint_dir/final_model.pt"
 if [[ $status -ne 0 && -f "$marker" && "$marker" -nt "$stamp" ]]; then

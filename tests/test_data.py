@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from framework.config import ConfigError, resolve_config
+from framework.config import ConfigError, build_config, resolve_config
 from framework.data.datasets import MARKOV_ENTROPY, MarkovDataset, TokenWindows, build_datasets, encode_text
 from framework.data.sampler import ResumableDistributedSampler, eval_indices
 from framework.resilience.markers import FatalError
@@ -99,8 +99,9 @@ def test_a_world_size_change_keeps_the_global_batch_and_each_steps_samples(befor
 def test_a_global_batch_that_does_not_split_is_a_fatal_error_naming_the_sizes_unless_scaling_is_allowed():
     ranks = [ResumableDistributedSampler(96, 2, r, 3, 1, seed=7) for r in range(2)]
     state = ranks[0].state_dict()  # 6 samples a step
-    with pytest.raises(FatalError, match=r"global batch of 6 samples \(2 ranks x micro-batch 3 x accumulation 1\) "
-                                         r"does not split over 4 ranks.*scale_global_batch"):
+    with pytest.raises(FatalError, match=r"checkpoint: 2 ranks x micro-batch 3 x accumulation 1; or set "
+                                         r"data.world_size_change=scale_global_batch.*: the global batch of 6 "
+                                         r"samples does not split over 4 ranks"):
         step_samples(4, 3, 1, state)
     _, scaled = step_samples(4, 3, 1, state, keep=False)
     assert scaled[0].global_batch == 12 and scaled[0].consumed == 0
@@ -224,3 +225,23 @@ def test_input_known_only_at_run_time_stops_with_fatal(case, tmp_path):
         DDPTrainer(cfg, rank=0, world_size=1, **pieces())
     assert expected in str(err.value) and "\n" not in str(err.value)
     assert expected in (tmp_path / "ck" / FATAL).read_text()
+
+
+def test_a_named_global_batch_is_split_at_every_world_size_and_checked_where_it_cannot_be():
+    """data.global_batch_size: a start (or a restart with no checkpoint) at any world size trains the
+    same steps; a world size that does not divide it is refused at --check-config."""
+    steps = {}
+    for world in (1, 2, 4):
+        ranks = [ResumableDistributedSampler(96, world, r, 4, 1, seed=7, global_batch=16) for r in range(world)]
+        assert ranks[0].global_batch == 16 and ranks[0].batch_size <= 4
+        micro = [list(s) for s in ranks]
+        a = ranks[0].accumulation
+        steps[world] = [sorted(i for r in range(world) for m in micro[r][k * a:(k + 1) * a] for i in m)
+                        for k in range(len(micro[0]) // a)]
+    assert steps[1] == steps[2] == steps[4] and len(steps[1]) == 6
+    with pytest.raises(ConfigError, match=r"data.global_batch_size=16: does not split over world size 3; allowed: "
+                                          r"a multiple of 3"):
+        build_config({"data": {"global_batch_size": 16}}, env={}, world_size=3)
+    with pytest.raises(FatalError, match="data.global_batch_size=16: the global batch of 16 samples does not split "
+                                         "over 3 ranks"):
+        ResumableDistributedSampler(96, 3, 0, 4, 1, global_batch=16)

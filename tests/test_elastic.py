@@ -79,8 +79,8 @@ def test_a_run_resumed_on_4_2_1_and_2_ranks_keeps_its_global_batch_its_samples_a
 
 # 256 samples, 2 ranks x 4: 32 steps an epoch, 64 in all; each step slowed to >= 60 ms (in every
 # incarnation) so that a node can be lost, and can rejoin, mid-run.
-NODES = {**ELASTIC, "dataset_size": 256, "save_every_steps": 8, "save_interval": 0, "timeout_s": 30,
-         "fault_inject": "slow@step=0,ms=60,restart=*"}
+NODES = {**ELASTIC, "dataset_size": 256, "global_batch_size": 8, "save_every_steps": 8, "save_interval": 0,
+         "timeout_s": 30, "fault_inject": "slow@step=0,ms=60,restart=*"}
 RDZV_CONF = "join_timeout=30,last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3"
 
 
@@ -199,8 +199,10 @@ def test_a_lost_node_leaves_the_survivor_training_on_one_node_then_it_rejoins(tm
     assert agents[0].returncode == 0 and agents[2].returncode == 0, outputs
     assert recovered_s <= 30, recovered_s
     log0 = rank0_log(run_dir)
-    assert "1 ranks x micro-batch 4 x accumulation 2 keep the global batch" in log0
-    assert "2 ranks x micro-batch 4 x accumulation 1 keep the global batch" in log0
+    # data.global_batch_size=8, split at each world size the run (re)starts at.
+    assert "effective batch: 4 per rank x 1 ranks x 2 accumulation = 8 samples per step" in log0
+    assert "effective batch: 4 per rank x 2 ranks x 1 accumulation = 8 samples per step" in log0
+    assert "with 8 samples a step (the checkpoint's global batch)" in log0
     summary = json.loads((run_dir / "logs" / "summary.json").read_text())
     assert summary["steps"] == 64 and summary["world_size"] == 2 and not summary["preempted"]
     assert [r["step"] for r in read_metrics(run_dir / "logs" / "metrics.jsonl")] == list(range(1, 65))

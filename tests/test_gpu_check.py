@@ -159,6 +159,7 @@ def test_the_memory_row_passes_only_when_checkpointing_lowers_the_cuda_peak(gpu_
                                                 "offload 30 MiB, tiled8 70 MiB"
 
 
+@pytest.mark.slow
 def test_the_scaler_overflow_row_on_cpu_with_an_enabled_grad_scaler(gpu_check, tmp_path, monkeypatch):
     """The row itself, in process on CPU: fp16 autocast cannot run here, so the trainer gets fp32
     with an enabled CPU GradScaler (what fp16 gives it). The injected NaN gradient at step 20 is

@@ -158,6 +158,7 @@ class Recorder(TrainerCallback):
         self.events.append(("train_end", state.global_step))
 
 
+@pytest.mark.slow
 def test_callbacks_get_their_events_and_control_is_honoured(tmp_path):
     rec = Recorder(stop_at=5, save_at=1)
     trainer = Trainer(model=build_model(), args=targs(tmp_path, max_steps=8, eval_strategy="steps", eval_steps=4),
@@ -177,6 +178,7 @@ def test_callbacks_get_their_events_and_control_is_honoured(tmp_path):
     assert trainer.state.log_history and trainer.state.log_history[0]["step"] == 2
 
 
+@pytest.mark.slow
 def test_optimizer_and_schedule_are_the_ones_transformers_builds(tmp_path):
     rec = Recorder()
     args = targs(tmp_path, max_steps=8, logging_steps=1, warmup_steps=2, weight_decay=0.1,
@@ -196,6 +198,7 @@ def test_optimizer_and_schedule_are_the_ones_transformers_builds(tmp_path):
     assert got == pytest.approx(expected, rel=1e-6)
 
 
+@pytest.mark.slow
 def test_data_collator_and_compute_loss_func_are_used(tmp_path):
     calls = {"collate": 0, "loss": 0}
 
@@ -214,6 +217,7 @@ def test_data_collator_and_compute_loss_func_are_used(tmp_path):
     assert calls["collate"] >= 3 and calls["loss"] >= 3
 
 
+@pytest.mark.slow
 def test_save_model_and_resume_from_checkpoint(tmp_path):
     model = build_model()
     first = Trainer(model=model, args=targs(tmp_path, max_steps=6, save_steps=3), train_dataset=StrideBytes(128))

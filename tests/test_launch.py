@@ -122,7 +122,8 @@ def test_help_lists_options():
 def test_shellcheck_passes():
     shellcheck = shutil.which("shellcheck")
     assert shellcheck, "shellcheck is installed by requirements-dev.txt"
-    proc = subprocess.run([shellcheck, str(SCRIPT)], capture_output=True, text=True)
+    proc = subprocess.run([shellcheck, str(SCRIPT), str(ROOT / "examples" / "slurm" / "train.sbatch")],
+                          capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout
 
 
@@ -217,6 +218,58 @@ def test_an_elastic_node_range_reaches_torchrun_with_bounded_rendezvous_waits(sh
                       (["--nnodes", "2", *rdzv, "--rdzv-backend", "etcd"], "allowed: c10d, etcd-v2")):
         proc, torchrun = shim(["--cpu", *bad])
         assert proc.returncode == 2 and says in proc.stderr and torchrun is None, (bad, proc.stderr)
+
+
+def fake_scontrol(tmp_path: Path, hosts: list[str]) -> str:
+    """A PATH whose scontrol answers `scontrol show hostnames LIST` with ``hosts``."""
+    bin_dir = tmp_path / "slurm-bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text("#!/bin/sh\n[ \"$1 $2\" = 'show hostnames' ] || exit 1\nprintf '%s\\n' "
+                                      + " ".join(hosts) + "\n")
+    (bin_dir / "scontrol").chmod(0o755)
+    return f"{bin_dir}:{os.environ['PATH']}"
+
+
+SLURM = {"SLURM_JOB_ID": "41234", "SLURM_JOB_NODELIST": "cpu[07-08]", "SLURM_JOB_NUM_NODES": "2",
+         "SLURM_CPUS_ON_NODE": "3", "SLURM_RESTART_COUNT": "1"}
+
+
+def test_under_slurm_the_nodes_endpoint_run_id_and_processes_come_from_the_allocation(shim, tmp_path):
+    path = fake_scontrol(tmp_path, ["cpu07", "cpu08"])
+    proc, torchrun = shim(["--cpu"], PATH=path, **SLURM)
+    assert proc.returncode == 0, proc.stderr
+    argv = torchrun["argv"]
+    assert option(argv, "--nnodes") == "2"
+    assert option(argv, "--rdzv-endpoint") == f"cpu07:{20000 + 41234 % 20000}"  # the first host, a port from the id
+    assert option(argv, "--rdzv-id") == "slurm-41234-1"  # the job and its requeue count
+    assert option(argv, "--nproc-per-node") == "3"  # one process per allocated CPU
+    assert torchrun["env"]["OMP_NUM_THREADS"] == "1" and "MASTER_ADDR" not in torchrun["env"]
+    # What the user says still wins; one node of the allocation trains on loopback.
+    proc, torchrun = shim(["--cpu", "--nproc", "1", "--rdzv-id", "mine"], PATH=path, **SLURM)
+    assert option(torchrun["argv"], "--rdzv-id") == "mine" and option(torchrun["argv"], "--nproc-per-node") == "1"
+    proc, torchrun = shim(["--cpu"], **{**SLURM, "SLURM_JOB_NUM_NODES": "1", "SLURM_JOB_NODELIST": "cpu07"})
+    assert option(torchrun["argv"], "--nnodes") == "1" and torchrun["env"]["MASTER_ADDR"] == "127.0.0.1"
+
+
+def test_under_kubeflow_torchrun_reads_pet_and_the_launcher_overrides_none_of_it(shim):
+    pet = {"PET_NNODES": "2", "PET_NPROC_PER_NODE": "1", "PET_NODE_RANK": "1", "PET_MASTER_ADDR": "trainer-node-0",
+           "PET_MASTER_PORT": "23456"}
+    proc, torchrun = shim(["--cpu"], **pet)
+    assert proc.returncode == 0, proc.stderr
+    argv = torchrun["argv"]
+    for flag in ("--nnodes", "--nproc-per-node", "--rdzv-endpoint", "--rdzv-backend", "--rdzv-id", "--local-addr",
+                 "--master-addr", "--node-rank"):
+        assert flag not in argv, (flag, argv)
+    assert {k: torchrun["env"][k] for k in pet} == pet
+    assert "MASTER_ADDR" not in torchrun["env"] and "GLOO_SOCKET_IFNAME" not in torchrun["env"]
+    # An elastic Kubeflow job: the workers are told where the rendezvous store is, as for a range here.
+    elastic = {"PET_NNODES": "1:3", "PET_RDZV_BACKEND": "c10d", "PET_RDZV_ENDPOINT": "job-master:29400",
+               "PET_RDZV_ID": "job"}
+    proc, torchrun = shim(["--cpu", "--nproc", "2"], **elastic)
+    assert option(torchrun["argv"], "--nproc-per-node") == "2" and "--nnodes" not in torchrun["argv"]
+    assert torchrun["env"]["RDZV_STORE_ENDPOINT"] == "c10d://job-master:29400"
+    proc, torchrun = shim(["--cpu", "--nnodes", "3"], **pet)
+    assert proc.returncode == 2 and "under Kubeflow (PET_* set)" in proc.stderr and torchrun is None
 
 
 def test_relative_config_data_and_resume_are_the_callers(shim, tmp_path):

@@ -405,6 +405,7 @@ def train(tmp_path, name, n, **over):
     return summary, (tmp_path / name / "logs" / "rank_0.log").read_text()
 
 
+@pytest.mark.slow
 def test_a_spike_rollback_with_dataloader_workers_equals_the_run_without(tmp_path):
     spike = dict(max_steps=24, save_every_steps=5, spike_guard="rollback", spike_warmup=10, spike_window=20,
                  spike_threshold=8.0, fault_inject="bad_data@step=15")
@@ -415,6 +416,7 @@ def test_a_spike_rollback_with_dataloader_workers_equals_the_run_without(tmp_pat
     assert with_workers["model_sha256"] == without["model_sha256"]
 
 
+@pytest.mark.slow
 def test_a_worker_killed_in_the_last_step_of_an_epoch_is_replaced_at_the_next(tmp_path):
     began = time.monotonic()
     killed, log = train(tmp_path, "killed", 64, num_workers=2, max_steps=20, fault_inject="kill_worker@step=15")

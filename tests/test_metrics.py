@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from framework import DDPTrainer
 from framework.observability.metrics import read_metrics
 from framework.testing.tiny import tiny as tiny_config
@@ -24,6 +26,7 @@ def test_every_logged_scalar_goes_to_the_stream_and_the_last_loss_is_the_summary
     assert summary["skipped_steps"] == 0 and summary["restarts"] == 0
 
 
+@pytest.mark.slow
 def test_a_resumed_run_appends_and_its_purge_keeps_the_steps_increasing(tmp_path):
     DDPTrainer(tiny(tmp_path, max_steps=12, save_every_steps=4, fault_inject="sigterm@step=5")).train()
     path = tmp_path / "logs" / "metrics.jsonl"

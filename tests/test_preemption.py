@@ -154,6 +154,7 @@ def sigterm_in_evaluation(monkeypatch, at_step: int, at_batch: int) -> list[int]
     return batches
 
 
+@pytest.mark.slow
 def test_sigterm_in_the_final_evaluation_stops_it_at_the_next_batch_saves_and_the_resume_evaluates(
         tmp_path, monkeypatch):
     from framework import DDPTrainer

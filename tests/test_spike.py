@@ -231,12 +231,14 @@ def one_process_spike(tmp_path, **over):
     return summary, manifest, read_metrics(tmp_path / "logs" / "metrics.jsonl")
 
 
+@pytest.mark.slow
 def test_a_spike_on_the_last_step_with_nothing_to_roll_back_to_ends_the_run_there(tmp_path):
     summary, manifest, rows = one_process_spike(tmp_path, save_every_steps=40, fault_inject="bad_data@step=29")
     assert summary["loss_spikes"] == 1 and summary["rollbacks"] == 0
     assert summary["steps"] == 30 and manifest == [30] and rows[-1]["step"] == 30
 
 
+@pytest.mark.slow
 def test_a_spike_with_nothing_to_roll_back_to_still_saves_and_evaluates_its_step(tmp_path):
     summary, manifest, rows = one_process_spike(tmp_path, save_every_steps=20, eval_interval=20,
                                                 fault_inject="bad_data@step=19")

@@ -110,6 +110,7 @@ def manifest_steps(run_dir) -> list[int]:
     return [e["step"] for e in json.loads((run_dir / "ck" / "manifest.json").read_text())]
 
 
+@pytest.mark.slow
 def test_a_stream_saves_at_the_end_of_each_epoch_and_resumes_at_the_next(tmp_path):
     """32 rows, batch 4: 8 steps an epoch. The end of a stream's epoch is the step on which it runs
     out, one after its last batch: the epoch's checkpoint is written then, and says the epoch is done."""
@@ -125,6 +126,7 @@ def test_a_stream_saves_at_the_end_of_each_epoch_and_resumes_at_the_next(tmp_pat
     assert summary["steps"] == 16 and summary["model_sha256"] == whole["model_sha256"]
 
 
+@pytest.mark.slow
 def test_a_stream_without_a_state_resumes_at_the_next_epoch_without_rereading_this_one(tmp_path):
     whole = DDPTrainer(stream_config(tmp_path / "whole"), train_dataset=Rows(32)).train()
     with pytest.raises(RuntimeError, match="test crash at step 11"):
@@ -135,6 +137,7 @@ def test_a_stream_without_a_state_resumes_at_the_next_epoch_without_rereading_th
     assert data.reads == 32  # the second epoch only: the first is not read again to be dropped
 
 
+@pytest.mark.slow
 def test_a_stream_resumed_mid_epoch_with_dropout_equals_the_uninterrupted_run(tmp_path):
     """Starting the stream's epoch on the resume draws nothing from the random state the checkpoint
     restored (the DataLoader's base seed came from the global generator: dropout then differed)."""

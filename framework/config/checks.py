@@ -162,9 +162,21 @@ def data_file_problems(cfg: TrainConfig) -> list[str]:
 
 
 def _global_batch(cfg: TrainConfig, world_size: int) -> tuple[int, str]:
+    if cfg.data.global_batch_size:
+        return cfg.data.global_batch_size, f"{cfg.data.global_batch_size} samples (data.global_batch_size)"
     size = cfg.data.batch_size * cfg.data.gradient_accumulation_steps * world_size
     return size, (f"{size} samples (data.batch_size={cfg.data.batch_size} x data.gradient_accumulation_steps="
                   f"{cfg.data.gradient_accumulation_steps} x world size {world_size})")
+
+
+def global_batch_problems(cfg: TrainConfig, world_size: int) -> list[str]:
+    """data.global_batch_size against the world size the run starts at (an elastic run checks each
+    later world size when it gets there: framework/data/sampler.py, split_global_batch)."""
+    g = cfg.data.global_batch_size
+    if g and g % world_size:
+        return [f"data.global_batch_size={g}: does not split over world size {world_size}; allowed: a multiple "
+                f"of {world_size}"]
+    return []
 
 
 def training_set_problems(cfg: TrainConfig, samples: int, world_size: int, *, head: str, count: str,

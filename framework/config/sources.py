@@ -22,7 +22,7 @@ import typing
 from pathlib import Path
 from typing import Any, Literal
 
-from .checks import builtin_data_problems, check_values, world_size_from
+from .checks import builtin_data_problems, check_values, global_batch_problems, world_size_from
 from .schema import (AUTO, ALIASES, FIELDS, KEYS, SECTIONS, TYPES, ConfigError, TrainConfig, applicable_keys, dotted,
                      from_dotted)
 
@@ -183,7 +183,7 @@ def build_config(
     cfg = from_dotted(values)
     problems.extend(check_values(cfg))
     if world_size is not None and not problems:
-        problems.extend(builtin_data_problems(cfg, world_size))
+        problems.extend(global_batch_problems(cfg, world_size) or builtin_data_problems(cfg, world_size))
     if problems:
         raise ConfigError(problems)
     return cfg

@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, default_colla
 from ..config import AUTO
 from .datasets import MarkovDataset, TokenWindows, check_datasets
 from .iterable_stream import IterableStream, StreamPosition
-from .sampler import ResumableDistributedSampler, peek_batches
+from .sampler import ResumableDistributedSampler, peek_batches, split_global_batch
 
 log = logging.getLogger(__name__)
 
@@ -249,12 +249,16 @@ def build_stream(dataset, cfg, env, val_dataset=None) -> tuple[ResumableDistribu
     number of worker processes. An IterableDataset gets a stream of its own (framework/data/iterable_stream.py)."""
     check_datasets(dataset, val_dataset, cfg, env.world_size)
     if isinstance(dataset, IterableDataset):
-        position = StreamPosition(env.world_size, cfg.data.batch_size, cfg.data.gradient_accumulation_steps)
+        g = cfg.data.global_batch_size
+        split = (split_global_batch(g, env.world_size, cfg.data.batch_size, why=f"data.global_batch_size={g}") if g
+                 else (cfg.data.batch_size, cfg.data.gradient_accumulation_steps))
+        position = StreamPosition(env.world_size, *split)
         return position, IterableStream(dataset, position, device=env.device, distributed=env.distributed,
                                         rank=env.rank), 0
     sampler = ResumableDistributedSampler(len(dataset), env.world_size, env.rank, cfg.data.batch_size,
                                           cfg.data.gradient_accumulation_steps, cfg.train.seed,
-                                          keep_global_batch=cfg.data.world_size_change == "keep_global_batch")
+                                          keep_global_batch=cfg.data.world_size_change == "keep_global_batch",
+                                          global_batch=cfg.data.global_batch_size)
     # The built-in datasets are in memory and batch in one vectorised read: a worker process
     # would only add the cost of shipping each batch back (measured: ~1.5 ms a step on CPU).
     in_memory = isinstance(dataset, (MarkovDataset, TokenWindows))

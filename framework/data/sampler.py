@@ -19,6 +19,18 @@ from .batches import fetch, to_device
 log = logging.getLogger(__name__)
 
 
+def split_global_batch(global_batch: int, world_size: int, max_micro_batch: int, *, why: str) -> tuple[int, int]:
+    """``(micro-batch, accumulation)`` that make ``global_batch`` on ``world_size`` ranks: the largest
+    micro-batch up to ``max_micro_batch`` that divides each rank's share. A share that is not whole
+    is a FatalError naming the sizes and ``why`` the global batch is what it is."""
+    share, rest = divmod(global_batch, world_size)
+    if rest:
+        raise FatalError(f"{why}: the global batch of {global_batch} samples does not split over {world_size} ranks; "
+                         f"run on a world size that divides {global_batch}")
+    micro = max(d for d in range(1, min(share, max_micro_batch) + 1) if share % d == 0)
+    return micro, share // micro
+
+
 class ResumableDistributedSampler(torch.utils.data.Sampler[list[int]]):
     """Yields this rank's micro-batches of indices.
 
@@ -32,18 +44,21 @@ class ResumableDistributedSampler(torch.utils.data.Sampler[list[int]]):
     """
 
     def __init__(self, num_samples: int, world_size: int, rank: int, batch_size: int,
-                 accumulation: int = 1, seed: int = 0, keep_global_batch: bool = True):
+                 accumulation: int = 1, seed: int = 0, keep_global_batch: bool = True, global_batch: int = 0):
         self.num_samples = num_samples
         self.world_size = world_size
         self.rank = rank
-        self.batch_size = batch_size
-        self.accumulation = accumulation
         self.seed = seed
         # The configured split, which a checkpoint records beside the live one (an out-of-memory
         # halving or a world-size change alters the live one): a resume with the same configured
         # split keeps the checkpoint's global batch (data.world_size_change=keep_global_batch).
         self.configured = (batch_size, accumulation)
         self.keep_global_batch = keep_global_batch
+        # data.global_batch_size: the global batch the configuration names, split at every world size.
+        self.global_batch_size = global_batch
+        self.batch_size, self.accumulation = (
+            split_global_batch(global_batch, world_size, batch_size, why=f"data.global_batch_size={global_batch}")
+            if global_batch else (batch_size, accumulation))
         self.epoch = 0
         self.consumed = 0
         self.excluded: frozenset[int] = frozenset()
@@ -162,6 +177,10 @@ class ResumableDistributedSampler(torch.utils.data.Sampler[list[int]]):
         if "batch_size" not in state:
             return
         b, a, world = int(state["batch_size"]), int(state["accumulation"]), int(state["world_size"])
+        if self.global_batch_size:  # the configuration's global batch, split for this world size
+            if world == self.world_size and world * b * a == self.global_batch_size:
+                self.batch_size, self.accumulation = b, a  # the saved split (an out-of-memory halving's)
+            return
         configured = tuple(int(x) for x in state.get("configured", (b, a)))
         same_config = configured == self.configured or (
             "configured" not in state and b * a == self.configured[0] * self.configured[1])
@@ -172,19 +191,14 @@ class ResumableDistributedSampler(torch.utils.data.Sampler[list[int]]):
             self.resize(world * b * a, saved=f"{world} ranks x micro-batch {b} x accumulation {a}")
 
     def resize(self, global_batch: int, saved: str) -> None:
-        """Split ``global_batch`` over this world size: the largest micro-batch up to the
-        configured one that divides each rank's share, and as many accumulation steps as it takes.
-        A share that is not whole is a FatalError naming the sizes."""
-        share, rest = divmod(global_batch, self.world_size)
-        if rest:
-            raise FatalError(
-                f"data.world_size_change=keep_global_batch: the checkpoint's global batch of {global_batch} samples "
-                f"({saved}) does not split over {self.world_size} ranks; run on a world size that divides "
-                f"{global_batch}, or set data.world_size_change=scale_global_batch to train on with "
-                f"{self.world_size} x {self.configured[0]} x {self.configured[1]} samples a step (then the run "
-                f"differs from an uninterrupted one)")
-        micro = max(d for d in range(1, min(share, self.configured[0]) + 1) if share % d == 0)
-        self.batch_size, self.accumulation = micro, share // micro
+        """Split ``global_batch`` over this world size (``split_global_batch``)."""
+        micro, self.accumulation = split_global_batch(
+            global_batch, self.world_size, self.configured[0],
+            why=f"data.world_size_change=keep_global_batch (checkpoint: {saved}; or set "
+                f"data.world_size_change=scale_global_batch to train on with {self.world_size} x "
+                f"{self.configured[0]} x {self.configured[1]} samples a step, a run that differs from an "
+                f"uninterrupted one)")
+        self.batch_size = micro
         log.warning("world size changed (checkpoint: %s = %d samples a step): %d ranks x micro-batch %d x "
                     "accumulation %d keep the global batch, so the steps, their samples and the schedule are the "
                     "uninterrupted run's", saved, global_batch, self.world_size, micro, self.accumulation)
