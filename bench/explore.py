@@ -27,6 +27,7 @@ fails the same invariant) and printed as one command: ``python bench/explore.py 
 
 usage: python bench/explore.py [--trials N] [--seed S] [--jobs J] [--out explore.json] [--no-shrink]
        python bench/explore.py --replay '<json>'
+       python bench/explore.py --rerun bench/results/explore_seed4000.json [--rerun-faults a,b] [--jobs J]
 """
 
 from __future__ import annotations
@@ -1126,9 +1127,11 @@ def table(results: list[dict]) -> str:
 
 
 def explore(n: int, seed: int, jobs: int, workdir: Path, *, do_shrink: bool = True, max_shrinks: int = 1000,
-            shrink_budget: int = 8, log=print, minutes: float = 0.0) -> list[dict]:
+            shrink_budget: int = 8, log=print, minutes: float = 0.0, trials: list[dict] | None = None) -> list[dict]:
+    """``n`` trials drawn from ``seed``, or the given ``trials`` (a rerun of an earlier run's)."""
     refs = References(workdir)
-    trials = [draw(random.Random(seed + i)) for i in range(n)]
+    trials = [draw(random.Random(seed + i)) for i in range(n)] if trials is None else trials
+    n = len(trials)
     deadline = time.monotonic() + minutes * 60 if minutes else None
 
     def one(i: int) -> dict | None:
@@ -1168,6 +1171,8 @@ def main() -> None:
     parser.add_argument("--max-shrinks", type=int, default=1000, help="shrink at most this many kinds of failure")
     parser.add_argument("--shrink-budget", type=int, default=8, help="trial runs allowed to shrink one failure")
     parser.add_argument("--replay", help="one trial's JSON, as a failing trial's repro line prints it")
+    parser.add_argument("--rerun", help="an earlier run's results file: run its trials again, on this code")
+    parser.add_argument("--rerun-faults", default="", help="with --rerun: only the trials of these faults (a,b)")
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
     parser.add_argument("--minutes", type=float, default=0.0, help="start no trial after this many minutes (0: all)")
     parser.add_argument("--from-log", help="the table of a run stopped early, from its console log (with its --seed)")
@@ -1189,8 +1194,14 @@ def main() -> None:
             print(json.dumps({k: result[k] for k in ("trial", "verdict", "failed", "codes", "notes", "dir")},
                              indent=2))
             raise SystemExit(1 if result["failed"] else 0)
+        rerun = None
+        if args.rerun:
+            faults = set(filter(None, args.rerun_faults.split(",")))
+            rerun = [r["trial"] for r in json.loads(Path(args.rerun).read_text())["results"]
+                     if not faults or r["trial"]["fault"] in faults]
         results = explore(args.trials, args.seed, args.jobs, workdir, do_shrink=not args.no_shrink,
-                          max_shrinks=args.max_shrinks, shrink_budget=args.shrink_budget, minutes=args.minutes)
+                          max_shrinks=args.max_shrinks, shrink_budget=args.shrink_budget, minutes=args.minutes,
+                          trials=rerun)
         print()
         print(table(results))
         for r in results:

@@ -10,8 +10,8 @@ Every run is elastic (``--nnodes 1:2 --max-restarts 2``).
 
 Each cell reports:
 
-- outcome: ``survived`` (the nodes left finished the run, alone, with every sample of each epoch
-  seen once and the final weights within 1e-5 of an uninterrupted run), ``relaunched`` (the job
+- outcome: ``survived`` (the nodes left finished the run, alone, with each step's samples those
+  of an uninterrupted run and the final weights within WEIGHTS_TOLERANCE of its), ``relaunched`` (the job
   stopped cleanly; one relaunch of the surviving node's command, as a scheduler would do,
   finished it, with nothing lost), ``clean stop`` (a stop with a one-line reason and no relaunch
   could finish), ``HANG`` or ``FAILED``;
@@ -54,7 +54,7 @@ from framework.testing.launch import (cli_args, free_port, kill_matching, proces
 # checkpoint every 8 steps, an evaluation every 16.
 STEPS = 40
 CONFIG = dict(vocab_size=64, hidden_size=64, num_heads=2, num_layers=2, seq_len=32, dataset_size=512, dropout=0.0,
-              batch_size=4, global_batch_size=16,
+              batch_size=4, **{"data.global_batch_size": 16},
               max_steps=STEPS, save_every_steps=8, keep_last=10, log_interval=1, eval_interval=16, eval_steps=8,
               num_workers=0, deterministic=True, record_samples=True, tensorboard=False, target_loss=0.0,
               learning_rate=2e-3, warmup_steps=4, seed=5, timeout_s=30, straggler_interval=0,
@@ -63,6 +63,11 @@ RDZV_CONF = "join_timeout=20,last_call_timeout=2,keep_alive_interval=1,keep_aliv
 MOMENTS = {"mid_step": "after rank 0 logs step 12", "ckpt_write": "a checkpoint temp file exists (step 8 first)",
            "eval": "rank 0 logged 'evaluating at step 16'"}
 BOUND_S = 30.0
+# The weights of a run that changed its world size differ from the uninterrupted run's only by the
+# order of the gradient summation, which Adam amplifies over the steps: about 1e-5 after 40 steps
+# here (tests/test_elastic.py holds 1e-5 on shorter runs). A run that trained other samples, or
+# another global batch, differs by 1e-2 and more.
+WEIGHTS_TOLERANCE = 1e-4
 TMP = re.compile(r"\.step_\d{8}\.pt\.tmp")
 
 
@@ -216,7 +221,7 @@ def run_cell(topology: str, backend: str, lost: int, moment: str, port: int, ref
             got, want = epoch_steps(run_dir / "logs"), epoch_steps(ref / "logs")
             res["samples_exact"] = got == want
             res["max_weight_diff"] = weights_diff(run_dir / "ck" / "final_model.pt", ref / "ck" / "final_model.pt")
-            if not res["samples_exact"] or res["max_weight_diff"] > 1e-5:
+            if not res["samples_exact"] or res["max_weight_diff"] > WEIGHTS_TOLERANCE:
                 res["outcome"] = "FAILED"
                 res["reason"] = "something lost: samples or weights differ from the uninterrupted run"
         if res["to_settled_s"] > BOUND_S and res["outcome"] != "FAILED":

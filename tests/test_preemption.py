@@ -303,3 +303,25 @@ def test_a_worker_orphaned_before_its_first_step_ends_at_once_and_in_training_sa
             psutil.Process(worker).kill()
         except psutil.NoSuchProcess:
             pass
+
+
+@pytest.mark.parametrize("when", ["finished", "preempted"])
+def test_a_run_whose_agent_died_saves_and_raises_peer_lost_exit_75_never_0(tmp_path, monkeypatch, when):
+    """The agent's death is agreed after the last save (one all-reduce): the run ends with
+    PeerLost (SystemExit 75) instead of returning, so that no surviving torchrun agent waits 300 s
+    in its exit barrier for the dead one. Before, train() returned and the process exited 0."""
+    from framework import DDPTrainer
+    from framework.ddp import process_group
+
+    monkeypatch.setattr(process_group, "agent_gone", lambda: True)
+    extra = {"fault_inject": "sigterm@step=2"} if when == "preempted" else {}
+    trainer = DDPTrainer(tiny_config(tmp_path, max_steps=4, **extra))
+    with pytest.raises(process_group.PeerLost) as raised:
+        trainer.train()
+    assert raised.value.code == process_group.EXIT_PEER_LOST == 75
+    summary = json.loads((tmp_path / "logs" / "summary.json").read_text())
+    assert summary["agent_lost"] and summary["preempted"] == (when == "preempted")
+    assert summary["steps"] == (3 if when == "preempted" else 4)
+    assert ("the run saved a checkpoint of step 3" if when == "preempted" else "the run finished at step 4") in str(
+        raised.value)
+    assert (tmp_path / "ck" / "manifest.json").read_text().count(f"step_0000000{summary['steps']}.pt") == 1
