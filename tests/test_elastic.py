@@ -136,6 +136,14 @@ def end(agents: list[subprocess.Popen], run_dir: Path) -> None:
     kill_matching(str(run_dir))
 
 
+@pytest.fixture(scope="module")
+def nodes_reference(tmp_path_factory) -> Path:
+    """The uninterrupted run of NODES on one node of 2 processes."""
+    ref = tmp_path_factory.mktemp("uninterrupted")
+    run(ref, 2, **{k: v for k, v in NODES.items() if k != "fault_inject"})
+    return ref
+
+
 def test_a_lost_agent_ends_the_surviving_node_in_seconds_with_a_save_and_exit_75(tmp_path):
     """kill -9 of the other node's agent (its worker lives on): that worker saves and every rank
     exits 75, so the surviving agent takes torchrun's failure path instead of waiting 300 s in its
@@ -162,16 +170,16 @@ def test_a_lost_agent_ends_the_surviving_node_in_seconds_with_a_save_and_exit_75
     summary = json.loads((tmp_path / "logs" / "summary.json").read_text())
     assert summary["preempted"] and summary["agent_lost"]
     assert f"step_{summary['steps']:08d}.pt" in (tmp_path / "ck" / "manifest.json").read_text()
+    print(f"kill -9 of node 1's agent -> node 0's agent ended after {survivor_s:.1f} s")
 
 
-def test_a_lost_node_leaves_the_survivor_training_on_one_node_then_it_rejoins(tmp_path):
+def test_a_lost_node_leaves_the_survivor_training_on_one_node_then_it_rejoins(nodes_reference, tmp_path):
     """--nnodes 1:2: node 1 (agent and worker) is killed after the checkpoint of step 8. The
     survivor re-forms the group alone within seconds and continues from that checkpoint with the
     same global batch (accumulation 2); node 1 comes back, the group grows back to 2 ranks, and
     the run ends as the uninterrupted one: each step's samples, each sample once per epoch, the
     weights within 1e-5."""
-    ref = tmp_path / "uninterrupted"
-    run(ref, 2, **{k: v for k, v in NODES.items() if k != "fault_inject"})
+    ref = nodes_reference
     run_dir = tmp_path / "elastic"
     run_dir.mkdir()
     port = free_port()
@@ -250,13 +258,12 @@ def _etcd_up(etcd, port: int) -> bool:
         return False
 
 
-def test_with_etcd_losing_the_node_of_rank_0_leaves_the_other_node_training(etcd_server, tmp_path):
+def test_with_etcd_losing_the_node_of_rank_0_leaves_the_other_node_training(etcd_server, nodes_reference, tmp_path):
     """etcd-v2: the rendezvous is an etcd server that no training node owns. The node of rank 0
     (under c10d, the store host, whose loss ends the job) is lost after the checkpoint of step 8:
     the other node re-forms the group alone, as rank 0, and finishes the run with the uninterrupted
     run's samples and weights (within 1e-5)."""
-    ref = tmp_path / "uninterrupted"
-    run(ref, 2, **{k: v for k, v in NODES.items() if k != "fault_inject"})
+    ref = nodes_reference
     run_dir = tmp_path / "etcd_run"
     run_dir.mkdir()
     agents = [start_agent(run_dir, etcd_server, f"node{i}", "1:2", restarts=2, backend="etcd-v2") for i in (0, 1)]

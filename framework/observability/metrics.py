@@ -6,6 +6,7 @@ import contextlib
 import json
 import logging
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -243,21 +244,33 @@ class StepLog:
         return self.tokens / wall if wall > 0 else 0.0
 
 
+def seconds_since_process_start() -> float:
+    """How long this process has run, to 10 ms: /proc's start time in clock ticks since boot
+    against the uptime (psutil's create_time is whole seconds off: the boot time it adds is)."""
+    try:
+        with open("/proc/self/stat") as f:
+            stat = f.read()
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return uptime - int(stat[stat.rindex(")") + 2:].split()[19]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):  # not Linux: the coarser clock
+        import psutil
+        return time.time() - psutil.Process().create_time()
+
+
 class StartupClock:
     """Where a process's seconds go before its first step ends (a restart's cost, bench/goodput.py):
     the interpreter and imports (from the process's start), then each phase the trainer marks.
     Logged once, at the first step's end, on every rank."""
 
     def __init__(self) -> None:
-        import psutil  # the process's start time, which only the OS knows
-        self._created = psutil.Process().create_time()
-        self._last = time.time()
-        self.phases: dict[str, float] = {"interpreter and imports": self._last - self._created}
+        self.phases: dict[str, float] = {"interpreter and imports": seconds_since_process_start()}
+        self._last = time.monotonic()
         self.logged = False
 
     def mark(self, phase: str) -> None:
         """The phase that has just ended."""
-        now = time.time()
+        now = time.monotonic()
         self.phases[phase] = self.phases.get(phase, 0.0) + now - self._last
         self._last = now
 
@@ -265,7 +278,7 @@ class StartupClock:
         if self.logged:
             return
         self.logged = True
-        log.info("start-up took %.2f s to the end of the first step: %s", self._last - self._created,
+        log.info("start-up took %.2f s to the end of the first step: %s", sum(self.phases.values()),
                  ", ".join(f"{name} {seconds:.2f} s" for name, seconds in self.phases.items()))
 
 
