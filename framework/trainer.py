@@ -104,6 +104,7 @@ class DDPTrainer:
             raise
         self._owns_process_group = not dist.is_initialized()
         process_group.close_at_exit(self.close)
+        self._debug = debug
         self._log_path = setup_logging(process_group.read_env(rank, world_size)[0], cfg.logging.dir, debug=debug)
         self.env = process_group.setup(cfg.ddp.backend, cfg.ddp.init_timeout_s or cfg.ddp.timeout_s, rank=rank,
                                        world_size=world_size, log_dir=cfg.logging.dir)
@@ -309,7 +310,9 @@ class DDPTrainer:
             SampleLog.purge_absent_ranks(Path(cfg.logging.dir), env.world_size, self.step + 1)
         self.model.train()
         self._preemption.started = True
-        if self._preemption.installed:
+        if self._preemption.installed and self._debug:
+            # Only with --debug: faulthandler reads the other threads' frames while they run, and
+            # segfaulted a worker in 1 of 4 SIGTERMs here, before its preemption save.
             self._watchdog.dump_on(signal.SIGTERM)
         self._moments.train_start()
         try:

@@ -354,11 +354,14 @@ def test_sigusr1_an_ssh_drop_and_a_killed_launcher_save_and_leave_no_process(tmp
     for name in ("usr1", "hup", "kill9"):
         (tmp_path / name).mkdir()
         logs = f"logs-{name}-{tmp_path.name}"  # unique: it also finds this run's processes
+        # As a login shell starts its jobs: SIGHUP at its default, even where this test runs under
+        # nohup (a shell cannot trap a signal ignored on entry, so the hangup would be lost).
         proc = subprocess.Popen([str(SCRIPT), "--cpu", "--nproc", "1", "--test", "-l", logs, "-c", "ck", "--",
                                  "--max-steps", "100000", "--num-epochs", "1000", "--log-interval", "1",
                                  "--save-every-steps", "1000"],
                                 cwd=tmp_path / name, env=env, stdout=subprocess.DEVNULL,
-                                stderr=(tmp_path / name / "stderr").open("w"), start_new_session=True)
+                                stderr=(tmp_path / name / "stderr").open("w"), start_new_session=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
         runs[name] = (proc, logs)
     try:
         for name, (_, logs) in runs.items():

@@ -94,7 +94,8 @@ class Watchdog:
     def dump_on(self, signum: int) -> None:
         """Also dump every thread's stack when ``signum`` arrives, from C, before the Python
         handler runs: when torchrun tears the group down, a rank stuck while holding the GIL still
-        shows where it was."""
+        shows where it was. A debugging aid (the trainer arms it under --debug only): faulthandler
+        walks the other threads' frames while they run, and can crash the process doing so."""
         if self.enabled and self.log_file is not None:
             faulthandler.register(signum, file=self.log_file, chain=True)
 
