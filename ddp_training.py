@@ -83,8 +83,12 @@ def main(argv: list[str] | None = None) -> int:
             raise
         # Not this process's fault: its peer's error (in that peer's log) is the cause.
         logging.getLogger("ddp_training").error("a peer process went away", exc_info=True)
-        print(f"error: a peer process of the run went away ({type(err).__name__}: "
-              f"{(str(err).splitlines() or [''])[0]}); exiting with {process_group.EXIT_PEER_LOST}", file=sys.stderr)
+        message = f"a peer process of the run went away ({type(err).__name__}: {(str(err).splitlines() or [''])[0]})"
+        try:  # for launch_training.sh, which exits 75 on it
+            markers.write(config.checkpoint.dir, markers.NODE_LOST, message)
+        except OSError as write_err:
+            print(f"error: could not write {markers.NODE_LOST}: {write_err}", file=sys.stderr)
+        print(f"error: {message}; exiting with {process_group.EXIT_PEER_LOST}", file=sys.stderr)
         return process_group.EXIT_PEER_LOST
     finally:
         process_group.teardown()

@@ -47,8 +47,8 @@ the launcher passes none of its own.
 Everything after -- is passed to ddp_training.py (see: python ddp_training.py --help).
 Relative paths (options, flags after --, DDP_* variables, values in the config file) are relative
 to the current directory, as with python ddp_training.py; --test writes to runs/test/ there.
-The exit code is torchrun's; 2 means the configuration is invalid. A worker exits 75 when a node
-of the run is lost (see docs/fault-tolerance.md).
+The exit code is torchrun's, except: 0 after a preemption that saved, 2 for an invalid
+configuration, 75 when a node of the run was lost (relaunch to resume; docs/clusters.md).
 EOF
 }
 
@@ -110,11 +110,16 @@ if [[ $platform == kubernetes ]]; then
   nnodes=${PET_NNODES:-1}
   [[ -n "$nproc" || ! "${PET_NPROC_PER_NODE:-}" =~ ^[1-9][0-9]*$ ]] || nproc=$PET_NPROC_PER_NODE
 elif [[ $platform == slurm && -z "$nnodes" ]]; then
-  nnodes=${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-1}}
+  # The step's nodes under srun (an srun may use fewer nodes than the job has), else the job's.
+  nnodes=${SLURM_STEP_NUM_NODES:-${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-1}}}
+  node_list=${SLURM_STEP_NODELIST:-$SLURM_JOB_NODELIST}
   if [[ $nnodes -gt 1 ]]; then
     if [[ -z "$rdzv_endpoint" ]]; then
-      head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1) ||
-        die "SLURM: 'scontrol show hostnames $SLURM_JOB_NODELIST' failed; pass --rdzv-endpoint HOST:PORT"
+      # The whole list, then its first line (head(1) closing the pipe early would fail pipefail).
+      head_node=$(scontrol show hostnames "$node_list") ||
+        die "SLURM: 'scontrol show hostnames $node_list' failed; pass --rdzv-endpoint HOST:PORT"
+      head_node=${head_node%%$'\n'*}
+      [[ -n "$head_node" ]] || die "SLURM: no host in the node list '$node_list'; pass --rdzv-endpoint HOST:PORT"
       # A port from the job id, the same on every node: 20000-39999.
       rdzv_endpoint="$head_node:$(( 20000 + SLURM_JOB_ID % 20000 ))"
     fi
@@ -214,9 +219,11 @@ if [[ $platform == kubernetes ]]; then
   # PET_RDZV_*: a flag here would override what the job's controller set.
   rdzv=()
   [[ -z "${PET_NPROC_PER_NODE:-}" ]] || nproc_flag=()
-  if [[ $min_nodes -lt $max_nodes && -n "${PET_RDZV_ENDPOINT:-}" ]]; then
+  pet_backend=${PET_RDZV_BACKEND:-c10d}
+  if [[ -n "${PET_RDZV_ENDPOINT:-}" && ( $pet_backend == c10d || $pet_backend == etcd-v2 ) &&
+        ( $min_nodes -lt $max_nodes || $pet_backend == etcd-v2 ) ]]; then
     export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1  # see the range below
-    export RDZV_STORE_ENDPOINT="${PET_RDZV_BACKEND:-c10d}://$PET_RDZV_ENDPOINT"
+    export RDZV_STORE_ENDPOINT="$pet_backend://$PET_RDZV_ENDPOINT"
   fi
 elif [[ $max_nodes -gt 1 ]]; then
   # A lost node is dropped from the rendezvous after keep_alive_interval x keep_alive_max_attempt
@@ -283,7 +290,12 @@ done
 wait "$child" && status=0 || status=$?
 marker="$checkpoint_dir/PREEMPTED"
 final="$checkpoint_dir/final_model.pt"
-if [[ $status -ne 0 && -f "$marker" && "$marker" -nt "$stamp" ]]; then
+lost="$checkpoint_dir/NODE_LOST"
+if [[ $status -ne 0 && -f "$lost" && "$lost" -nt "$stamp" ]]; then
+  # torchrun exits 1 whatever its workers said; they exit 75 when a node of the run is lost.
+  echo "launch_training.sh: a node of the run was lost ($(cat "$lost")); relaunch to resume" >&2 || true
+  status=75
+elif [[ $status -ne 0 && -f "$marker" && "$marker" -nt "$stamp" ]]; then
   # After an ssh drop stderr is gone: a failed message must not change the exit code.
   echo "launch_training.sh: preempted; $(cat "$marker"); resume with the same command" >&2 || true
   status=0

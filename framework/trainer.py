@@ -18,6 +18,7 @@ from .config import TrainConfig, resolve_config
 from .data.batch_stream import build_stream
 from .data.batches import num_tokens
 from .data.datasets import builtin_datasets, check_same_datasets
+from .data.sampler import GlobalBatchUnsplittable
 from .ddp import policy, process_group
 from .ddp.comm_hooks import CommHook
 from .ddp.compile import compile_model
@@ -132,6 +133,10 @@ class DDPTrainer:
         try:
             yield
         except CheckpointDirLocked:  # checkpoint_dir, and its markers, are another live run's
+            self.close()
+            raise
+        except GlobalBatchUnsplittable as err:  # no FATAL: a restart at another world size continues
+            markers.record_error(self.config.checkpoint.dir, self.env.rank, err)
             self.close()
             raise
         except NON_RETRIABLE as err:
@@ -466,15 +471,20 @@ class DDPTrainer:
                                    model_sha256=model_sha256(self.raw_model), preempted=preempted,
                                    skipped_steps=self._skips.total, restarts=process_group.incarnation(),
                                    **self._spike_guard.summary())
+        # After the last save, so that an agent's death up to here is known to every rank: they all
+        # exit non-zero then (train raises PeerLost), and no surviving agent waits in torchrun's
+        # exit barrier for the dead one. Before the export, which only rank 0 does: the others
+        # would wait for it inside a collective, whose timeout a slow export of a large model
+        # could outlast (docs/known-limits.md: an agent's death during the export).
+        summary["agent_lost"] = agree(loss=torch.zeros((), device=env.device), world_size=env.world_size,
+                                      distributed=env.distributed, agent_lost=process_group.agent_gone()).agent_lost
+        if summary["agent_lost"] and env.is_main:
+            markers.write(cfg.checkpoint.dir, markers.NODE_LOST, f"a torchrun agent died; the run reached step "
+                                                                   f"{self.step}")
         if not preempted:
             self._moments.export(self.step)
         if env.is_main and not preempted:
             export.save_final_weights(self.raw_model, cfg)  # final_model.pt and the safetensors export
-        # Last, so that an agent's death at any moment before it is known to every rank: they all
-        # exit non-zero then (train raises PeerLost), and no surviving agent waits in torchrun's
-        # exit barrier for the dead one.
-        summary["agent_lost"] = agree(loss=torch.zeros((), device=env.device), world_size=env.world_size,
-                                      distributed=env.distributed, agent_lost=process_group.agent_gone()).agent_lost
         if env.is_main:
             atomic.write_bytes(Path(cfg.logging.dir) / "summary.json", json.dumps(summary, indent=2).encode())
         log.info("%s: %s", "preempted" if preempted else "done", json.dumps(summary))

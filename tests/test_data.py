@@ -51,7 +51,7 @@ def test_resume_continues_at_the_exact_sample():
         resumed.advance()
     state = resumed.state_dict()
     assert state == {"epoch": 0, "consumed": 4 * 12, "batch_size": 3, "accumulation": 2, "world_size": 2,
-                     "num_samples": 120, "seed": 5, "configured": [3, 2]}
+                     "num_samples": 120, "seed": 5, "configured": [3, 2], "micro_batch_cap": None}
     fresh = ResumableDistributedSampler(120, 2, 1, 3, 2, seed=5)
     fresh.load_state_dict(state)
     assert list(fresh) == expected[4 * 2:]
@@ -245,3 +245,21 @@ def test_a_named_global_batch_is_split_at_every_world_size_and_checked_where_it_
     with pytest.raises(FatalError, match="data.global_batch_size=16: the global batch of 16 samples does not split "
                                          "over 3 ranks"):
         ResumableDistributedSampler(96, 3, 0, 4, 1, global_batch=16)
+
+
+def test_a_resize_stays_at_or_below_the_micro_batch_an_out_of_memory_error_left():
+    """Configured 8 x 1 on 4 ranks, halved to 4 x 2 by an out-of-memory error, resumed on 2 ranks:
+    4 x 4, not 8 x 2, the micro-batch that ran out of memory. A split a resize made is no cap."""
+    oom = ResumableDistributedSampler(256, 4, 0, 8, 1, seed=7)
+    oom.set_micro_batch(4, 2)  # what halve_micro_batch does
+    _, ranks = step_samples(2, 8, 1, oom.state_dict(), n=256)
+    assert (ranks[0].batch_size, ranks[0].accumulation) == (4, 4) and ranks[0].global_batch == 32
+    resized = ResumableDistributedSampler(256, 4, 0, 8, 1, seed=7)
+    _, ranks = step_samples(8, 8, 1, resized.state_dict(), n=256)  # 32 over 8 ranks: 4 x 1, a resize's split
+    _, back = step_samples(4, 8, 1, ranks[0].state_dict(), n=256)
+    assert (back[0].batch_size, back[0].accumulation) == (8, 1)
+    named = ResumableDistributedSampler(256, 4, 0, 8, 1, seed=7, global_batch=32)
+    named.set_micro_batch(4, 2)
+    again = ResumableDistributedSampler(256, 2, 0, 8, 1, seed=7, global_batch=32)
+    again.load_state_dict(named.state_dict())
+    assert (again.batch_size, again.accumulation) == (4, 4)

@@ -169,6 +169,7 @@ def test_a_lost_agent_ends_the_surviving_node_in_seconds_with_a_save_and_exit_75
     assert "a torchrun agent of this run died; the run saved a checkpoint of step" in node0
     summary = json.loads((tmp_path / "logs" / "summary.json").read_text())
     assert summary["preempted"] and summary["agent_lost"]
+    assert (tmp_path / "ck" / "NODE_LOST").is_file()  # launch_training.sh then exits 75
     assert f"step_{summary['steps']:08d}.pt" in (tmp_path / "ck" / "manifest.json").read_text()
     print(f"kill -9 of node 1's agent -> node 0's agent ended after {survivor_s:.1f} s")
 

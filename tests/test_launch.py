@@ -31,7 +31,10 @@ args = sys.argv[1:]
 if args[:2] == ["-m", "torch.distributed.run"]:
     with open(os.environ["SHIM_RECORD"], "w") as f:
         json.dump({{"argv": args[2:], "cwd": os.getcwd(), "env": dict(os.environ)}}, f)
-    sys.exit(0)
+    if "SHIM_MARKER" in os.environ:  # a marker the workers would have written, then torchrun's exit
+        with open(os.environ["SHIM_MARKER"], "w") as f:
+            f.write("a torchrun agent died; the run reached step 7")
+    sys.exit(int(os.environ.get("SHIM_EXIT", "0")))
 if "SHIM_GPUS" in os.environ and args[:1] == ["-c"] and "torch.cuda.device_count()" in args[1]:
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")  # as CUDA reads it: unset = every GPU
     print(int(os.environ["SHIM_GPUS"]) if visible is None else len([v for v in visible.split(",") if v]))
@@ -220,6 +223,19 @@ def test_an_elastic_node_range_reaches_torchrun_with_bounded_rendezvous_waits(sh
         assert proc.returncode == 2 and says in proc.stderr and torchrun is None, (bad, proc.stderr)
 
 
+def test_a_lost_node_makes_the_launcher_exit_75_where_torchrun_exits_1(shim, tmp_path):
+    """torchrun exits 1 whatever its workers said; the workers' NODE_LOST marker (written after a
+    node loss, tests/test_preemption.py) makes the launcher exit 75, a scheduler's cue to requeue."""
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    proc, _ = shim(["--cpu", "-c", str(ck), "-l", str(tmp_path / "logs")], SHIM_MARKER=str(ck / "NODE_LOST"),
+                   SHIM_EXIT="1")
+    assert proc.returncode == 75 and "a node of the run was lost (a torchrun agent died" in proc.stderr, proc.stderr
+    # The marker of an earlier launch is not this one's.
+    proc, _ = shim(["--cpu", "-c", str(ck), "-l", str(tmp_path / "logs")], SHIM_EXIT="1")
+    assert proc.returncode == 1
+
+
 def fake_scontrol(tmp_path: Path, hosts: list[str]) -> str:
     """A PATH whose scontrol answers `scontrol show hostnames LIST` with ``hosts``."""
     bin_dir = tmp_path / "slurm-bin"
@@ -249,6 +265,9 @@ def test_under_slurm_the_nodes_endpoint_run_id_and_processes_come_from_the_alloc
     assert option(torchrun["argv"], "--rdzv-id") == "mine" and option(torchrun["argv"], "--nproc-per-node") == "1"
     proc, torchrun = shim(["--cpu"], **{**SLURM, "SLURM_JOB_NUM_NODES": "1", "SLURM_JOB_NODELIST": "cpu07"})
     assert option(torchrun["argv"], "--nnodes") == "1" and torchrun["env"]["MASTER_ADDR"] == "127.0.0.1"
+    # An srun step on one node of a 2-node job: the step's nodes count, not the job's.
+    proc, torchrun = shim(["--cpu"], PATH=path, **SLURM, SLURM_STEP_NUM_NODES="1", SLURM_STEP_NODELIST="cpu08")
+    assert option(torchrun["argv"], "--nnodes") == "1"
 
 
 def test_under_kubeflow_torchrun_reads_pet_and_the_launcher_overrides_none_of_it(shim):
@@ -270,6 +289,9 @@ def test_under_kubeflow_torchrun_reads_pet_and_the_launcher_overrides_none_of_it
     assert torchrun["env"]["RDZV_STORE_ENDPOINT"] == "c10d://job-master:29400"
     proc, torchrun = shim(["--cpu", "--nnodes", "3"], **pet)
     assert proc.returncode == 2 and "under Kubeflow (PET_* set)" in proc.stderr and torchrun is None
+    # torchrun's older etcd backend has no store the workers could use: left alone.
+    proc, torchrun = shim(["--cpu", "--nproc", "2"], **{**elastic, "PET_RDZV_BACKEND": "etcd"})
+    assert "RDZV_STORE_ENDPOINT" not in torchrun["env"]
 
 
 def test_relative_config_data_and_resume_are_the_callers(shim, tmp_path):

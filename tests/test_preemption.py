@@ -325,3 +325,4 @@ def test_a_run_whose_agent_died_saves_and_raises_peer_lost_exit_75_never_0(tmp_p
     assert ("the run saved a checkpoint of step 3" if when == "preempted" else "the run finished at step 4") in str(
         raised.value)
     assert (tmp_path / "ck" / "manifest.json").read_text().count(f"step_0000000{summary['steps']}.pt") == 1
+    assert "a torchrun agent died" in (tmp_path / "ck" / "NODE_LOST").read_text()  # launch_training.sh exits 75

@@ -19,14 +19,19 @@ from .batches import fetch, to_device
 log = logging.getLogger(__name__)
 
 
+class GlobalBatchUnsplittable(FatalError):
+    """The global batch does not split over this world size: a stop with one line, but no FATAL
+    marker, since a restart at another world size (a node back in an elastic range) can continue."""
+
+
 def split_global_batch(global_batch: int, world_size: int, max_micro_batch: int, *, why: str) -> tuple[int, int]:
     """``(micro-batch, accumulation)`` that make ``global_batch`` on ``world_size`` ranks: the largest
     micro-batch up to ``max_micro_batch`` that divides each rank's share. A share that is not whole
-    is a FatalError naming the sizes and ``why`` the global batch is what it is."""
+    is GlobalBatchUnsplittable, naming the sizes and ``why`` the global batch is what it is."""
     share, rest = divmod(global_batch, world_size)
     if rest:
-        raise FatalError(f"{why}: the global batch of {global_batch} samples does not split over {world_size} ranks; "
-                         f"run on a world size that divides {global_batch}")
+        raise GlobalBatchUnsplittable(f"{why}: the global batch of {global_batch} samples does not split over "
+                                      f"{world_size} ranks; run on a world size that divides {global_batch}")
     micro = max(d for d in range(1, min(share, max_micro_batch) + 1) if share % d == 0)
     return micro, share // micro
 
@@ -56,6 +61,9 @@ class ResumableDistributedSampler(torch.utils.data.Sampler[list[int]]):
         self.keep_global_batch = keep_global_batch
         # data.global_batch_size: the global batch the configuration names, split at every world size.
         self.global_batch_size = global_batch
+        # The largest micro-batch known to fit in memory, once an out-of-memory error halved it
+        # (set_micro_batch): a re-split at another world size stays at or below it.
+        self.micro_batch_cap: int | None = None
         self.batch_size, self.accumulation = (
             split_global_batch(global_batch, world_size, batch_size, why=f"data.global_batch_size={global_batch}")
             if global_batch else (batch_size, accumulation))
@@ -151,11 +159,13 @@ class ResumableDistributedSampler(torch.utils.data.Sampler[list[int]]):
         """Change how a step's samples are split (the global batch must stay the same)."""
         assert batch_size * accumulation == self.batch_size * self.accumulation, (batch_size, accumulation)
         self.batch_size, self.accumulation = batch_size, accumulation
+        self.micro_batch_cap = min(batch_size, self.micro_batch_cap or batch_size)
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "consumed": self.consumed, "batch_size": self.batch_size,
                 "accumulation": self.accumulation, "world_size": self.world_size,
-                "num_samples": self.num_samples, "seed": self.seed, "configured": list(self.configured)}
+                "num_samples": self.num_samples, "seed": self.seed, "configured": list(self.configured),
+                "micro_batch_cap": self.micro_batch_cap}
 
     def load_state_dict(self, state: dict) -> None:
         """Continue at the saved sample (a global sample offset in the epoch, valid at any world
@@ -174,12 +184,18 @@ class ResumableDistributedSampler(torch.utils.data.Sampler[list[int]]):
                                  f"{getattr(self, key)}: its sample position does not apply")
         self.epoch = int(state["epoch"])
         self.consumed = int(state["consumed"])
+        cap = state.get("micro_batch_cap")
+        self.micro_batch_cap = None if cap is None else int(cap)
         if "batch_size" not in state:
             return
         b, a, world = int(state["batch_size"]), int(state["accumulation"]), int(state["world_size"])
         if self.global_batch_size:  # the configuration's global batch, split for this world size
             if world == self.world_size and world * b * a == self.global_batch_size:
                 self.batch_size, self.accumulation = b, a  # the saved split (an out-of-memory halving's)
+            elif self.micro_batch_cap and self.micro_batch_cap < self.batch_size:
+                self.batch_size, self.accumulation = split_global_batch(
+                    self.global_batch_size, self.world_size, self.micro_batch_cap,
+                    why=f"data.global_batch_size={self.global_batch_size}")
             return
         configured = tuple(int(x) for x in state.get("configured", (b, a)))
         same_config = configured == self.configured or (
@@ -191,9 +207,11 @@ class ResumableDistributedSampler(torch.utils.data.Sampler[list[int]]):
             self.resize(world * b * a, saved=f"{world} ranks x micro-batch {b} x accumulation {a}")
 
     def resize(self, global_batch: int, saved: str) -> None:
-        """Split ``global_batch`` over this world size (``split_global_batch``)."""
+        """Split ``global_batch`` over this world size (``split_global_batch``), with micro-batches
+        no larger than the configured one, nor than ``micro_batch_cap``."""
+        limit = min(self.configured[0], self.micro_batch_cap or self.configured[0])
         micro, self.accumulation = split_global_batch(
-            global_batch, self.world_size, self.configured[0],
+            global_batch, self.world_size, limit,
             why=f"data.world_size_change=keep_global_batch (checkpoint: {saved}; or set "
                 f"data.world_size_change=scale_global_batch to train on with {self.world_size} x "
                 f"{self.configured[0]} x {self.configured[1]} samples a step, a run that differs from an "

@@ -124,10 +124,13 @@ class Trainer:
             raise ConfigError([f"framework.hf.Trainer.train: {', '.join(sorted(kwargs))} not supported"])
         resume = resume_from_checkpoint if resume_from_checkpoint is not None else self.args.resume_from_checkpoint
         engine, bridge = self._build(resume="auto" if resume is True else "none" if not resume else str(resume))
-        summary = engine.train()
-        # The DDP wrapper holds the process group: dropped here, the group goes at exit's teardown
-        # and not in the interpreter's finalisation (see process_group.teardown).
-        self._engine = None
+        try:
+            summary = engine.train()
+        finally:
+            # The DDP wrapper holds the process group: dropped here (also when train raises, e.g.
+            # PeerLost after a node loss), the group goes at exit's teardown and not in the
+            # interpreter's finalisation (see process_group.teardown).
+            self._engine = engine = None
         self.state = bridge.state
         return TrainOutput(summary["steps"], bridge.run_loss / max(1, bridge.run_steps),
                            {"train_runtime": summary["wall_s"], "train_loss": summary["final_train_loss"],

@@ -21,6 +21,7 @@ log = logging.getLogger(__name__)
 
 FATAL = "FATAL"
 PREEMPTED = "PREEMPTED"
+NODE_LOST = "NODE_LOST"  # a node of the run was lost: the launcher exits 75 (docs/clusters.md)
 MICRO_BATCH = "MICRO_BATCH.json"
 LAST_ERROR = "LAST_ERROR"
 RESTARTS = "RESTARTS.json"
