@@ -20,7 +20,7 @@ rank 0's own account of its start-up (the "start-up took" line: interpreter and 
 group, model and data, checkpoint load, DDP preflight, first step).
 
 usage: python bench/goodput.py [--minutes 3] [--every 60] [--variants none,kill9_worker,sigterm,node_loss]
-                               [--out goodput.json]
+                               [--save-every 40] [--out goodput.json]
 Run it alone: the figures are times on a 2-core machine.
 """
 
@@ -204,7 +204,10 @@ def main() -> None:
     parser.add_argument("--variants", default="none,kill9_worker,sigterm,node_loss")
     parser.add_argument("--out", default="goodput.json", help="a file name under bench/results/, or a path")
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
+    parser.add_argument("--save-every", type=int, default=CONFIG["save_every_steps"],
+                        help="steps between checkpoints (the work a fault loses is redone from the last one)")
     args = parser.parse_args()
+    CONFIG["save_every_steps"] = args.save_every
     variants = args.variants.split(",")
     if variants[0] != "none":
         variants.insert(0, "none")  # the step time every goodput is computed with
