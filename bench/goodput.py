@@ -204,6 +204,8 @@ def main() -> None:
     parser.add_argument("--variants", default="none,kill9_worker,sigterm,node_loss")
     parser.add_argument("--out", default="goodput.json", help="a file name under bench/results/, or a path")
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
+    parser.add_argument("--baseline-minutes", type=float, default=0.0,
+                        help="minutes of the fault-free run that gives the step time (default: --minutes)")
     parser.add_argument("--save-every", type=int, default=CONFIG["save_every_steps"],
                         help="steps between checkpoints (the work a fault loses is redone from the last one)")
     args = parser.parse_args()
@@ -215,7 +217,8 @@ def main() -> None:
     results, step_s = [], None
     try:
         for variant in variants:
-            result = run_variant(variant, args.minutes, args.every, workdir, step_s)
+            minutes = args.baseline_minutes if variant == "none" and args.baseline_minutes else args.minutes
+            result = run_variant(variant, minutes, args.every, workdir, step_s)
             step_s = result["step_s"]
             results.append(result)
             print(f"{variant}: {result['steps']} steps in {result['wall_s']} s, goodput {result['goodput']}, "
