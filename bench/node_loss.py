@@ -158,6 +158,21 @@ def moment_reached(moment: str, run_dir: Path) -> bool:
     return ck.is_dir() and any(TMP.search(p.name) for p in ck.iterdir())
 
 
+def ended(agent: subprocess.Popen, res: dict, what: str, timeout: float = 180) -> bool:
+    """Whether ``agent`` ended within ``timeout`` s; if not, ``res`` says HANG."""
+    try:
+        agent.wait(timeout=timeout)
+        return True
+    except subprocess.TimeoutExpired:
+        res.update(outcome="HANG", reason=f"{what} still ran {timeout:.0f} s later")
+        return False
+
+
+def run_finished(run_dir: Path) -> bool:
+    summary = run_dir / "logs" / "summary.json"
+    return summary.exists() and json.loads(summary.read_text()).get("steps") == STEPS
+
+
 def run_cell(topology: str, backend: str, lost: int, moment: str, port: int, ref: Path, workdir: Path) -> dict:
     run_dir = workdir / f"{topology}-{backend}-node{lost}-{moment}"
     (run_dir / "logs").mkdir(parents=True)
@@ -193,24 +208,17 @@ def run_cell(topology: str, backend: str, lost: int, moment: str, port: int, ref
             time.sleep(0.01)
         res["to_settled_s"] = round(time.monotonic() - lost_at, 1)
         res["settled"] = settled or "neither within 120 s"
-        try:
-            survivor.wait(timeout=180)
-        except subprocess.TimeoutExpired:
-            res.update(outcome="HANG", reason="the surviving node still ran 180 s after the loss")
+        if not ended(survivor, res, "the surviving node"):
             return res
         res["exit"] = survivor.returncode
-        summary_path = run_dir / "logs" / "summary.json"
-        finished = summary_path.exists() and json.loads(summary_path.read_text()).get("steps") == STEPS
+        finished = run_finished(run_dir)
         if not finished:
             # A scheduler relaunches the node that is left (alone: the range admits one node).
             relaunch = cluster.start()
-            try:
-                relaunch.wait(timeout=180)
-            except subprocess.TimeoutExpired:
-                res.update(outcome="HANG", reason="the relaunch still ran after 180 s")
+            if not ended(relaunch, res, "the relaunch"):
                 return res
             res["relaunch_exit"] = relaunch.returncode
-            finished = summary_path.exists() and json.loads(summary_path.read_text()).get("steps") == STEPS
+            finished = run_finished(run_dir)
             res["outcome"] = "relaunched" if finished else "clean stop"
             stopped = [line for line in (run_dir / "agent.1.out").read_text(errors="replace").splitlines()
                        if line.startswith(("error:", "fatal:"))] if (run_dir / "agent.1.out").exists() else []

@@ -18,7 +18,6 @@ from .config import TrainConfig, resolve_config
 from .data.batch_stream import build_stream
 from .data.batches import num_tokens
 from .data.datasets import builtin_datasets, check_same_datasets
-from .data.sampler import GlobalBatchUnsplittable
 from .ddp import policy, process_group
 from .ddp.comm_hooks import CommHook
 from .ddp.compile import compile_model
@@ -135,12 +134,11 @@ class DDPTrainer:
         except CheckpointDirLocked:  # checkpoint_dir, and its markers, are another live run's
             self.close()
             raise
-        except GlobalBatchUnsplittable as err:  # no FATAL: a restart at another world size continues
-            markers.record_error(self.config.checkpoint.dir, self.env.rank, err)
-            self.close()
-            raise
         except NON_RETRIABLE as err:
-            markers.write_fatal(self.config.checkpoint.dir, self.env.rank, err)
+            if getattr(err, "blocks_restarts", True):
+                markers.write_fatal(self.config.checkpoint.dir, self.env.rank, err)
+            else:  # a restart on other terms (another world size) may continue
+                markers.record_error(self.config.checkpoint.dir, self.env.rank, err)
             self.close()
             raise
         except BaseException as err:

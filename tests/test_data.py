@@ -263,3 +263,25 @@ def test_a_resize_stays_at_or_below_the_micro_batch_an_out_of_memory_error_left(
     again = ResumableDistributedSampler(256, 2, 0, 8, 1, seed=7, global_batch=32)
     again.load_state_dict(named.state_dict())
     assert (again.batch_size, again.accumulation) == (4, 4)
+
+
+@pytest.mark.parametrize("error, fatal", [("unsplittable", False), ("fatal", True)])
+def test_an_unsplittable_global_batch_stops_without_the_fatal_marker_that_would_block_a_restart(
+        tmp_path, monkeypatch, error, fatal):
+    """A FATAL marker stops every later incarnation of the launch, also one at a world size that
+    divides the global batch (the node back): the unsplittable stop records its error instead."""
+    from framework import DDPTrainer
+    from framework.data.sampler import GlobalBatchUnsplittable
+
+    raised = GlobalBatchUnsplittable("the global batch of 6 samples does not split over 4 ranks") \
+        if error == "unsplittable" else FatalError("a deterministic failure")
+
+    def build_stream(*args, **kwargs):
+        raise raised
+
+    monkeypatch.setattr("framework.trainer.build_stream", build_stream)
+    with pytest.raises(FatalError):
+        DDPTrainer(tiny_config(tmp_path))
+    assert (tmp_path / "ck" / "FATAL").exists() == fatal
+    if not fatal:
+        assert "does not split over 4 ranks" in (tmp_path / "ck" / "LAST_ERROR").read_text()

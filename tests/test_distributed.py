@@ -7,7 +7,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import psutil
@@ -20,6 +19,7 @@ from tests.dist_helper import (
     kill_matching,
     start_nodes,
     torchrun_cmd,
+    wait_for,
     wait_gone,
     worker_env,
     workers_by_rank,
@@ -47,13 +47,6 @@ def summary(run_dir: Path) -> dict:
 def rank_log(run_dir: Path, rank: int) -> str:
     path = run_dir / "logs" / f"rank_{rank}.log"
     return path.read_text() if path.exists() else ""
-
-
-def wait_for(condition, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"waited {timeout} s for {what}"
-        time.sleep(0.01)
 
 
 def start_two_nodes(run_dir: Path, **extra):

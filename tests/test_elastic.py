@@ -17,7 +17,7 @@ import torch
 
 from framework.observability.metrics import read_metrics, read_samples
 from framework.testing.tiny import tiny
-from tests.dist_helper import (ROOT, cli_args, free_port, kill_matching, launch, torchrun_cmd, wait_gone,
+from tests.dist_helper import (ROOT, cli_args, free_port, kill_matching, launch, torchrun_cmd, wait_for, wait_gone,
                                worker_env, workers_by_rank)
 
 pytestmark = pytest.mark.dist
@@ -106,14 +106,6 @@ def rank0_log(run_dir: Path) -> str:
     return path.read_text() if path.exists() else ""
 
 
-def wait_for(condition, timeout: float, what: str) -> float:
-    start = time.monotonic()
-    while not condition():
-        assert time.monotonic() - start < timeout, f"waited {timeout} s for {what}"
-        time.sleep(0.02)
-    return time.monotonic() - start
-
-
 def worker_of(agent: subprocess.Popen) -> psutil.Process:
     children = [c for c in psutil.Process(agent.pid).children() if "RANK" in c.environ()]
     assert len(children) == 1, children
@@ -171,7 +163,6 @@ def test_a_lost_agent_ends_the_surviving_node_in_seconds_with_a_save_and_exit_75
     assert summary["preempted"] and summary["agent_lost"]
     assert (tmp_path / "ck" / "NODE_LOST").is_file()  # launch_training.sh then exits 75
     assert f"step_{summary['steps']:08d}.pt" in (tmp_path / "ck" / "manifest.json").read_text()
-    print(f"kill -9 of node 1's agent -> node 0's agent ended after {survivor_s:.1f} s")
 
 
 def test_a_lost_node_leaves_the_survivor_training_on_one_node_then_it_rejoins(nodes_reference, tmp_path):
@@ -220,7 +211,6 @@ def test_a_lost_node_leaves_the_survivor_training_on_one_node_then_it_rejoins(no
     a = torch.load(run_dir / "ck" / "final_model.pt", weights_only=True)
     b = torch.load(ref / "ck" / "final_model.pt", weights_only=True)
     assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-5
-    print(f"node loss -> training again on one node: {recovered_s:.1f} s")
 
 
 @pytest.fixture
@@ -289,4 +279,3 @@ def test_with_etcd_losing_the_node_of_rank_0_leaves_the_other_node_training(etcd
     a = torch.load(run_dir / "ck" / "final_model.pt", weights_only=True)
     b = torch.load(ref / "ck" / "final_model.pt", weights_only=True)
     assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-5
-    print(f"etcd: node of rank 0 lost -> the other node resumed alone in {recovered_s:.1f} s")

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from framework.testing.tiny import tiny
-from tests.dist_helper import ROOT, cli_args, free_port, kill_matching
+from tests.dist_helper import ROOT, cli_args, free_port, kill_matching, wait_for
 
 pytestmark = [pytest.mark.dist, pytest.mark.slurm]
 
@@ -26,14 +26,6 @@ DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "scancel", "si
 JOB = tiny(vocab_size=32, hidden_size=32, num_layers=1, dataset_size=256, batch_size=4, max_steps=30,
            deterministic=True, eval_interval=0, save_every_steps=5, log_interval=1,
            fault_inject="slow@step=0,ms=150,restart=*")
-
-
-def wait_for(condition, timeout: float, what: str) -> float:
-    start = time.monotonic()
-    while not condition():
-        assert time.monotonic() - start < timeout, f"waited {timeout} s for {what}"
-        time.sleep(0.05)
-    return time.monotonic() - start
 
 
 @pytest.fixture(scope="module")

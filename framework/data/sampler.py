@@ -23,6 +23,8 @@ class GlobalBatchUnsplittable(FatalError):
     """The global batch does not split over this world size: a stop with one line, but no FATAL
     marker, since a restart at another world size (a node back in an elastic range) can continue."""
 
+    blocks_restarts = False
+
 
 def split_global_batch(global_batch: int, world_size: int, max_micro_batch: int, *, why: str) -> tuple[int, int]:
     """``(micro-batch, accumulation)`` that make ``global_batch`` on ``world_size`` ranks: the largest
@@ -64,9 +66,8 @@ class ResumableDistributedSampler(torch.utils.data.Sampler[list[int]]):
         # The largest micro-batch known to fit in memory, once an out-of-memory error halved it
         # (set_micro_batch): a re-split at another world size stays at or below it.
         self.micro_batch_cap: int | None = None
-        self.batch_size, self.accumulation = (
-            split_global_batch(global_batch, world_size, batch_size, why=f"data.global_batch_size={global_batch}")
-            if global_batch else (batch_size, accumulation))
+        self.batch_size, self.accumulation = self._named_split(batch_size) if global_batch else (batch_size,
+                                                                                                   accumulation)
         self.epoch = 0
         self.consumed = 0
         self.excluded: frozenset[int] = frozenset()
@@ -193,9 +194,7 @@ class ResumableDistributedSampler(torch.utils.data.Sampler[list[int]]):
             if world == self.world_size and world * b * a == self.global_batch_size:
                 self.batch_size, self.accumulation = b, a  # the saved split (an out-of-memory halving's)
             elif self.micro_batch_cap and self.micro_batch_cap < self.batch_size:
-                self.batch_size, self.accumulation = split_global_batch(
-                    self.global_batch_size, self.world_size, self.micro_batch_cap,
-                    why=f"data.global_batch_size={self.global_batch_size}")
+                self.batch_size, self.accumulation = self._named_split(self.micro_batch_cap)
             return
         configured = tuple(int(x) for x in state.get("configured", (b, a)))
         same_config = configured == self.configured or (
@@ -205,6 +204,11 @@ class ResumableDistributedSampler(torch.utils.data.Sampler[list[int]]):
                 self.batch_size, self.accumulation = b, a
         elif same_config and self.keep_global_batch:
             self.resize(world * b * a, saved=f"{world} ranks x micro-batch {b} x accumulation {a}")
+
+    def _named_split(self, max_micro_batch: int) -> tuple[int, int]:
+        """data.global_batch_size split over this world size."""
+        return split_global_batch(self.global_batch_size, self.world_size, max_micro_batch,
+                                  why=f"data.global_batch_size={self.global_batch_size}")
 
     def resize(self, global_batch: int, saved: str) -> None:
         """Split ``global_batch`` over this world size (``split_global_batch``), with micro-batches

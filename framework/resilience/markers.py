@@ -29,7 +29,10 @@ LINEAGE = "LINEAGE.json"
 
 
 class FatalError(RuntimeError):
-    """An error that a restart cannot fix; it leaves a FATAL marker so a restarted group stops at once."""
+    """An error that a restart cannot fix; it leaves a FATAL marker so a restarted group stops at once,
+    unless ``blocks_restarts`` is False: then a restart on other terms (another world size) may."""
+
+    blocks_restarts = True
 
 
 class EarlierFatal(FatalError):

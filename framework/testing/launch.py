@@ -20,8 +20,8 @@ from pathlib import Path
 __all__ = [
     "ROOT", "Launch", "Nodes", "cli_args", "exit_worker", "finish_nodes", "finish_worker", "free_port",
     "kill_matching", "kill_registered", "launch", "launch_cases", "processes_matching", "recorded",
-    "register_worker", "run_cases", "start_nodes", "torchrun_cmd", "wait_gone", "worker_env", "workers_by_rank",
-    "write_result",
+    "register_worker", "run_cases", "start_nodes", "torchrun_cmd", "wait_for", "wait_gone", "worker_env",
+    "workers_by_rank", "write_result",
 ]
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository: torchrun runs from here
@@ -285,3 +285,13 @@ def wait_gone(pids: list[int], timeout: float) -> list[int]:
         time.sleep(0.05)
         remaining = [pid for pid in remaining if alive(pid)]
     return remaining
+
+
+def wait_for(condition, timeout: float, what: str, interval: float = 0.02) -> float:
+    """Poll ``condition`` until it holds, failing (AssertionError naming ``what``) after ``timeout``
+    seconds; returns the seconds it took."""
+    start = time.monotonic()
+    while not condition():
+        assert time.monotonic() - start < timeout, f"waited {timeout} s for {what}"
+        time.sleep(interval)
+    return time.monotonic() - start
