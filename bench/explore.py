@@ -89,6 +89,7 @@ DIMS = {
     "save_interval": [0, 1],
     "keep_last": [3, 1, 2],
     "stop": ["max_steps", "num_epochs"],
+    "save_on_peer_loss": [True, False],
 }
 LAYOUTS = {
     "apart": "checkpoint_dir, log_dir and export_dir side by side",
@@ -290,6 +291,7 @@ def config_args(trial: dict, lay: Layout, *, resume: str | None = None, foreign_
                 ddp_comm_hook=cfg["comm_hook"], save_every_steps=cfg["save_every_steps"],
                 save_interval=cfg["save_interval"], keep_last=cfg["keep_last"],
                 checkpoint_dir=str(lay.ck), log_dir=str(lay.logs))
+    args["checkpoint.save_on_peer_loss"] = cfg.get("save_on_peer_loss", True)  # absent from older results
     if cfg["comm_hook"] == "powersgd":
         args["powersgd_start_iter"] = 2
     if lay.export is not None:

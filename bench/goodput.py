@@ -7,8 +7,10 @@ Variants (each a fresh run of --minutes, the same model and data):
 
 - ``none``: no fault, the baseline (its goodput < 1 only by start-up and the final save);
 - ``kill9_worker``: 1 node x 2 processes under ``torchrun --max-restarts 100``; every T s a
-  kill -9 of one worker (rank 1, then rank 0, ...): torchrun restarts the group, which resumes
-  from the newest checkpoint;
+  kill -9 of one worker (rank 1, then rank 0, ...): the survivor saves the last finished step
+  alone (checkpoint.save_on_peer_loss), and torchrun restarts the group, which resumes from it;
+- ``kill9_worker_nosave``: the same with ``checkpoint.save_on_peer_loss=false``: the restart
+  redoes the steps since the last periodic checkpoint;
 - ``sigterm``: 1 node x 2; every T s a SIGTERM to a worker: the ranks save and exit, and the
   bench relaunches the same command at once (a scheduler's requeue);
 - ``node_loss``: 2 nodes x 1 process, ``--nnodes 1:2`` (c10d; node 0 hosts the store); every T s
@@ -19,7 +21,8 @@ Each recovery: seconds from the fault to the next new step line in rank 0's log,
 rank 0's own account of its start-up (the "start-up took" line: interpreter and imports, process
 group, model and data, checkpoint load, DDP preflight, first step).
 
-usage: python bench/goodput.py [--minutes 3] [--every 60] [--variants none,kill9_worker,sigterm,node_loss]
+usage: python bench/goodput.py [--minutes 3] [--every 60]
+                               [--variants none,kill9_worker,kill9_worker_nosave,sigterm,node_loss]
                                [--save-every 40] [--out goodput.json]
 Run it alone: the figures are times on a 2-core machine.
 """
@@ -64,7 +67,8 @@ class Job:
 
     def __init__(self, variant: str, run_dir: Path):
         self.variant, self.dir = variant, run_dir
-        args = cli_args({**CONFIG, "log_dir": str(run_dir / "logs"), "checkpoint_dir": str(run_dir / "ck")})
+        args = cli_args({**CONFIG, "log_dir": str(run_dir / "logs"), "checkpoint_dir": str(run_dir / "ck"),
+                         "checkpoint.save_on_peer_loss": variant != "kill9_worker_nosave"})
         self.port = free_port()
         script = ROOT / "ddp_training.py"
         if variant == "node_loss":
@@ -127,7 +131,7 @@ def run_variant(variant: str, minutes: float, every: float, workdir: Path, step_
                 job.start(0)
             if variant != "none" and now >= next_fault and last_step(watch) > 0:
                 fault = {"at_s": round(now - start, 1), "step": last_step(watch)}
-                if variant == "kill9_worker":
+                if variant.startswith("kill9_worker"):
                     workers = {int(w.environ()["RANK"]): w for w in job.workers(0)}
                     if victim in workers:
                         workers[victim].kill()
@@ -201,7 +205,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--minutes", type=float, default=3.0)
     parser.add_argument("--every", type=float, default=60.0, help="seconds between faults")
-    parser.add_argument("--variants", default="none,kill9_worker,sigterm,node_loss")
+    parser.add_argument("--variants", default="none,kill9_worker,kill9_worker_nosave,sigterm,node_loss")
     parser.add_argument("--out", default="goodput.json", help="a file name under bench/results/, or a path")
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
     parser.add_argument("--baseline-minutes", type=float, default=0.0,
@@ -226,13 +230,15 @@ def main() -> None:
     finally:
         if not args.keep:
             shutil.rmtree(workdir, ignore_errors=True)
-    print("\n| variant | faults | steps | wall s | goodput | fault -> first step s (each) | fault -> new progress s "
-          "(each) |\n|---|---|---|---|---|---|---|")
+    print("\n| variant | faults | steps | wall s | goodput | vs none | fault -> first step s (each) | "
+          "fault -> new progress s (each) |\n|---|---|---|---|---|---|---|---|")
+    baseline = results[0]["goodput"]
     for r in results:
         firsts = ", ".join(str(f.get("to_first_step_s")) for f in r["faults"]) or "-"
         news = ", ".join(str(f.get("to_new_progress_s")) for f in r["faults"]) or "-"
-        print(f"| {r['variant']} | {len(r['faults'])} | {r['steps']} | {r['wall_s']} | {r['goodput']:.3f} | {firsts} "
-              f"| {news} |")
+        r["vs_none"] = round(r["goodput"] / baseline, 4)
+        print(f"| {r['variant']} | {len(r['faults'])} | {r['steps']} | {r['wall_s']} | {r['goodput']:.3f} | "
+              f"{r['vs_none']:.3f} | {firsts} | {news} |")
     out = Path(args.out) if "/" in args.out else ROOT / "bench" / "results" / args.out
     out.write_text(json.dumps({"minutes": args.minutes, "every_s": args.every, "config": CONFIG,
                                "machine": f"{os.cpu_count()} CPUs", "results": results}, indent=2) + "\n")

@@ -8,6 +8,7 @@ import contextlib
 import json
 import logging
 import signal
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -312,6 +313,7 @@ class DDPTrainer:
         if cfg.logging.record_samples and env.is_main:
             SampleLog.purge_absent_ranks(Path(cfg.logging.dir), env.world_size, self.step + 1)
         self.model.train()
+        self._at_boundary()
         self._preemption.started = True
         if self._preemption.installed and self._debug:
             # Only with --debug: faulthandler reads the other threads' frames while they run, and
@@ -363,6 +365,7 @@ class DDPTrainer:
         restored = self._checkpointer.roll_back(before=spike.step)
         self._spike_guard.roll_back(spike, restored)
         if restored is not None:
+            self._at_boundary()
             self._stream.rewind()
             step_log.purge_from(self.step + 1)
             self._total_steps = self._schedule.total_steps = self.sampler.last_step(self.step, self.config)
@@ -383,7 +386,8 @@ class DDPTrainer:
         if micro is None:
             self._watchdog.disarm()
             return None
-        loss = self._train_step.forward_backward_with_retry(micro, self.step)
+        with self._save_alone_if_a_peer_is_lost():
+            loss = self._train_step.forward_backward_with_retry(micro, self.step)
         self._moments.gradients(self.step, self.raw_model)
         agreed, lr, grad_norm = self.optimizer_step(loss, preempt=self._preemption.requested is not None)
         self._stragglers.timer.end()
@@ -407,7 +411,52 @@ class DDPTrainer:
         if not self._startup.logged:
             self._startup.mark("first step")
             self._startup.log_once()
+        self._at_boundary()
         return agreed
+
+    def _at_boundary(self) -> None:
+        """Between steps (and where a run starts or rolls back): every rank's generators are
+        seeded from (train.seed, rank, step), so that no rank's random state is lost with it."""
+        self._boundary_step = self.step
+        rng.seed_step(self.config.train.seed, self.env.rank, self.step)
+
+    @contextlib.contextmanager
+    def _save_alone_if_a_peer_is_lost(self):
+        """A step's forward and backward change nothing that a checkpoint holds (the generators are
+        seeded anew at each step boundary). When a collective in them fails because a peer process
+        went away (killed, or its node lost), this rank still holds the whole state of the last
+        step that every rank finished: it writes that step's checkpoint alone before the error
+        ends it, so that the restart redoes no step (Checkpointer.save_alone)."""
+        try:
+            yield
+        except Exception as err:
+            if markers.peer_lost(err):
+                self._save_alone()
+            raise
+
+    def _save_alone(self) -> None:
+        step = self._boundary_step
+        why_not = (
+            "checkpoint.save_on_peer_loss=false" if not self.config.checkpoint.save_on_peer_loss else
+            "no step finished since the start" if step == 0 or step != self.step else
+            "PowerSGD's state is every rank's" if self._comm_hook.state is not None else
+            "the state of the user's stateful objects mid-step is unknown"
+            if self._user_state or self._callbacks.stateful() else None)
+        if why_not is not None:
+            log.info("a peer went away in step %d: not saving step %d alone (%s)", step + 1, step, why_not)
+            return
+        start = time.monotonic()
+        try:
+            with self._watchdog.phase("save alone", scale=10):
+                path = self._checkpointer.save_alone(step)
+        except Exception as err:  # noqa: BLE001  (best effort: the peer's loss is the error the run ends with)
+            log.error("a peer went away in step %d; saving step %d alone failed: %s: %s", step + 1, step,
+                      type(err).__name__, err)
+            return
+        if path is not None:
+            log.warning("a peer went away in step %d: this rank saved step %d, the last step every rank finished, "
+                        "alone in %.2f s (%s); a restart continues from it", step + 1, step,
+                        time.monotonic() - start, path.name)
 
     def _should_stop(self, agreed: Agreement) -> bool:
         target = self.config.train.target_loss
@@ -490,9 +539,9 @@ class DDPTrainer:
         return summary
 
     def close(self) -> None:
-        """Wait for the checkpoint write in flight, release the loader's workers and, if this
-        trainer created it, the process group (``model`` is then ``raw_model``). Safe to call more
-        than once; called at interpreter exit if still open."""
+        """Wait for the checkpoint write in flight, release the loader's workers, the DDP wrapper
+        (``model`` is then ``raw_model``) and, if this trainer created it, the process group. Safe
+        to call more than once; called at interpreter exit if still open."""
         if getattr(self, "_checkpointer", None) is not None:
             try:
                 self._checkpointer.close()
@@ -502,11 +551,13 @@ class DDPTrainer:
             self._stream.shutdown()
         if getattr(self, "_watchdog", None) is not None:
             self._watchdog.close()
+        if getattr(self, "env", None) is not None and self.env.distributed:
+            # The DDP wrapper holds the group: without it, teardown frees the group (see there),
+            # also a group this trainer did not create (framework.hf joins it early), whose
+            # teardown at exit would otherwise leave it to the interpreter's finalisation.
+            self.model = getattr(self, "raw_model", None)
+            if getattr(self, "_train_step", None) is not None:
+                self._train_step.model = self.raw_model
         if self._owns_process_group:
-            if getattr(self, "env", None) is not None and self.env.distributed:
-                # The DDP wrapper holds the group: without it, teardown frees the group (see there).
-                self.model = getattr(self, "raw_model", None)
-                if getattr(self, "_train_step", None) is not None:
-                    self._train_step.model = self.raw_model
             process_group.teardown()
         self._preemption.restore()  # last: a signal until here is recorded, not fatal

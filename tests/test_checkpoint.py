@@ -598,6 +598,33 @@ def test_lock_goes_with_the_manager_and_a_save_after_close_takes_it_again(tmp_pa
     assert manager.latest_valid()[1]["step"] == 2
 
 
+def test_a_save_alone_continues_the_lineage_takes_the_lock_and_prunes_nothing(tmp_path):
+    """A survivor of a peer's loss writes alone (Checkpointer.save_alone): from rank 0, after its
+    pending write; from another rank only once rank 0 (and its lock) is gone; once per step."""
+    rank0 = CheckpointManager(tmp_path, keep_last=1)
+    rank0.save(state_at(4), 4)
+    rank0.save(state_at(8), 8)  # pending in the background when the save alone comes
+    lineage = rank0.lineage
+    other = CheckpointManager(tmp_path, keep_last=1, rank=1)
+    assert other.write_alone(state_at(9), 9, lineage=lineage) is None  # rank 0 holds the lock
+    assert rank0.write_alone(state_at(9), 9, lineage=lineage) == tmp_path / "step_00000009.pt"
+    rank0.close()  # rank 0 gone, and its lock
+    assert other.write_alone(state_at(9), 9, lineage=lineage) is None  # its lineage has step 9
+    assert other.write_alone(state_at(10), 10, lineage=lineage) == tmp_path / "step_00000010.pt"
+    assert not (tmp_path / ".lock").exists()
+    # No pruning (keep_last=1): a survivor does not know which file the run resumed from.
+    assert [(e["step"], e["lineage"]) for e in manifest(tmp_path)] == [(8, lineage), (9, lineage), (10, lineage)]
+    restarted = CheckpointManager(tmp_path, keep_last=1)
+    path, state = restarted.latest_valid(lineages=[lineage])
+    assert path == tmp_path / "step_00000010.pt"
+    assert_same(state, state_at(10))
+    restarted.mark_resumed(path)
+    assert restarted.lineage == lineage
+    restarted.save(state_at(11), 11, blocking=True)
+    assert [e["step"] for e in manifest(tmp_path)] == [10, 11]  # the restart prunes, keeping its origin
+    restarted.close()
+
+
 HOLD_LOCK = ("import sys, time\n"
              "from framework.state.checkpoint_files import CheckpointManager\n"
              "manager = CheckpointManager(sys.argv[1])\n"

@@ -58,7 +58,7 @@ def test_a_run_resumed_on_4_2_1_and_2_ranks_keeps_its_global_batch_its_samples_a
         assert (f"resuming a world-size-{before} checkpoint on {after} ranks" in rank0
                 and f"{after} ranks x micro-batch {micro} x accumulation {accum} keep the global batch" in rank0), \
             (before, after)
-    assert "the dropout and data RNG streams (re-seeded per rank)" in rank0
+    assert "the RNG streams are each rank's from (seed, rank, step)" in rank0
 
     summary = json.loads((chain / "logs" / "summary.json").read_text())
     assert summary["steps"] == 16 and not summary["preempted"]

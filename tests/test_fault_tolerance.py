@@ -80,15 +80,24 @@ def assert_each_sample_once_per_epoch(run_dir: Path):
         assert consumed == expected, f"epoch {epoch}: samples skipped or repeated"
 
 
-# The last trial resumes from the checkpoint written at the end of epoch 0 (step 32).
-@pytest.mark.parametrize(("trial", "kill_at", "resume_at"), [(0, 21, 16), (1, 21, 16), (2, 21, 16), (3, 21, 16),
-                                                             (4, 34, 32)])
-def test_kill_9_then_elastic_restart_resumes_bit_exact(reference, tmp_path, trial, kill_at, resume_at):
-    run = train(tmp_path, torchrun_extra=["--max-restarts", "1"], fault_inject=f"sigkill@step={kill_at},rank=1")
+# Rank 1 is killed in step kill_at + 1. Rank 0, its peer gone, saves step kill_at alone (the last
+# step both finished) and the restart resumes there, bit-exact although rank 1's generators were
+# never saved (each rank's are seeded from (seed, rank, step)). With the save alone off, the
+# restart resumes from the last periodic checkpoint (every 8 steps; the last trial's is the one
+# written at the end of epoch 0, step 32). Rank 0 is the victim once: rank 1 writes then.
+@pytest.mark.parametrize(("trial", "victim", "kill_at", "resume_at", "save_alone"), [
+    (0, 1, 21, 21, True), (1, 0, 21, 21, True), (2, 1, 34, 34, True),
+    (3, 1, 21, 16, False), (4, 1, 34, 32, False)])
+def test_kill_9_then_elastic_restart_resumes_bit_exact(reference, tmp_path, trial, victim, kill_at, resume_at,
+                                                       save_alone):
+    run = train(tmp_path, torchrun_extra=["--max-restarts", "1"], fault_inject=f"sigkill@step={kill_at},rank={victim}",
+                **{"checkpoint.save_on_peer_loss": save_alone})
     assert run.returncode == 0, run.output[-4000:]
-    log0 = rank_log(tmp_path)
-    assert f"fault injection: sigkill at step {kill_at} on rank 1" in rank_log(tmp_path, 1)
+    log0, survivor = rank_log(tmp_path), 1 - victim
+    assert f"fault injection: sigkill at step {kill_at} on rank {victim}" in rank_log(tmp_path, victim)
     assert f"resumed from step {resume_at}" in log0
+    saved_alone = f"this rank saved step {kill_at}, the last step every rank finished, alone"
+    assert (saved_alone in rank_log(tmp_path, survivor)) == save_alone
     result = summary(tmp_path)
     assert result["steps"] == 48
     assert result["model_sha256"] == reference
@@ -212,7 +221,10 @@ def test_a_kill_after_a_rollback_keeps_its_exclusions_and_the_run_equals_the_exc
                 fault_inject="bad_data@step=20,rank=1; sigkill@step=22,rank=0", **spike)
     assert run.returncode == 0, run.output[-3000:]
     log = rank_log(tmp_path / "rolled")
-    assert "rolled back to the checkpoint of step 16" in log and "resumed from step 16" in log
+    assert "rolled back to the checkpoint of step 16" in log
+    # Rank 0 is killed after the rollback: rank 1 saves step 22 alone, its exclusions with it.
+    assert "this rank saved step 22, the last step every rank finished, alone" in rank_log(tmp_path / "rolled", 1)
+    assert "resumed from step 22" in log
     excluded = tmp_path / "rolled" / "ck" / "EXCLUDED_SAMPLES.json"
     assert len(json.loads(excluded.read_text())["samples"]) == 8
     ref = train(tmp_path / "excluding", exclude_samples=str(excluded), **spike)
@@ -280,8 +292,9 @@ def test_resume_on_a_different_world_size_continues_at_the_global_offset(tmp_pat
 
 
 def test_a_restart_under_resume_none_or_path_continues_its_own_lineage(reference, tmp_path):
-    """resume= describes the launch: killed at step 25 (checkpoints every 10), a restart resumes
-    its own step 20, not step 0 (none) or PATH (a checkpoint of step 10), in one lineage."""
+    """resume= describes the launch: rank 1 killed at step 25 (checkpoints every 10), a restart
+    resumes its own step 25 (which rank 0 saved alone), not step 0 (none) or PATH (a checkpoint of
+    step 10), in one lineage."""
     kill = dict(save_every_steps=10, keep_last=10, fault_inject="sigkill@step=25,rank=1")
     origin = tmp_path / "none" / "ck" / "step_00000010.pt"  # written by the first run
     for name, resume, first in (("none", "none", 1), ("path", str(origin), 11)):
@@ -290,16 +303,17 @@ def test_a_restart_under_resume_none_or_path_continues_its_own_lineage(reference
         assert run.returncode == 0, run.output[-4000:]
         log0 = rank_log(run_dir)
         assert "fault injection: sigkill at step 25 on rank 1" in rank_log(run_dir, 1)
-        assert log0.count("resumed from step 20") == 1, log0[-3000:]
+        assert "this rank saved step 25, the last step every rank finished, alone" in log0
+        assert log0.count("resumed from step 25") == 1, log0[-3000:]
         assert log0.count("resumed from step ") == (1 if name == "none" else 2)  # and PATH's step 10 at launch
         result = summary(run_dir)
         assert result["steps"] == 48 and result["restarts"] == 1
         assert result["model_sha256"] == reference
         entries = json.loads((run_dir / "ck" / "manifest.json").read_text())
-        assert [e["step"] for e in entries] == [10, 20, 30, 40, 48][first // 10:]
+        assert [e["step"] for e in entries] == [10, 20, 25, 30, 40, 48][first // 10:]
         assert len({e["lineage"] for e in entries}) == 1  # no second lineage
         rows = read_metrics(run_dir / "logs" / "metrics.jsonl")
         assert [r["step"] for r in rows] == list(range(first, 49))
-        assert json.loads((run_dir / "ck" / "RESTARTS.json").read_text()) == {"step": 20, "count": 1}
+        assert json.loads((run_dir / "ck" / "RESTARTS.json").read_text()) == {"step": 25, "count": 1}
         assert not run.leftovers
     assert_each_sample_once_per_epoch(tmp_path / "none")

@@ -262,6 +262,13 @@ def test_a_transformers_script_runs_under_the_drop_in_and_survives_kill_9(tmp_pa
     assert [killed.results[r]["restarts"] for r in (0, 1)] == [1, 1]
     assert killed.results[0]["sha256"] == ref.results[0]["sha256"], "the restarted run is bit-exact"
     assert "terminate called" not in ref.output + killed.output
+    # The drop-in joins the process group before the trainer: closing the trainer must still drop
+    # its DDP wrapper, or the group is freed in the interpreter's finalisation (an abort 3 times
+    # in 5 before the fix).
+    for name in ("dropin", "dropin_killed"):
+        for rank in (0, 1):
+            last_incarnation = (tmp_path / name / "logs" / f"rank_{rank}.log").read_text().split("process group up")[-1]
+            assert "still referenced" not in last_incarnation
 
     plain = run("plain", "--plain")
     assert plain.returncode == 0, plain.output[-3000:]

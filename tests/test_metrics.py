@@ -103,3 +103,18 @@ def test_a_run_on_fewer_ranks_purges_the_files_of_the_ranks_it_does_not_have(tmp
     back.close()
     assert [r["step"] for r in read_samples(tmp_path / "samples_rank_1.jsonl")] == [*range(1, 9), 21]
     assert [r["step"] for r in read_samples(tmp_path / "samples_rank_0.jsonl")] == list(range(1, 21))
+
+
+def test_a_steps_row_is_written_when_the_step_ends(tmp_path):
+    """A rank killed after a step must not take the step's row with it: the restart may resume
+    after that step (a survivor's save alone) and never log it again."""
+    from framework.observability.metrics import Metrics
+    metrics = Metrics(enabled=True, log_dir=tmp_path, tensorboard=False, progress_bar="false", total_steps=9)
+    metrics.scalars(1, {"train/loss": 2.0})
+    metrics.end_step()
+    assert read_metrics(tmp_path / "metrics.jsonl") == [{"step": 1, "train/loss": 2.0}]  # before step 2
+    metrics.scalars(1, {"val/loss": 1.5})  # the step's evaluation, after it ended
+    metrics.scalars(2, {"train/loss": 1.8})
+    metrics.close()
+    assert read_metrics(tmp_path / "metrics.jsonl") == [{"step": 1, "train/loss": 2.0, "val/loss": 1.5},
+                                                        {"step": 2, "train/loss": 1.8}]

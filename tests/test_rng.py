@@ -82,3 +82,17 @@ def test_restore_of_a_state_missing_keys_fails():
     with pytest.raises(ValueError, match="'python', 'torch', 'numpy', 'numpy_generator'"):
         rng.restore({})
     assert draws() == before  # a rejected state changes nothing
+
+
+def test_seed_step_depends_on_seed_rank_and_step_alone():
+    def draws():
+        return (torch.rand(3).tolist(), random.random(), float(np.random.rand()), float(rng.numpy_generator().random()))
+
+    rng.seed_step(5, 1, 7)
+    first = draws()
+    torch.rand(100), random.random(), np.random.rand(7)  # whatever the step drew
+    rng.seed_step(5, 1, 7)
+    assert draws() == first
+    for other in ((5, 0, 7), (5, 1, 8), (6, 1, 7)):
+        rng.seed_step(*other)
+        assert all(a != b for a, b in zip(draws(), first, strict=True)), other

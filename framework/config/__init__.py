@@ -11,7 +11,7 @@ from .checks import (EXPORT_RECORD, VAL_FRACTION_TEXT, builtin_data_problems, ch
                      data_file_problems, export_path, export_record, split_tokens, training_set_problems,
                      world_size_from)
 from .help import help_text, markdown_table
-from .schema import (ALIASES, AUTO, FIELD_DOCS, FIELDS, KEYS, RESUME, RESUME_CLASSES, SECTIONS, ActivationCheckpointing,
+from .schema import (ALIASES, AUTO, FIELDS, KEYS, RESUME, RESUME_CLASSES, SECTIONS, ActivationCheckpointing,
                      CheckpointSection, CompileSection, ConfigError, DataSection, DDPSection, EvalSection,
                      GradientCheckpointing, LoggingSection, MemorySection, ModelSection, OptimSection,
                      PrecisionSection, RecoverySection, SpikeSection, StragglerSection, Switch, TrainConfig,
@@ -31,3 +31,10 @@ __all__ = [
     "load_config_file", "markdown_table", "parse_command_line", "resolve_config", "split_tokens",
     "training_set_problems", "world_size_from",
 ]
+
+
+def __getattr__(name: str):
+    if name == "FIELD_DOCS":  # parsed on first use (framework/config/schema.py field_docs)
+        from .schema import field_docs
+        return field_docs()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -3,7 +3,7 @@ generated from the field docstrings, grouped by section."""
 
 from __future__ import annotations
 
-from .schema import FIELD_DOCS, FIELDS, SECTIONS, TYPES, describe_default, describe_type
+from .schema import FIELDS, SECTIONS, TYPES, describe_default, describe_type, field_docs
 
 
 def _section_keys(section: str) -> list[str]:
@@ -19,7 +19,7 @@ def help_text() -> str:
             f = FIELDS[key]
             was = f"; was --{f.metadata['was'].replace('_', '-')}" if f.metadata["was"] else ""
             lines.append(f"  --{key} {kind}  (default: {describe_default(key)}{was})")
-            lines.append(f"      {FIELD_DOCS[key]}")
+            lines.append(f"      {field_docs()[key]}")
     return "\n".join(lines)
 
 
@@ -39,7 +39,7 @@ def markdown_table() -> str:
             f = FIELDS[key]
             default = "''" if f.default == "" else describe_default(key)
             out.append(f"| `{key}` | {_cell(describe_type(key))} | {_cell(f'`{default}`')} | "
-                       f"{f.metadata['resume']} | {_cell(FIELD_DOCS[key])} | "
+                       f"{f.metadata['resume']} | {_cell(field_docs()[key])} | "
                        f"{'`' + f.metadata['was'] + '`' if f.metadata['was'] else 'none'} |")
         out.append("")
     return "\n".join(out[:-1])

@@ -11,6 +11,7 @@ Every field declares
 from __future__ import annotations
 
 import ast
+import functools
 import inspect
 import typing
 from dataclasses import dataclass, field, fields
@@ -205,6 +206,9 @@ class CheckpointSection:
     """auto = the newest valid checkpoint in checkpoint.dir, none = start fresh, or a checkpoint file."""
     export_dir: str = option("", resume="neutral", was="export_dir")
     """Where a finished run exports its final weights as safetensors: '' = checkpoint.dir/export; none = no export."""
+    save_on_peer_loss: bool = option(True, resume="neutral", was=None)
+    """When a peer process goes away mid-step (killed, or its node lost), a surviving rank saves the last
+    step every rank finished, alone, so that the restart redoes no step."""
 
 
 @dataclass
@@ -335,11 +339,23 @@ def _field_docs(cls: type) -> dict[str, str]:
 FIELDS = {f"{name}.{f.name}": f for name, cls in SECTIONS.items() for f in fields(cls)}
 """Dotted key ('spike.threshold') -> its dataclass field."""
 KEYS = list(FIELDS)
-FIELD_DOCS = {f"{name}.{key}": doc for name, cls in SECTIONS.items() for key, doc in _field_docs(cls).items()}
 TYPES = {f"{name}.{key}": tp for name, cls in SECTIONS.items() for key, tp in typing.get_type_hints(cls).items()}
 ALIASES = {f.metadata["was"]: key for key, f in FIELDS.items() if f.metadata["was"] is not None}
 """Flat key of the config before sections ('spike_threshold') -> its dotted key."""
 RESUME = {key: f.metadata["resume"] for key, f in FIELDS.items()}
+
+
+@functools.cache
+def field_docs() -> dict[str, str]:
+    """Dotted key -> the string literal under its field. Parsed from this module's source on first
+    use (help, docs, tests), not at import: that takes 0.1 s, which every worker's start would pay."""
+    return {f"{name}.{key}": doc for name, cls in SECTIONS.items() for key, doc in _field_docs(cls).items()}
+
+
+def __getattr__(name: str):
+    if name == "FIELD_DOCS":
+        return field_docs()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def applicable_keys(*, builtin_model: bool = True, builtin_data: bool = True) -> list[str]:

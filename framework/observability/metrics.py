@@ -132,6 +132,13 @@ class Metrics:
             for name, value in values.items():
                 self.writer.add_scalar(name, value, step)
 
+    def end_step(self) -> None:
+        """Write the step's row now: a rank killed after it finished a step must not take the row
+        with it, as the next incarnation may resume after that step (a save alone). A value added
+        for the step later (its evaluation) goes in a line of its own, which readers merge."""
+        if self.jsonl is not None:
+            self.jsonl.flush()
+
     def progress(self, loss: float) -> None:
         if self.bar is not None:
             self.bar.update(1)
@@ -199,6 +206,7 @@ class StepLog:
             self.metrics.scalars(step, {f"memory/{k}": v for k, v in stats.items()})
             if in_use_gb(stats) > cfg.memory.max_gb:
                 log.warning("memory in use %.2f GiB exceeds max_memory_gb=%g", in_use_gb(stats), cfg.memory.max_gb)
+        self.metrics.end_step()
 
     def purge_from(self, step: int) -> None:
         """A rollback: the steps from ``step`` on are run again; drop what was logged for them."""

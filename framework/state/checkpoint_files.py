@@ -249,6 +249,46 @@ class CheckpointManager:
             self.wait()
         return path
 
+    def write_alone(self, state: dict, step: int, *, lineage: str) -> Path | None:
+        """Write ``state`` as ``step``'s checkpoint of ``lineage`` now, from any rank, without a
+        collective and without pruning: the save of a rank whose peers are gone (see
+        Checkpointer.save_alone). On rank 0 the pending write finishes first. Returns the path
+        written, or None (logged) when another process holds the directory's lock or the
+        lineage already has a checkpoint of ``step`` or later (another survivor wrote it)."""
+        if self.rank == 0:
+            try:
+                self.wait()
+            except Exception as err:  # noqa: BLE001  (logged by the writer; the save below is independent)
+                log.warning("the checkpoint write before it failed (%s); writing step %d anyway", err, step)
+        took_lock = self._lock is None
+        if took_lock:
+            try:
+                self._acquire()
+            except CheckpointDirLocked as err:
+                log.info("not saving step %d: %s", step, err)
+                return None
+        try:
+            try:
+                entries = _read_manifest(self.manifest_path)
+            except (FileNotFoundError, ValueError):
+                entries = []
+            ours = [e for e in entries if e["lineage"] == lineage]
+            if any(int(e["step"]) >= step for e in ours):
+                log.info("not saving step %d: lineage %s already has a checkpoint of it or later", step, lineage)
+                return None
+            self.lineage = lineage
+            if self.began_from is None and ours:
+                self.began_from = ours[-1].get("began_from")
+            path = self.directory / self._file_name(step)
+            start = time.perf_counter()
+            snapshot = to_cpu(state)
+            self.last_stall_s = time.perf_counter() - start
+            self._write(snapshot, step, path, prune=False)
+            return path
+        finally:
+            if took_lock:
+                self.release()
+
     def wait(self) -> None:
         """Block until the background write finishes; re-raise the exception it failed with, if any."""
         if self._thread is not None:
@@ -307,7 +347,7 @@ class CheckpointManager:
             log.error("writing checkpoint %s failed: %s: %s", path, type(e).__name__, e)
             self._error = e
 
-    def _write(self, snapshot: dict, step: int, path: Path) -> None:
+    def _write(self, snapshot: dict, step: int, path: Path, *, prune: bool = True) -> None:
         start = time.perf_counter()
         sha256, size = atomic.torch_save(snapshot, path)  # streamed: the snapshot is the one copy in memory
         entries = self._read_manifest_for_update(path.name)
@@ -317,8 +357,8 @@ class CheckpointManager:
         entries = [e for e in entries if e["file"] != path.name and self._still_there(e)] + [entry]
         mine = [e for e in entries if e["lineage"] == self.lineage]
         keep = {e["file"] for e in mine[-self.keep_last:]} | {path.name, self.resumed_from}
-        dropped = [e for e in mine if e["file"] not in keep]
-        kept = [e for e in entries if e["file"] in keep or e["lineage"] != self.lineage]
+        dropped = [e for e in mine if e["file"] not in keep] if prune else []
+        kept = [e for e in entries if e["file"] in keep or e["lineage"] != self.lineage] if prune else entries
         atomic.write_bytes(self.manifest_path, json.dumps(kept, indent=2).encode())
         self._prune(dropped, kept)
         self._report_other_lineages(kept)

@@ -243,6 +243,28 @@ class Checkpointer:
                 "config": as_dict(self.cfg, builtin_model=self.builtin_model, builtin_data=self.builtin_data),
                 "world_size": self.env.world_size}
 
+    def save_alone(self, step: int) -> Path | None:
+        """Write ``step``'s state from this rank alone, without a collective: for a rank whose peer
+        went away in the step after ``step`` (the trainer's ``_save_alone_if_a_peer_is_lost``).
+        The state is the live one, which the interrupted step has not changed. It holds no RNG
+        state: every rank's generators are seeded from (seed, rank, step) at the step boundary
+        (rng.seed_step). Only one survivor writes (see CheckpointManager.write_alone); returns
+        the path, or None when this rank did not write."""
+        lineage = self.manager.lineage
+        if not self.env.is_main:
+            record = markers.recorded_lineages(self.manager.directory)
+            if record is None:
+                log.info("not saving step %d alone: rank 0 recorded no lineage in %s", step, self.manager.directory)
+                return None
+            lineage = record["current"]
+        state = {"format": FORMAT, "framework_version": __version__,
+                 **{name: part.state_dict() for name, part in self.components.items()},
+                 "rng": [None] * self.env.world_size, "config": as_dict(self.cfg, builtin_model=self.builtin_model,
+                                                builtin_data=self.builtin_data),
+                 "world_size": self.env.world_size, "saved_alone_by": self.env.rank}
+        with self._disk_errors_are_fatal():
+            return self.manager.write_alone(state, step, lineage=lineage)
+
     def load(self, before: int | None = None) -> dict | None:
         """Rank 0 picks the checkpoint (see the class; with ``before``, the newest of this run's
         of a step before it, for a rollback) and loads it once; the other ranks load the file it
@@ -349,8 +371,8 @@ class Checkpointer:
             sampler = self.components["sampler"]
             log.warning("resuming a world-size-%d checkpoint on %d ranks: the data continues at global sample %d "
                         "of epoch %d with %d samples a step (%s); per-rank state that does not map to the new ranks "
-                        "starts afresh: the dropout and data RNG streams (re-seeded per rank), PowerSGD's error "
-                        "feedback (if used), the straggler history (never saved)", state["world_size"],
+                        "starts afresh: PowerSGD's error feedback (if used), the straggler history (never saved); the "
+                        "RNG streams are each rank's from (seed, rank, step)", state["world_size"],
                         self.env.world_size, sampler.consumed, sampler.epoch, sampler.global_batch,
                         "the checkpoint's global batch" if sampler.global_batch == _saved_global_batch(state)
                         else "not the checkpoint's: the run differs from an uninterrupted one")
@@ -373,10 +395,12 @@ class Checkpointer:
         return step
 
     def restore_rng(self, state: dict, step: int) -> None:
-        if int(state["world_size"]) == self.env.world_size:
-            rng.restore(state["rng"][self.env.rank])
-        else:
-            rng.seed_all(self.cfg.train.seed + 1 + self.env.rank + 7919 * step)
+        """This rank's generators as saved. A checkpoint of another world size, or one saved by a
+        survivor alone, has none for this rank: the trainer seeds them from (seed, rank, step) at
+        the step boundary anyway (rng.seed_step), which is where they stood when it was saved."""
+        saved = state["rng"][self.env.rank] if int(state["world_size"]) == self.env.world_size else None
+        if saved is not None:
+            rng.restore(saved)
 
     def close(self) -> None:
         """Wait for the write in flight (raising its error)."""
