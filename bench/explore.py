@@ -642,6 +642,9 @@ def run_trial(trial: dict, workdir: Path, *, reference: bool = False) -> dict:
             if not res["hit"]:
                 res["notes"].append("fault_inject never fired")
         res.update(verdict_inputs(trial, lay, sentinels, foreign_files))
+        # A survivor of a peer's loss saved the last finished step alone (the trainer's _save_alone).
+        res["saved_alone"] = any("the last step every rank finished, alone" in p.read_text(errors="replace")
+                                 for p in lay.logs.glob("rank_*.log"))
         if mounted:
             unmount(lay.ck)
     return res
@@ -1028,7 +1031,8 @@ def evaluate(trial: dict, refs: References, workdir: Path) -> dict:
         shutil.rmtree(res["dir"], ignore_errors=True)
     return {"trial": trial, "verdict": verdict, "failed": failed, "hit": res.get("hit"), "notes": res["notes"],
             "codes": [launch["codes"] for launch in res["launches"]], "dir": res["dir"],
-            "wall_s": sum(launch["wall_s"] for launch in res["launches"]), "second": res.get("second")}
+            "wall_s": sum(launch["wall_s"] for launch in res["launches"]), "second": res.get("second"),
+            "saved_alone": res.get("saved_alone")}
 
 
 # --- shrinking ---------------------------------------------------------------------------------

@@ -151,22 +151,32 @@ def test_draws_are_seeded_and_applicable():
     assert len({t["fault"] for t in a}) > 8
 
 
-# The slice: the first trials of this seed, one process each: a kill -9 at a checkpoint write,
-# restarted by torchrun (--max-restarts 2), and a SIGTERM after a loss-spike rollback (a
-# preemption), relaunched.
-SLICE_SEED, SLICE_TRIALS = 24283, 2
+# The slice, as drawn by seed 24283 before the explorer had the save_on_peer_loss dimension (one
+# process each): a kill -9 at a checkpoint write, restarted by torchrun (--max-restarts 2), and a
+# SIGTERM after a loss-spike rollback (a preemption), relaunched. Then the first one on 2 ranks,
+# killed mid-step: the survivor saves alone, under resume=PATH and keep_last=1.
+_SLICE_CONFIG = {"topology": "1", "max_restarts": 2, "resume": "path", "layout": "apart", "foreign": True,
+                 "data": "map2", "spike_guard": "rollback", "accum": 1, "act_ckpt": "offload", "tiled_mlp": 2,
+                 "comm_hook": "bf16", "save_every_steps": 4, "save_interval": 1, "keep_last": 1,
+                 "stop": "num_epochs", "save_on_peer_loss": True}
+SLICE = [
+    {"config": _SLICE_CONFIG, "fault": "kill9_worker", "moment": "ckpt_write"},
+    {"config": {**_SLICE_CONFIG, "max_restarts": 0, "resume": "none", "layout": "nested", "foreign": False,
+                "save_every_steps": 3, "save_interval": 0}, "fault": "sigterm_worker", "moment": "rollback"},
+    {"config": {**_SLICE_CONFIG, "topology": "1x2"}, "fault": "kill9_worker", "moment": "mid_step"},
+]
 
 
 @pytest.mark.dist
 def test_a_fixed_seed_slice_of_real_trials_breaks_no_invariant(tmp_path):
     lines = []
-    results = explore.explore(SLICE_TRIALS, SLICE_SEED, 1, tmp_path, do_shrink=False, log=lines.append)
-    assert len(results) == SLICE_TRIALS
+    assert all(explore.applicable(t) is None for t in SLICE)
+    results = explore.explore(0, 0, 1, tmp_path, do_shrink=False, log=lines.append, trials=SLICE)
+    assert len(results) == len(SLICE)
     failing = {explore.describe(r["trial"]): {k: r["verdict"][k] for k in r["failed"]} for r in results if r["failed"]}
     assert failing == {}, "\n".join(lines)
     # the trials ran the faults they drew (none missed its moment): a restart, a rollback, a preemption
     assert all(r["hit"] is not False for r in results), [r["notes"] for r in results]
-    assert [(r["trial"]["fault"], r["trial"]["moment"]) for r in results] == [("kill9_worker", "ckpt_write"),
-                                                                               ("sigterm_worker", "rollback")]
     assert results[0]["trial"]["config"]["max_restarts"] == 2 and len(results[0]["codes"]) == 1  # restarted
     assert len(results[1]["codes"]) == 2  # preempted, then relaunched
+    assert [r["saved_alone"] for r in results] == [False, False, True]  # rank 0 saved alone, rank 1 killed
