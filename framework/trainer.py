@@ -37,7 +37,7 @@ from .resilience.straggler import StragglerMonitor
 from .resilience.watchdog import Watchdog
 from .state import atomic, export, rng
 from .state.checkpoint_files import CheckpointDirLocked, CheckpointError
-from .state.checkpointer import Checkpointer, guard_restart_loop, open_manager
+from .state.checkpointer import BufferWatch, Checkpointer, guard_restart_loop, open_manager
 from .testing.faults import FaultPlan
 from .train.callbacks import UserCallbacks, user_stateful
 from .train.moments import Moments
@@ -104,7 +104,7 @@ class DDPTrainer:
             self._preemption.restore()
             raise
         self._owns_process_group = not dist.is_initialized()
-        process_group.close_at_exit(self.close)
+        process_group.close_at_exit(self._close_at_exit)
         self._debug = debug
         self._log_path = setup_logging(process_group.read_env(rank, world_size)[0], cfg.logging.dir, debug=debug)
         self.env = process_group.setup(cfg.ddp.backend, cfg.ddp.init_timeout_s or cfg.ddp.timeout_s, rank=rank,
@@ -251,10 +251,12 @@ class DDPTrainer:
                                      moments=self._moments, skips=self._skips, grad_clip=cfg.optim.grad_clip,
                                      agree_nonfinite=cfg.recovery.agree_nonfinite, checkpoint_dir=cfg.checkpoint.dir,
                                      oom_recovery=self._oom_recovery, loss_average=cfg.train.loss_average,
-                                     lr_factor=self._spike_guard.lr_factor, timer=self._stragglers.timer)
+                                     lr_factor=self._spike_guard.lr_factor, timer=self._stragglers.timer,
+                                     reseed=lambda step: rng.seed_step(cfg.train.seed, env.rank, step))
         self._evaluator = Evaluator(self.raw_model, self._val_dataset, self._loss_fn, cfg.eval,
                                     batch_size=cfg.data.batch_size, env=env,
                                     autocast=self._autocast, sampler=self.sampler, moments=self._moments)
+        self._buffer_watch = BufferWatch(self.raw_model)
         self._consistency = ConsistencyCheck(self.raw_model, interval=cfg.recovery.consistency_check_interval,
                                              device=env.device, distributed=env.distributed)
 
@@ -313,7 +315,6 @@ class DDPTrainer:
         if cfg.logging.record_samples and env.is_main:
             SampleLog.purge_absent_ranks(Path(cfg.logging.dir), env.world_size, self.step + 1)
         self.model.train()
-        self._at_boundary()
         self._preemption.started = True
         if self._preemption.installed and self._debug:
             # Only with --debug: faulthandler reads the other threads' frames while they run, and
@@ -336,6 +337,7 @@ class DDPTrainer:
     def _loop(self, step_log: StepLog, gc_policy: GcPolicy, samples_log: SampleLog) -> bool:
         """Train until the run stops; True when it stopped because of a preemption request."""
         while self.step < self._total_steps and self.sampler.epoch < self.config.train.num_epochs:
+            self._seed_step()  # a new epoch's loader draws its workers' seeds
             self._stream.start_epoch()
             while self.sampler.steps_remaining() > 0:
                 agreed = self._run_step(step_log, samples_log)
@@ -365,7 +367,6 @@ class DDPTrainer:
         restored = self._checkpointer.roll_back(before=spike.step)
         self._spike_guard.roll_back(spike, restored)
         if restored is not None:
-            self._at_boundary()
             self._stream.rewind()
             step_log.purge_from(self.step + 1)
             self._total_steps = self._schedule.total_steps = self.sampler.last_step(self.step, self.config)
@@ -378,6 +379,8 @@ class DDPTrainer:
                 self._moments.save(self.step)
 
     def _run_step(self, step_log: StepLog, samples_log: SampleLog) -> Agreement | None:
+        self._seed_step()
+        self._buffer_watch.at_boundary()
         self._watchdog.arm(self.step)
         self._moments.step_start(self.step)
         self._stragglers.begin_step(self.step)
@@ -411,22 +414,23 @@ class DDPTrainer:
         if not self._startup.logged:
             self._startup.mark("first step")
             self._startup.log_once()
-        self._at_boundary()
         return agreed
 
-    def _at_boundary(self) -> None:
-        """Between steps (and where a run starts or rolls back): every rank's generators are
-        seeded from (train.seed, rank, step), so that no rank's random state is lost with it."""
-        self._boundary_step = self.step
+    def _seed_step(self) -> None:
+        """Every rank's generators from (train.seed, rank, step), before each step and each retry
+        of it: what a step draws is known without any saved random state (a survivor's save
+        alone has no other rank's), and nothing drawn between steps (an evaluation, a callback)
+        shifts it."""
         rng.seed_step(self.config.train.seed, self.env.rank, self.step)
 
     @contextlib.contextmanager
     def _save_alone_if_a_peer_is_lost(self):
-        """A step's forward and backward change nothing that a checkpoint holds (the generators are
-        seeded anew at each step boundary). When a collective in them fails because a peer process
-        went away (killed, or its node lost), this rank still holds the whole state of the last
-        step that every rank finished: it writes that step's checkpoint alone before the error
-        ends it, so that the restart redoes no step (Checkpointer.save_alone)."""
+        """A step's forward and backward change nothing that a checkpoint holds but buffers that
+        a forward updates, copied at the step's start (BufferWatch); the generators are seeded
+        anew at each step. When a collective in them fails because a peer process went away
+        (killed, or its node lost), this rank still holds the whole state of the last step that
+        every rank finished: it writes that step's checkpoint alone before the error ends it, so
+        that the restart redoes no step (Checkpointer.save_alone)."""
         try:
             yield
         except Exception as err:
@@ -435,20 +439,26 @@ class DDPTrainer:
             raise
 
     def _save_alone(self) -> None:
-        step = self._boundary_step
+        step = self.step
+        model_state, changed = self._buffer_watch.model_state()
         why_not = (
             "checkpoint.save_on_peer_loss=false" if not self.config.checkpoint.save_on_peer_loss else
-            "no step finished since the start" if step == 0 or step != self.step else
+            "no step finished since the start" if step == 0 else
             "PowerSGD's state is every rank's" if self._comm_hook.state is not None else
+            "a stream's dataset state is every rank's" if getattr(self._stream, "stateful", False) else
             "the state of the user's stateful objects mid-step is unknown"
-            if self._user_state or self._callbacks.stateful() else None)
+            if self._user_state or self._callbacks.stateful() else
+            f"buffers changed in the step and not copied at its start: {', '.join(changed[:3])}"
+            if model_state is None else
+            "the buffers that a step changes (BatchNorm statistics) are rank 0's"
+            if self._buffer_watch.changing and not self.env.is_main else None)
         if why_not is not None:
             log.info("a peer went away in step %d: not saving step %d alone (%s)", step + 1, step, why_not)
             return
         start = time.monotonic()
         try:
             with self._watchdog.phase("save alone", scale=10):
-                path = self._checkpointer.save_alone(step)
+                path = self._checkpointer.save_alone(step, model_state=model_state)
         except Exception as err:  # noqa: BLE001  (best effort: the peer's loss is the error the run ends with)
             log.error("a peer went away in step %d; saving step %d alone failed: %s: %s", step + 1, step,
                       type(err).__name__, err)
@@ -538,10 +548,24 @@ class DDPTrainer:
         self._moments.train_end(summary)
         return summary
 
+    def _drop_ddp_wrapper(self) -> None:
+        """The DDP wrapper holds the process group: without it, teardown frees the group (see there)."""
+        if getattr(self, "env", None) is not None and self.env.distributed:
+            self.model = getattr(self, "raw_model", None)
+            if getattr(self, "_train_step", None) is not None:
+                self._train_step.model = self.raw_model
+
+    def _close_at_exit(self) -> None:
+        """At interpreter exit the group goes whoever created it (framework.hf joins it before the
+        trainer): a trainer still alive then (a reference cycle not yet collected) must not hold it
+        into the finalisation, where torch 2.13 aborts now and then ("terminate called")."""
+        self._drop_ddp_wrapper()
+        self.close()
+
     def close(self) -> None:
-        """Wait for the checkpoint write in flight, release the loader's workers, the DDP wrapper
-        (``model`` is then ``raw_model``) and, if this trainer created it, the process group. Safe
-        to call more than once; called at interpreter exit if still open."""
+        """Wait for the checkpoint write in flight, release the loader's workers and, if this
+        trainer created it, the process group (``model`` is then ``raw_model``). Safe to call more
+        than once; called at interpreter exit if still open."""
         if getattr(self, "_checkpointer", None) is not None:
             try:
                 self._checkpointer.close()
@@ -551,13 +575,7 @@ class DDPTrainer:
             self._stream.shutdown()
         if getattr(self, "_watchdog", None) is not None:
             self._watchdog.close()
-        if getattr(self, "env", None) is not None and self.env.distributed:
-            # The DDP wrapper holds the group: without it, teardown frees the group (see there),
-            # also a group this trainer did not create (framework.hf joins it early), whose
-            # teardown at exit would otherwise leave it to the interpreter's finalisation.
-            self.model = getattr(self, "raw_model", None)
-            if getattr(self, "_train_step", None) is not None:
-                self._train_step.model = self.raw_model
         if self._owns_process_group:
+            self._drop_ddp_wrapper()
             process_group.teardown()
         self._preemption.restore()  # last: a signal until here is recorded, not fatal

@@ -96,3 +96,42 @@ def test_seed_step_depends_on_seed_rank_and_step_alone():
     for other in ((5, 0, 7), (5, 1, 8), (6, 1, 7)):
         rng.seed_step(*other)
         assert all(a != b for a, b in zip(draws(), first, strict=True)), other
+
+
+def test_what_is_drawn_between_steps_does_not_shift_the_next_steps_dropout(tmp_path):
+    """Each step seeds every rank's generators from (seed, rank, step) at its start: a resumed run,
+    or one restarted from a survivor's save alone, skips what was drawn between the steps before
+    (an evaluation, a callback), and must still draw each step's dropout as the uninterrupted run."""
+    from framework import DDPTrainer
+    from framework.testing.tiny import tiny
+
+    class DrawsOnSave:
+        def on_save(self, trainer, step):
+            torch.rand(100), random.random(), np.random.rand(3)
+
+    shas = []
+    for name, callbacks in (("quiet", []), ("drawing", [DrawsOnSave()])):
+        cfg = tiny(tmp_path / name, dropout=0.2, max_steps=6, save_every_steps=2, eval_interval=0)
+        shas.append(DDPTrainer(cfg, callbacks=callbacks).train()["model_sha256"])
+    assert shas[0] == shas[1]
+
+
+def test_buffer_watch_gives_the_buffers_as_at_the_step_start():
+    """A forward changes BatchNorm's running statistics before any collective can fail: the save
+    alone writes them as they were at the step's start (copied once seen changing), or is skipped."""
+    from framework.state.checkpointer import BufferWatch
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    watch = BufferWatch(model)
+    assert sorted(watch.buffers) == ["1.num_batches_tracked", "1.running_mean", "1.running_var"]
+    watch.at_boundary()
+    model(torch.randn(8, 3))  # the first step: nothing was copied at its start
+    state, changed = watch.model_state()
+    assert state is None and sorted(changed) == sorted(watch.buffers)
+    watch.at_boundary()  # the second step's start: the buffers are known to change now, and copied
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    model(torch.randn(8, 3))
+    state, changed = watch.model_state()
+    assert changed == [] and state.keys() == before.keys()
+    assert all(torch.equal(state[k], before[k]) for k in before)
+    assert not torch.equal(model.state_dict()["1.running_mean"], before["1.running_mean"])

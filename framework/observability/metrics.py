@@ -225,6 +225,7 @@ class StepLog:
         if val_loss is not None:
             log.info("step %d | val_loss %.4f", step, val_loss)
             self.metrics.scalars(step, {"val/loss": val_loss})
+            self.metrics.end_step()
 
     @contextlib.contextmanager
     def paused(self):

@@ -158,12 +158,14 @@ def _run_id() -> str | None:
     return os.environ.get("TORCHELASTIC_RUN_ID")
 
 
-def record_lineages(directory: str | Path, *, current: str, lineages: list[str], resumed: str | None) -> None:
+def record_lineages(directory: str | Path, *, current: str, lineages: list[str], resumed: str | None,
+                    began_from: str | None = None) -> None:
     """This launch writes lineage ``current``; ``lineages`` are all it has written in (its
-    restarts continue them), ``resumed`` the lineage of the checkpoint it started from."""
+    restarts continue them), ``resumed`` the lineage of the checkpoint it started from,
+    ``began_from`` the checkpoint outside the directory it started from (resume=PATH), if any."""
     try:
         write(directory, LINEAGE, json.dumps({"current": current, "lineages": lineages, "resumed": resumed,
-                                              "run_id": _run_id()}))
+                                              "began_from": began_from, "run_id": _run_id()}))
     except OSError as err:  # a restart then resumes as the launch's resume mode says
         log.error("cannot record this launch's lineages in %s: %s", Path(directory) / LINEAGE, err)
 
@@ -176,7 +178,8 @@ def recorded_lineages(directory: str | Path, *, restart: bool = False) -> dict |
         if data is None:
             return None
         record = {"current": str(data["current"]), "lineages": [str(x) for x in data["lineages"]],
-                  "resumed": None if data["resumed"] is None else str(data["resumed"])}
+                  "resumed": None if data["resumed"] is None else str(data["resumed"]),
+                  "began_from": None if data.get("began_from") is None else str(data["began_from"])}
     except (ValueError, KeyError, TypeError) as err:
         log.warning("%s is unreadable (%s): ignored", Path(directory) / LINEAGE, err)
         return None

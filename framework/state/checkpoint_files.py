@@ -249,12 +249,14 @@ class CheckpointManager:
             self.wait()
         return path
 
-    def write_alone(self, state: dict, step: int, *, lineage: str) -> Path | None:
+    def write_alone(self, state: dict, step: int, *, lineage: str, began_from: str | None = None) -> Path | None:
         """Write ``state`` as ``step``'s checkpoint of ``lineage`` now, from any rank, without a
         collective and without pruning: the save of a rank whose peers are gone (see
         Checkpointer.save_alone). On rank 0 the pending write finishes first. Returns the path
-        written, or None (logged) when another process holds the directory's lock or the
-        lineage already has a checkpoint of ``step`` or later (another survivor wrote it)."""
+        written, or None (logged) when another process holds the directory's lock (or, on
+        another rank, where the file system cannot lock it), or the lineage already has a
+        checkpoint of ``step`` or later (another survivor wrote it). ``began_from``: the
+        checkpoint outside the directory the lineage began from, for its first entry."""
         if self.rank == 0:
             try:
                 self.wait()
@@ -267,6 +269,10 @@ class CheckpointManager:
             except CheckpointDirLocked as err:
                 log.info("not saving step %d: %s", step, err)
                 return None
+            if self.rank != 0 and not self._lock.held:  # two survivors would write side by side
+                self.release()
+                log.info("not saving step %d: %s cannot be locked", step, self.lock_path)
+                return None
         try:
             try:
                 entries = _read_manifest(self.manifest_path)
@@ -277,8 +283,8 @@ class CheckpointManager:
                 log.info("not saving step %d: lineage %s already has a checkpoint of it or later", step, lineage)
                 return None
             self.lineage = lineage
-            if self.began_from is None and ours:
-                self.began_from = ours[-1].get("began_from")
+            if self.began_from is None:
+                self.began_from = ours[-1].get("began_from") if ours else began_from
             path = self.directory / self._file_name(step)
             start = time.perf_counter()
             snapshot = to_cpu(state)
@@ -601,6 +607,11 @@ class _DirLock:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd = _locked_fd(path)
         self._finalizer = None if fd is None else weakref.finalize(self, _unlock, fd, path, os.getpid())
+
+    @property
+    def held(self) -> bool:
+        """False where the file system cannot lock (the lock was skipped with a warning)."""
+        return self._finalizer is not None and self._finalizer.alive
 
     def release(self) -> None:
         if self._finalizer is not None:

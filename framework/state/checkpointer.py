@@ -161,6 +161,39 @@ def open_manager(cfg: TrainConfig, env) -> CheckpointManager:
     return manager
 
 
+class BufferWatch:
+    """The model's persistent buffers as they stood at the current step's start, for a save alone.
+    A step's forward changes some in place (BatchNorm's running statistics), before any
+    collective can fail: those seen changing in an earlier step are copied at every boundary (a
+    few KB for BatchNorm), and ``model_state`` puts the copies back. Most transformers have no
+    persistent buffer, and then this costs nothing."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+        self.buffers = {name: t for name, t in model.state_dict(keep_vars=True).items()
+                        if name not in params and torch.is_tensor(t)}
+        self.versions = {name: t._version for name, t in self.buffers.items()}
+        self.changing: set[str] = set()  # seen changing in a step
+        self.copies: dict[str, torch.Tensor] = {}
+
+    def at_boundary(self) -> None:
+        for name, t in self.buffers.items():
+            if t._version != self.versions[name]:
+                self.changing.add(name)
+            self.versions[name] = t._version
+        self.copies = {name: self.buffers[name].detach().clone() for name in self.changing}
+
+    def model_state(self) -> tuple[dict | None, list[str]]:
+        """The model's state_dict with its buffers as at the boundary, or None and the buffers
+        changed since that have no copy."""
+        changed = [name for name, t in self.buffers.items() if t._version != self.versions[name]]
+        missing = [name for name in changed if name not in self.copies]
+        if missing:
+            return None, missing
+        return {**self.model.state_dict(), **{name: self.copies[name] for name in changed}}, []
+
+
 class Checkpointer:
     """Saves the union of ``components``' states through ``manager`` when the configuration says
     so, and restores it. ``components`` maps a name in the checkpoint to a Stateful; "model"
@@ -243,27 +276,29 @@ class Checkpointer:
                 "config": as_dict(self.cfg, builtin_model=self.builtin_model, builtin_data=self.builtin_data),
                 "world_size": self.env.world_size}
 
-    def save_alone(self, step: int) -> Path | None:
+    def save_alone(self, step: int, *, model_state: dict) -> Path | None:
         """Write ``step``'s state from this rank alone, without a collective: for a rank whose peer
         went away in the step after ``step`` (the trainer's ``_save_alone_if_a_peer_is_lost``).
         The state is the live one, which the interrupted step has not changed. It holds no RNG
-        state: every rank's generators are seeded from (seed, rank, step) at the step boundary
-        (rng.seed_step). Only one survivor writes (see CheckpointManager.write_alone); returns
-        the path, or None when this rank did not write."""
-        lineage = self.manager.lineage
+        state: every rank's generators are seeded from (seed, rank, step) at each step's start
+        (rng.seed_step); ``model_state`` is the model's as it stood at the step's start (see
+        BufferWatch). Only one survivor writes (see CheckpointManager.write_alone); returns the
+        path, or None when this rank did not write."""
+        lineage, began_from = self.manager.lineage, self.manager.began_from
         if not self.env.is_main:
             record = markers.recorded_lineages(self.manager.directory)
             if record is None:
                 log.info("not saving step %d alone: rank 0 recorded no lineage in %s", step, self.manager.directory)
                 return None
-            lineage = record["current"]
+            lineage, began_from = record["current"], record["began_from"]
         state = {"format": FORMAT, "framework_version": __version__,
-                 **{name: part.state_dict() for name, part in self.components.items()},
+                 **{name: part.state_dict() for name, part in self.components.items() if name != "model"},
+                 "model": model_state,
                  "rng": [None] * self.env.world_size, "config": as_dict(self.cfg, builtin_model=self.builtin_model,
                                                 builtin_data=self.builtin_data),
                  "world_size": self.env.world_size, "saved_alone_by": self.env.rank}
         with self._disk_errors_are_fatal():
-            return self.manager.write_alone(state, step, lineage=lineage)
+            return self.manager.write_alone(state, step, lineage=lineage, began_from=began_from)
 
     def load(self, before: int | None = None) -> dict | None:
         """Rank 0 picks the checkpoint (see the class; with ``before``, the newest of this run's
@@ -339,7 +374,7 @@ class Checkpointer:
         current = self.manager.lineage
         self.lineages = [x for x in earlier if x != current] + [current]
         markers.record_lineages(self.manager.directory, current=current, lineages=self.lineages,
-                                resumed=self.resumed_lineage)
+                                resumed=self.resumed_lineage, began_from=self.manager.began_from)
 
     def restore(self, state: dict) -> None:
         """Load ``state`` into the components (the RNG is ``restore_rng``'s, last of all)."""
@@ -397,7 +432,7 @@ class Checkpointer:
     def restore_rng(self, state: dict, step: int) -> None:
         """This rank's generators as saved. A checkpoint of another world size, or one saved by a
         survivor alone, has none for this rank: the trainer seeds them from (seed, rank, step) at
-        the step boundary anyway (rng.seed_step), which is where they stood when it was saved."""
+        the start of each step anyway (rng.seed_step)."""
         saved = state["rng"][self.env.rank] if int(state["world_size"]) == self.env.world_size else None
         if saved is not None:
             rng.restore(saved)

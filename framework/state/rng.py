@@ -33,10 +33,10 @@ def seed_all(seed: int) -> None:
 
 
 def seed_step(seed: int, rank: int, step: int) -> None:
-    """Seed this rank's generators from ``(seed, rank, step)`` alone, at the boundary after
-    ``step``: what any rank draws in a step (dropout, a new epoch's loader seed) is then known to
-    every rank, and to a restart at any world size, without saving it. About 20 us (CUDA's
-    generators only once CUDA is initialised; torch.manual_seed checks every backend, 90 us)."""
+    """Seed this rank's generators from ``(seed, rank, step)`` alone, before the step after
+    ``step`` finished steps: what any rank draws in a step (dropout, a new epoch's loader seed)
+    is then known without any saved state, to a restart at any world size too. About 20 us
+    (CUDA's generators only once CUDA is initialised; torch.manual_seed checks every backend, 90 us)."""
     derived = int(np.random.SeedSequence([seed, rank, step]).generate_state(1, np.uint64)[0]) >> 1
     random.seed(derived)
     np.random.seed(derived % 2**32)

@@ -119,7 +119,8 @@ class TrainStep:
     def __init__(self, *, model, raw_model, optimizer, scaler, schedule, loss_fn, autocast, env, sampler, stream,
                  moments: Moments, skips: SkipBudget, grad_clip: float, agree_nonfinite: bool, checkpoint_dir: str,
                  oom_recovery: bool, loss_average: str = "micro_batch",
-                 lr_factor: Callable[[int], float] = lambda s: 1.0, timer: SectionTimer | None = None):
+                 lr_factor: Callable[[int], float] = lambda s: 1.0, timer: SectionTimer | None = None,
+                 reseed: Callable[[int], None] = lambda s: None):
         self.model, self.raw_model = model, raw_model
         self.optimizer, self.scaler, self.schedule = optimizer, scaler, schedule
         self.loss_fn, self.autocast, self.env = loss_fn, autocast, env
@@ -136,6 +137,7 @@ class TrainStep:
         self.oom_recovery = oom_recovery
         self.lr_factor = lr_factor  # a loss-spike rollback's learning-rate cooldown
         self.timer = timer or SectionTimer(env.device)  # the straggler scores' section timings
+        self.reseed = reseed  # the generators as at the step's start, for its retry (the trainer's _seed_step)
         off_the_clock_buffer_broadcast(model, self.timer)
         self.params = [p for p in raw_model.parameters() if p.requires_grad]
 
@@ -148,6 +150,7 @@ class TrainStep:
             except MicroBatchOOM as err:
                 self.optimizer.zero_grad(set_to_none=True)  # every rank: some hold finished micro-steps
                 halve_micro_batch(self.sampler, str(err))
+                self.reseed(step)  # the retry draws as a run that started with this split would
                 micro = self.stream.refetch_step()
             except SyncedBackwardOOM as err:
                 b, a = halve_micro_batch(self.sampler, str(err))
