@@ -380,7 +380,7 @@ class DDPTrainer:
 
     def _run_step(self, step_log: StepLog, samples_log: SampleLog) -> Agreement | None:
         self._seed_step()
-        self._buffer_watch.at_boundary()
+        self._buffer_watch.at_step_start()
         self._watchdog.arm(self.step)
         self._moments.step_start(self.step)
         self._stragglers.begin_step(self.step)
@@ -440,7 +440,7 @@ class DDPTrainer:
 
     def _save_alone(self) -> None:
         step = self.step
-        model_state, changed = self._buffer_watch.model_state()
+        model_state, buffers_not = self._buffer_watch.model_state(is_main=self.env.is_main)
         why_not = (
             "checkpoint.save_on_peer_loss=false" if not self.config.checkpoint.save_on_peer_loss else
             "no step finished since the start" if step == 0 else
@@ -448,10 +448,7 @@ class DDPTrainer:
             "a stream's dataset state is every rank's" if getattr(self._stream, "stateful", False) else
             "the state of the user's stateful objects mid-step is unknown"
             if self._user_state or self._callbacks.stateful() else
-            f"buffers changed in the step and not copied at its start: {', '.join(changed[:3])}"
-            if model_state is None else
-            "the buffers that a step changes (BatchNorm statistics) are rank 0's"
-            if self._buffer_watch.changing and not self.env.is_main else None)
+            buffers_not if model_state is None else None)
         if why_not is not None:
             log.info("a peer went away in step %d: not saving step %d alone (%s)", step + 1, step, why_not)
             return

@@ -117,21 +117,30 @@ def test_what_is_drawn_between_steps_does_not_shift_the_next_steps_dropout(tmp_p
 
 
 def test_buffer_watch_gives_the_buffers_as_at_the_step_start():
-    """A forward changes BatchNorm's running statistics before any collective can fail: the save
-    alone writes them as they were at the step's start (copied once seen changing), or is skipped."""
+    """A forward changes BatchNorm's running statistics (without bumping the tensors' versions)
+    before any collective can fail: the save alone writes them as they were at the step's start;
+    off rank 0 only buffers that no step changes (DDP's buffers are rank 0's)."""
     from framework.state.checkpointer import BufferWatch
 
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
     watch = BufferWatch(model)
     assert sorted(watch.buffers) == ["1.num_batches_tracked", "1.running_mean", "1.running_var"]
-    watch.at_boundary()
-    model(torch.randn(8, 3))  # the first step: nothing was copied at its start
-    state, changed = watch.model_state()
-    assert state is None and sorted(changed) == sorted(watch.buffers)
-    watch.at_boundary()  # the second step's start: the buffers are known to change now, and copied
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    model(torch.randn(8, 3))
-    state, changed = watch.model_state()
-    assert changed == [] and state.keys() == before.keys()
+    assert watch.model_state(is_main=True) == (None, "no step started yet")
+    for _ in range(2):
+        watch.at_step_start()
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        model(torch.randn(8, 3))
+    state, why = watch.model_state(is_main=True)
+    assert why is None and state.keys() == before.keys()
     assert all(torch.equal(state[k], before[k]) for k in before)
     assert not torch.equal(model.state_dict()["1.running_mean"], before["1.running_mean"])
+    assert watch.model_state(is_main=False) == (None, "the buffers that a step changes (BatchNorm statistics) "
+                                                      "are rank 0's")
+    model.eval()  # no step changes them now: another rank's copies are rank 0's
+    for _ in range(2):
+        watch.at_step_start()
+        model(torch.randn(8, 3))
+    assert watch.model_state(is_main=False)[1] is None
+    plain = BufferWatch(torch.nn.Linear(3, 4))  # no persistent buffer: nothing is copied
+    plain.at_step_start()
+    assert plain.copies is None and plain.model_state(is_main=False)[1] is None

@@ -162,36 +162,40 @@ def open_manager(cfg: TrainConfig, env) -> CheckpointManager:
 
 
 class BufferWatch:
-    """The model's persistent buffers as they stood at the current step's start, for a save alone.
-    A step's forward changes some in place (BatchNorm's running statistics), before any
-    collective can fail: those seen changing in an earlier step are copied at every boundary (a
-    few KB for BatchNorm), and ``model_state`` puts the copies back. Most transformers have no
-    persistent buffer, and then this costs nothing."""
+    """The model's persistent buffers as they stood at the current step's start, for a save
+    alone: a step's forward changes some in place (BatchNorm's running statistics, in C++ kernels
+    that do not bump the tensors' versions) before any collective can fail, so they are copied at
+    each step's start (a few KB for BatchNorm; nothing for the many transformers without a
+    persistent buffer), with the copy of the step before, which tells whether they change at all.
+    Beyond ``LIMIT`` bytes they are not copied, and a save alone is not made."""
+
+    LIMIT = 64 * 2**20
 
     def __init__(self, model: torch.nn.Module):
         self.model = model
         params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
         self.buffers = {name: t for name, t in model.state_dict(keep_vars=True).items()
                         if name not in params and torch.is_tensor(t)}
-        self.versions = {name: t._version for name, t in self.buffers.items()}
-        self.changing: set[str] = set()  # seen changing in a step
-        self.copies: dict[str, torch.Tensor] = {}
+        self.bytes = sum(t.numel() * t.element_size() for t in self.buffers.values())
+        self.copies: dict[str, torch.Tensor] | None = None
+        self.before: dict[str, torch.Tensor] | None = None  # the copies at the previous step's start
 
-    def at_boundary(self) -> None:
-        for name, t in self.buffers.items():
-            if t._version != self.versions[name]:
-                self.changing.add(name)
-            self.versions[name] = t._version
-        self.copies = {name: self.buffers[name].detach().clone() for name in self.changing}
+    def at_step_start(self) -> None:
+        if self.buffers and self.bytes <= self.LIMIT:
+            self.before, self.copies = self.copies, {name: t.detach().clone() for name, t in self.buffers.items()}
 
-    def model_state(self) -> tuple[dict | None, list[str]]:
-        """The model's state_dict with its buffers as at the boundary, or None and the buffers
-        changed since that have no copy."""
-        changed = [name for name, t in self.buffers.items() if t._version != self.versions[name]]
-        missing = [name for name in changed if name not in self.copies]
-        if missing:
-            return None, missing
-        return {**self.model.state_dict(), **{name: self.copies[name] for name in changed}}, []
+    def model_state(self, *, is_main: bool) -> tuple[dict | None, str | None]:
+        """The model's state_dict with its buffers as at the step's start, or None and why not.
+        Off rank 0 only when the buffers do not change in a step: DDP's buffers are rank 0's."""
+        if not self.buffers:
+            return self.model.state_dict(), None
+        if self.copies is None:
+            return None, (f"its persistent buffers ({self.bytes / 2**20:.0f} MB) are not copied at each step"
+                          if self.bytes > self.LIMIT else "no step started yet")
+        if not is_main and (self.before is None or any(not torch.equal(self.before[name], self.copies[name])
+                                                       for name in self.copies)):
+            return None, "the buffers that a step changes (BatchNorm statistics) are rank 0's"
+        return {**self.model.state_dict(), **self.copies}, None
 
 
 class Checkpointer:
