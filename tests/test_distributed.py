@@ -107,10 +107,12 @@ def test_two_node_restart_forms_its_group_when_only_one_agent_counts_it(referenc
     assert restart_counts(runs[1 - rank0_agent].output) == [0, 1], runs[1 - rank0_agent].output[-4000:]
     assert rank_log(tmp_path, 0).count("process group up") == rank_log(tmp_path, 1).count("process group up") == 2
     assert generations(tmp_path, 0) == generations(tmp_path, 1) == [1, 2]
-    # Rank 0, resumed, finds its peer gone in the step it was in, and saves the step before alone.
-    alone = re.search(r"this rank saved step (\d+), the last step every rank finished, alone", rank_log(tmp_path, 0))
-    assert alone, rank_log(tmp_path, 0)[-3000:]
-    assert f"resumed from step {alone[1]}" in rank_log(tmp_path, 0)
+    # Rank 0, resumed, finds its peer gone: where that was in forward or backward, it saved the
+    # step before alone and the restart resumes there; elsewhere (stopped in the control
+    # all-reduce, say) from the checkpoint of step 16.
+    log0 = rank_log(tmp_path, 0)
+    alone = re.search(r"this rank saved step (\d+), the last step every rank finished, alone", log0)
+    assert f"resumed from step {alone[1] if alone else 16}" in log0, log0[-3000:]
     result = summary(tmp_path)
     assert result["steps"] == CONFIG["max_steps"] and result["world_size"] == 2
     assert result["model_sha256"] == reference["model_sha256"]
