@@ -625,6 +625,21 @@ def test_a_save_alone_continues_the_lineage_takes_the_lock_and_prunes_nothing(tm
     restarted.close()
 
 
+def test_a_save_alone_writes_a_lineages_origin_and_never_without_a_real_lock(tmp_path, monkeypatch):
+    """The first entry of a lineage that began from a file elsewhere (resume=PATH) names it, so a
+    resume can go back there; another rank writes only while it really holds the lock (two
+    survivors on a file system without flock would write side by side)."""
+    import framework.state.checkpoint_files as checkpoint_files
+
+    origin = str(tmp_path / "elsewhere" / "step_00000004.pt")
+    ck = tmp_path / "ck"
+    assert CheckpointManager(ck, rank=1).write_alone(state_at(5), 5, lineage="aaa", began_from=origin)
+    assert manifest(ck)[0]["began_from"] == origin
+    monkeypatch.setattr(checkpoint_files, "_locked_fd", lambda path: None)  # ENOLCK: no lock, a warning
+    assert CheckpointManager(ck, rank=1).write_alone(state_at(6), 6, lineage="aaa") is None
+    assert [e["step"] for e in manifest(ck)] == [5]
+
+
 HOLD_LOCK = ("import sys, time\n"
              "from framework.state.checkpoint_files import CheckpointManager\n"
              "manager = CheckpointManager(sys.argv[1])\n"
