@@ -252,7 +252,7 @@ class DDPTrainer:
                                      agree_nonfinite=cfg.recovery.agree_nonfinite, checkpoint_dir=cfg.checkpoint.dir,
                                      oom_recovery=self._oom_recovery, loss_average=cfg.train.loss_average,
                                      lr_factor=self._spike_guard.lr_factor, timer=self._stragglers.timer,
-                                     reseed=lambda step: rng.seed_step(cfg.train.seed, env.rank, step))
+                                     reseed=self._seed_step)
         self._evaluator = Evaluator(self.raw_model, self._val_dataset, self._loss_fn, cfg.eval,
                                     batch_size=cfg.data.batch_size, env=env,
                                     autocast=self._autocast, sampler=self.sampler, moments=self._moments)
@@ -337,7 +337,7 @@ class DDPTrainer:
     def _loop(self, step_log: StepLog, gc_policy: GcPolicy, samples_log: SampleLog) -> bool:
         """Train until the run stops; True when it stopped because of a preemption request."""
         while self.step < self._total_steps and self.sampler.epoch < self.config.train.num_epochs:
-            self._seed_step()  # a new epoch's loader draws its workers' seeds
+            self._seed_step(self.step)  # a new epoch's loader draws its workers' seeds
             self._stream.start_epoch()
             while self.sampler.steps_remaining() > 0:
                 agreed = self._run_step(step_log, samples_log)
@@ -379,7 +379,7 @@ class DDPTrainer:
                 self._moments.save(self.step)
 
     def _run_step(self, step_log: StepLog, samples_log: SampleLog) -> Agreement | None:
-        self._seed_step()
+        self._seed_step(self.step)
         self._buffer_watch.at_step_start()
         self._watchdog.arm(self.step)
         self._moments.step_start(self.step)
@@ -416,12 +416,12 @@ class DDPTrainer:
             self._startup.log_once()
         return agreed
 
-    def _seed_step(self) -> None:
+    def _seed_step(self, step: int) -> None:
         """Every rank's generators from (train.seed, rank, step), before each step and each retry
-        of it: what a step draws is known without any saved random state (a survivor's save
-        alone has no other rank's), and nothing drawn between steps (an evaluation, a callback)
-        shifts it."""
-        rng.seed_step(self.config.train.seed, self.env.rank, self.step)
+        of it (TrainStep's ``reseed``): what a step draws is known without any saved random state
+        (a survivor's save alone has no other rank's), and nothing drawn between steps (an
+        evaluation, a callback) shifts it."""
+        rng.seed_step(self.config.train.seed, self.env.rank, step)
 
     @contextlib.contextmanager
     def _save_alone_if_a_peer_is_lost(self):

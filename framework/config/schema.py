@@ -352,12 +352,6 @@ def field_docs() -> dict[str, str]:
     return {f"{name}.{key}": doc for name, cls in SECTIONS.items() for key, doc in _field_docs(cls).items()}
 
 
-def __getattr__(name: str):
-    if name == "FIELD_DOCS":
-        return field_docs()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 def applicable_keys(*, builtin_model: bool = True, builtin_data: bool = True) -> list[str]:
     """The dotted keys that apply to a run on the built-in GPT or a user's model, and the built-in
     data or a user's dataset: what its logged and saved configuration shows, and what a resume

@@ -202,10 +202,7 @@ class CheckpointManager:
             self.began_from = str(path.resolve())
             return
         self.resumed_from = path.name
-        try:
-            entries = _read_manifest(self.manifest_path)
-        except (FileNotFoundError, ValueError):
-            entries = []
+        entries = self._listed()
         entry = next((e for e in entries if e["file"] == path.name), None)
         if entry is None:
             log.info("resuming from %s, which the manifest does not list: this run starts lineage %s",
@@ -238,9 +235,7 @@ class CheckpointManager:
         self.last_wait_s = time.perf_counter() - start
         if self._lock is None:
             self._acquire()
-        start = time.perf_counter()
-        snapshot = to_cpu(state)
-        self.last_stall_s = time.perf_counter() - start
+        snapshot = self._snapshot(state)
         path = self.directory / self._file_name(step)
         self._thread = threading.Thread(target=self._write_guarded, args=(snapshot, step, path),
                                         name=f"checkpoint-writer-{step}")
@@ -274,10 +269,7 @@ class CheckpointManager:
                 log.info("not saving step %d: %s cannot be locked", step, self.lock_path)
                 return None
         try:
-            try:
-                entries = _read_manifest(self.manifest_path)
-            except (FileNotFoundError, ValueError):
-                entries = []
+            entries = self._listed()
             ours = [e for e in entries if e["lineage"] == lineage]
             if any(int(e["step"]) >= step for e in ours):
                 log.info("not saving step %d: lineage %s already has a checkpoint of it or later", step, lineage)
@@ -286,10 +278,7 @@ class CheckpointManager:
             if self.began_from is None:
                 self.began_from = ours[-1].get("began_from") if ours else began_from
             path = self.directory / self._file_name(step)
-            start = time.perf_counter()
-            snapshot = to_cpu(state)
-            self.last_stall_s = time.perf_counter() - start
-            self._write(snapshot, step, path, prune=False)
+            self._write(self._snapshot(state), step, path, prune=False)
             return path
         finally:
             if took_lock:
@@ -324,11 +313,22 @@ class CheckpointManager:
         # Only under the lock: another live run's temp files are its writes in progress.
         self._remove_stale_temp_files()
 
-    def _file_name(self, step: int) -> str:
+    def _listed(self) -> list[dict]:
+        """The manifest's entries; none when it is missing or unreadable."""
         try:
-            entries = _read_manifest(self.manifest_path)
+            return _read_manifest(self.manifest_path)
         except (FileNotFoundError, ValueError):
-            entries = []
+            return []
+
+    def _snapshot(self, state: dict) -> dict:
+        """``state`` copied to CPU memory (the caller's stall, timed)."""
+        start = time.perf_counter()
+        snapshot = to_cpu(state)
+        self.last_stall_s = time.perf_counter() - start
+        return snapshot
+
+    def _file_name(self, step: int) -> str:
+        entries = self._listed()
         owners = {e["file"]: e["lineage"] for e in entries}
 
         def ours(name: str) -> bool:

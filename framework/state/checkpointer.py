@@ -274,11 +274,14 @@ class Checkpointer:
 
     def state(self) -> dict:
         """The whole training state (a collective)."""
-        state = {name: part.state_dict() for name, part in self.components.items()}
-        return {"format": FORMAT, "framework_version": __version__, **state,
-                "rng": gather_rng(self.env.distributed, self.env.world_size),
+        return self._state(rngs=gather_rng(self.env.distributed, self.env.world_size))
+
+    def _state(self, *, rngs: list, model_state: dict | None = None, **extra) -> dict:
+        parts = {name: model_state if name == "model" and model_state is not None else part.state_dict()
+                 for name, part in self.components.items()}
+        return {"format": FORMAT, "framework_version": __version__, **parts, "rng": rngs,
                 "config": as_dict(self.cfg, builtin_model=self.builtin_model, builtin_data=self.builtin_data),
-                "world_size": self.env.world_size}
+                "world_size": self.env.world_size, **extra}
 
     def save_alone(self, step: int, *, model_state: dict) -> Path | None:
         """Write ``step``'s state from this rank alone, without a collective: for a rank whose peer
@@ -295,12 +298,8 @@ class Checkpointer:
                 log.info("not saving step %d alone: rank 0 recorded no lineage in %s", step, self.manager.directory)
                 return None
             lineage, began_from = record["current"], record["began_from"]
-        state = {"format": FORMAT, "framework_version": __version__,
-                 **{name: part.state_dict() for name, part in self.components.items() if name != "model"},
-                 "model": model_state,
-                 "rng": [None] * self.env.world_size, "config": as_dict(self.cfg, builtin_model=self.builtin_model,
-                                                builtin_data=self.builtin_data),
-                 "world_size": self.env.world_size, "saved_alone_by": self.env.rank}
+        state = self._state(rngs=[None] * self.env.world_size, model_state=model_state,
+                            saved_alone_by=self.env.rank)
         with self._disk_errors_are_fatal():
             return self.manager.write_alone(state, step, lineage=lineage, began_from=began_from)
 
