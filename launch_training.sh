@@ -36,6 +36,10 @@ usage: ./launch_training.sh [options] [-- ddp_training.py flags]
                             start, and after a failure (default 60)
       --rdzv-last-call S    with a range, how long a rendezvous that has its minimum waits for more
                             nodes (default 5)
+      --rdzv-rejoin-timeout S
+                            with a fixed --nnodes N > 1, how long the run waits for a lost node to
+                            rejoin before it ends with 75 (default 15; the first rendezvous waits
+                            --rdzv-join-timeout)
   -h, --help                this help
 
 With neither --gpus nor --cpu, all visible GPUs are used, or 2 CPU processes if there is none.
@@ -62,7 +66,7 @@ gpu_count() { "$python" -c 'import torch; print(torch.cuda.device_count())' 2>/d
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 python="${PYTHON:-python3}"
 gpus="" cpu=0 nproc="" test_mode=0 debug=0
-max_restarts="" nnodes="" rdzv_endpoint="" rdzv_id="" rdzv_backend=c10d join_timeout=60 last_call=5
+max_restarts="" nnodes="" rdzv_endpoint="" rdzv_id="" rdzv_backend=c10d join_timeout=60 last_call=5 rejoin_timeout=15
 train_args=()
 
 while [[ $# -gt 0 ]]; do
@@ -86,6 +90,7 @@ while [[ $# -gt 0 ]]; do
     --rdzv-backend) need_value "$@"; rdzv_backend="$2"; shift 2 ;;
     --rdzv-join-timeout) need_value "$@"; join_timeout="$2"; shift 2 ;;
     --rdzv-last-call) need_value "$@"; last_call="$2"; shift 2 ;;
+    --rdzv-rejoin-timeout) need_value "$@"; rejoin_timeout="$2"; shift 2 ;;
     -h|--help) usage; exit 0 ;;
     --) shift; train_args+=("$@"); break ;;
     *) die "unknown option '$1' (see --help; flags for ddp_training.py go after --)" ;;
@@ -140,6 +145,8 @@ min_nodes=${nnodes%%:*} max_nodes=${nnodes##*:}
   die "--rdzv-backend '$rdzv_backend': allowed: c10d, etcd-v2"
 [[ "$join_timeout" =~ ^[1-9][0-9]*$ ]] || die "--rdzv-join-timeout '$join_timeout': must be a positive integer"
 [[ "$last_call" =~ ^[1-9][0-9]*$ ]] || die "--rdzv-last-call '$last_call': must be a positive integer"
+[[ "$rejoin_timeout" =~ ^[1-9][0-9]*$ ]] ||
+  die "--rdzv-rejoin-timeout '$rejoin_timeout': must be a positive integer"
 if [[ $max_nodes -gt 1 && $platform != kubernetes ]]; then
   [[ "$rdzv_endpoint" =~ ^[A-Za-z0-9._-]+:[0-9]+$ ]] || die "--nnodes $nnodes needs --rdzv-endpoint HOST:PORT"
   [[ "$rdzv_id" =~ ^[A-Za-z0-9._-]+$ ]] || die "--nnodes $nnodes needs --rdzv-id ID (letters, digits, . _ -)"
@@ -282,16 +289,48 @@ os.execvp(sys.argv[1], sys.argv[1:])' \
   "$here/ddp_training.py" "${train_args[@]}" &
 child=$!
 [[ -z "$pending" ]] || kill -s "$pending" "$child" 2>/dev/null || true
-# `wait` returns early (128 + the signal) when a trapped signal arrives: wait until torchrun has
-# really ended, then ask once more for its own status (bash keeps it for an ended child).
-while kill -0 "$child" 2>/dev/null; do
-  wait "$child" || true
-done
-wait "$child" && status=0 || status=$?
 marker="$checkpoint_dir/PREEMPTED"
 final="$checkpoint_dir/final_model.pt"
 lost="$checkpoint_dir/NODE_LOST"
-if [[ $status -ne 0 && -f "$lost" && "$lost" -nt "$stamp" ]]; then
+fatal="$checkpoint_dir/FATAL"
+# A fixed-size run (--nnodes N, N > 1) that lost a node cannot go on without it: torchrun's agent
+# would wait in the next rendezvous for the whole join timeout. Once a worker wrote NODE_LOST (a
+# restart's first process clears it) and torchrun has had no worker for --rdzv-rejoin-timeout
+# seconds, the node did not rejoin: stop torchrun, and exit 75 saying so.
+watch_rejoin=0 gave_up=0 idle_since=""
+[[ $max_nodes -gt 1 && $min_nodes -eq $max_nodes ]] && watch_rejoin=1
+# shellcheck disable=SC2329  # called in the loop below
+has_workers() { [[ -n "$(cat /proc/"$1"/task/*/children 2>/dev/null)" ]]; }
+# `wait` returns early (128 + the signal) when a trapped signal arrives: wait until torchrun has
+# really ended, then ask once more for its own status (bash keeps it for an ended child).
+while kill -0 "$child" 2>/dev/null; do
+  if [[ $watch_rejoin -eq 0 ]]; then
+    wait "$child" || true
+    continue
+  fi
+  sleep 1 &
+  wait $! || true
+  if [[ $gave_up -eq 0 && -f "$lost" && "$lost" -nt "$stamp" ]] && ! has_workers "$child"; then
+    idle_since=${idle_since:-$SECONDS}
+    if (( SECONDS - idle_since >= rejoin_timeout )); then
+      gave_up=1
+      kill -s TERM "$child" 2>/dev/null || true
+    fi
+  else
+    idle_since=""
+  fi
+done
+wait "$child" && status=0 || status=$?
+if [[ $gave_up -eq 1 ]]; then
+  echo "launch_training.sh: a node of this fixed-size run (--nnodes $nnodes) was lost and did not rejoin within" \
+       "${rejoin_timeout} s ($(cat "$lost" 2>/dev/null)); relaunch once it is back, and the run resumes from its newest" \
+       "checkpoint, or use --nnodes 1:$max_nodes to go on without it" >&2 || true
+  status=75
+elif [[ $status -ne 0 && -f "$fatal" && "$fatal" -nt "$stamp" ]]; then
+  # First: a FATAL stop is one that no restart or requeue can fix, whatever a peer saw on its way
+  # out (NODE_LOST, when one rank's deterministic error ended the others' collectives).
+  echo "launch_training.sh: stopped, and a relaunch would fail the same way: $(cat "$fatal")" >&2 || true
+elif [[ $status -ne 0 && -f "$lost" && "$lost" -nt "$stamp" ]]; then
   # torchrun exits 1 whatever its workers said; they exit 75 when a node of the run is lost.
   echo "launch_training.sh: a node of the run was lost ($(cat "$lost")); relaunch to resume" >&2 || true
   status=75

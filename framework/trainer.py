@@ -155,7 +155,7 @@ class DDPTrainer:
                                           builtin_data=builtin_data, builtin_model=model is None,
                                           on_save=self._moments.saved)
         markers.check_at_start(self.config.checkpoint.dir, restart_count=process_group.incarnation(),
-                               is_main=self.env.is_main)
+                               is_main=self.env.is_main, is_local_main=self.env.local_rank == 0)
         if self.config.train.deterministic:
             rng.use_deterministic_kernels()
         if builtin_data:

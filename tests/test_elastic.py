@@ -19,6 +19,7 @@ from framework.observability.metrics import read_metrics, read_samples
 from framework.testing.tiny import tiny
 from tests.dist_helper import (ROOT, cli_args, free_port, kill_matching, launch, torchrun_cmd, wait_for, wait_gone,
                                worker_env, workers_by_rank)
+from tests.equivalence import max_weight_diff
 
 pytestmark = pytest.mark.dist
 
@@ -72,7 +73,9 @@ def test_a_run_resumed_on_4_2_1_and_2_ranks_keeps_its_global_batch_its_samples_a
     # The weights: the same up to the order of the gradient summation.
     a = torch.load(chain / "ck" / "final_model.pt", weights_only=True)
     b = torch.load(ref / "ck" / "final_model.pt", weights_only=True)
-    assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-5
+    # Measured on one process (batch 8 against 4 x 2 and 2 x 4, 16 steps): up to 1.6e-7 without the
+    # attention key biases, 1.2e-5 with them; see tests/equivalence.py.
+    assert max_weight_diff(a, b) <= 1e-5
 
 
 # --- node loss: 2 nodes x 1 process on loopback --------------------------------------------------
@@ -210,7 +213,9 @@ def test_a_lost_node_leaves_the_survivor_training_on_one_node_then_it_rejoins(no
     assert got == want
     a = torch.load(run_dir / "ck" / "final_model.pt", weights_only=True)
     b = torch.load(ref / "ck" / "final_model.pt", weights_only=True)
-    assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-5
+    # Measured on one process (batch 8 against 4 x 2 and 2 x 4, 64 steps): up to 1.8e-6 without the
+    # attention key biases, 3.3e-5 with them; see tests/equivalence.py.
+    assert max_weight_diff(a, b) <= 1e-5
 
 
 @pytest.fixture
@@ -278,4 +283,47 @@ def test_with_etcd_losing_the_node_of_rank_0_leaves_the_other_node_training(etcd
     assert steps_by_epoch(run_dir / "logs") == steps_by_epoch(ref / "logs")
     a = torch.load(run_dir / "ck" / "final_model.pt", weights_only=True)
     b = torch.load(ref / "ck" / "final_model.pt", weights_only=True)
-    assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-5
+    assert max_weight_diff(a, b) <= 1e-5  # measured as in the test above
+
+
+def start_launcher(run_dir: Path, port: int, name: str, nnodes: str) -> subprocess.Popen:
+    """One node through launch_training.sh (one CPU process), as a user starts it on each node."""
+    cfg = {**NODES, "log_dir": str(run_dir / "logs"), "checkpoint_dir": str(run_dir / "ck")}
+    out = (run_dir / f"{name}.out").open("a")
+    try:
+        return subprocess.Popen([str(ROOT / "launch_training.sh"), "--cpu", "--nproc", "1", "--nnodes", nnodes,
+                                 "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_dir.name, "--max-restarts",
+                                 "2", "--", *cli_args(cfg)], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                                env=worker_env({"TEST_OUT_DIR": str(run_dir)}))
+    finally:
+        out.close()
+
+
+def test_a_fixed_size_run_that_loses_a_node_ends_within_30_s_and_says_so(tmp_path):
+    """Issue 33, bug 5: --nnodes 2 with restarts left: the survivor's agent waited in the next
+    rendezvous for the lost node until the join timeout (62 s measured). The launcher ends it
+    once the node has not rejoined within --rdzv-rejoin-timeout (15 s), with 75 and one line."""
+    port = free_port()
+    launchers = [start_launcher(tmp_path, port, "node0", "2")]
+    time.sleep(0.5)  # node 0 hosts the store
+    launchers.append(start_launcher(tmp_path, port, "node1", "2"))
+    try:
+        wait_for(lambda: "checkpoint step 8 written" in rank0_log(tmp_path), 90, "the first checkpoint")
+        node1 = psutil.Process(launchers[1].pid)
+        whole_node = [*node1.children(recursive=True), node1]
+        for proc in whole_node:  # the node's launcher, agent and worker at once
+            proc.kill()
+        lost_at = time.monotonic()
+        launchers[0].wait(timeout=90)
+        ended_s = time.monotonic() - lost_at
+    finally:
+        for launcher in launchers:
+            if launcher.poll() is None:
+                launcher.kill()
+                launcher.wait()
+        leftovers = kill_matching(str(tmp_path))
+    out = (tmp_path / "node0.out").read_text()
+    assert launchers[0].returncode == 75, out[-3000:]
+    assert ended_s <= 30, (ended_s, out[-3000:])
+    assert "was lost and did not rejoin within 15 s" in out and "--nnodes 1:2" in out
+    assert not leftovers

@@ -236,6 +236,44 @@ def test_a_lost_node_makes_the_launcher_exit_75_where_torchrun_exits_1(shim, tmp
     assert proc.returncode == 1
 
 
+def test_a_fatal_marker_of_the_launch_comes_before_node_lost(shim, tmp_path):
+    """A peer of a rank that stopped on a deterministic error sees it vanish and writes NODE_LOST:
+    the launcher must not turn that FATAL stop into 75, which a batch script requeues forever."""
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    shim_python = tmp_path / "shim" / "python"
+    wrapper = tmp_path / "shim" / "python-fatal"  # the shim, writing FATAL beside NODE_LOST
+    wrapper.write_text(f"#!/bin/sh\n[ \"$1 $2\" = '-m torch.distributed.run' ] && echo 'rank 1: FatalError: cannot "
+                       f"halve further' > {ck / 'FATAL'}\nexec {shim_python} \"$@\"\n")
+    wrapper.chmod(0o755)
+    proc, _ = shim(["--cpu", "-c", str(ck), "-l", str(tmp_path / "logs")], SHIM_MARKER=str(ck / "NODE_LOST"),
+                   SHIM_EXIT="1", PYTHON=str(wrapper))
+    assert proc.returncode == 1, proc.stderr
+    assert "a relaunch would fail the same way: rank 1: FatalError: cannot halve further" in proc.stderr
+    assert "a node of the run was lost" not in proc.stderr
+
+
+@pytest.mark.parametrize("faults, max_restarts, fatal", [
+    # rank 1 fails the same way in every incarnation; the restart-loop guard stops it with FATAL
+    ("crash@step=10,rank=1,restart=*", 3, True),
+    # a transient kill of rank 1 (survived), then an unrelated failure of every rank later on
+    ("sigkill@step=3,rank=1; crash@step=10,restart=1", 1, False),
+])
+def test_a_launch_whose_last_incarnation_lost_no_node_does_not_exit_75(tmp_path, faults, max_restarts, fatal):
+    """Issue 33, bug 1: both exited 75 (a requeue, in train.sbatch, until the time limit)."""
+    ck, logs = tmp_path / "ck", tmp_path / "logs"
+    proc = run_script(["--cpu", "-n", "2", "--test", "--max-restarts", str(max_restarts), "-c", str(ck),
+                       "-l", str(logs), "--", "--recovery.fault_inject", faults,
+                       "--recovery.max_no_progress_restarts", "1", "--checkpoint.every_steps", "8"], timeout=240)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert (ck / "FATAL").exists() == fatal
+    if fatal:
+        assert "restarts in a row" in (ck / "FATAL").read_text() and "crash at step 10" in (ck / "FATAL").read_text()
+    assert not (ck / "NODE_LOST").exists() or fatal
+    assert "a node of the run was lost" not in proc.stderr
+    assert not leftovers(str(tmp_path))
+
+
 def fake_scontrol(tmp_path: Path, hosts: list[str]) -> str:
     """A PATH whose scontrol answers `scontrol show hostnames LIST` with ``hosts``."""
     bin_dir = tmp_path / "slurm-bin"

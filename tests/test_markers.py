@@ -69,6 +69,25 @@ def test_restart_stops_on_an_earlier_fatal_marker(tmp_path):
     assert markers.recorded_micro_batch(tmp_path)["micro_batch_size"] == 4
 
 
+def test_a_restart_clears_the_node_lost_marker_of_an_earlier_incarnation_on_each_node(tmp_path):
+    """NODE_LOST makes the launcher exit 75 (requeue): a loss that a restart survived must not
+    turn the launch's later, unrelated failure into 75 (issue 33, bug 1)."""
+    import os
+    import time
+    from framework.resilience.markers import NODE_LOST
+    markers.write(tmp_path, NODE_LOST, "a peer process of the run went away")
+    old = time.time() - 3600  # written by an earlier incarnation, before this process started
+    os.utime(tmp_path / NODE_LOST, (old, old))
+    markers.check_at_start(tmp_path, restart_count=0, is_main=True)  # a fresh launch: the launcher's stamp decides
+    markers.check_at_start(tmp_path, restart_count=1, is_main=False)  # not the node's first process
+    assert markers.read(tmp_path, NODE_LOST) is not None
+    markers.check_at_start(tmp_path, restart_count=1, is_main=False, is_local_main=True)
+    assert markers.read(tmp_path, NODE_LOST) is None
+    markers.write(tmp_path, NODE_LOST, "a peer of this incarnation went away")  # this incarnation's: kept
+    markers.check_at_start(tmp_path, restart_count=1, is_main=True, is_local_main=True)
+    assert markers.read(tmp_path, NODE_LOST) == "a peer of this incarnation went away"
+
+
 def test_restart_keeps_the_recorded_micro_batch(tmp_path):
     markers.record_micro_batch(tmp_path, 4, 2, "oom")
     markers.check_at_start(tmp_path, restart_count=1, is_main=True)

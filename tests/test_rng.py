@@ -1,5 +1,6 @@
 """The process's random number generators: seed_all, capture and restore."""
 
+import copy
 import io
 import random
 
@@ -144,3 +145,48 @@ def test_buffer_watch_gives_the_buffers_as_at_the_step_start():
     plain = BufferWatch(torch.nn.Linear(3, 4))  # no persistent buffer: nothing is copied
     plain.at_step_start()
     assert plain.copies is None and plain.model_state(is_main=False)[1] is None
+
+
+class OutOfPlace(torch.nn.Module):
+    """A counter buffer reassigned out of place, and an extra state made anew at each call (as fp8
+    scaling histories are): both are read by name, not through the objects seen at construction."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3)
+        self.register_buffer("n", torch.zeros(()))
+        self.history = [0.0]
+
+    def forward(self, x):
+        self.n = self.n + 1
+        self.history = self.history + [float(x.abs().max())]
+        return self.lin(x)
+
+    def get_extra_state(self):
+        return {"history": torch.tensor(self.history)}
+
+    def set_extra_state(self, state):
+        self.history = state["history"].tolist()
+
+
+def test_buffer_watch_reads_buffers_and_extra_state_by_name_at_each_step_start():
+    """Issue 33, bug 2: the watch kept the tensors it saw at construction, so a buffer updated out
+    of place or a new extra state was saved with its construction-time value, and off rank 0 the
+    frozen copies always compared equal."""
+    from framework.state.checkpointer import BufferWatch
+
+    model = OutOfPlace()
+    watch = BufferWatch(model)
+    for _ in range(3):
+        watch.at_step_start()
+        at_start = copy.deepcopy(model.state_dict())
+        model(torch.randn(4, 3))  # the step's forward, before a peer is lost
+    state, why = watch.model_state(is_main=True)
+    assert why is None and float(state["n"]) == 2.0 == float(at_start["n"])
+    assert torch.equal(state["_extra_state"]["history"], at_start["_extra_state"]["history"])
+    assert len(state["_extra_state"]["history"]) == 3 and len(model.get_extra_state()["history"]) == 4
+    assert watch.model_state(is_main=False) == (None, "the buffers that a step changes (BatchNorm statistics) "
+                                                      "are rank 0's")
+    restored = OutOfPlace()
+    restored.load_state_dict(state)
+    assert float(restored.n) == 2.0 and restored.history == model.history[:3]

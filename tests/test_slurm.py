@@ -105,11 +105,11 @@ PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP
         kill_matching(str(d))
 
 
-def submit(env, run_dir: Path, *extra: str) -> str:
+def submit(env, run_dir: Path, *extra: str, train: tuple[str, ...] = ()) -> str:
     run_dir.mkdir(parents=True, exist_ok=True)
     flags = cli_args({**JOB, "log_dir": str(run_dir / "logs"), "checkpoint_dir": str(run_dir / "ck")})
     proc = subprocess.run(["sbatch", "--parsable", f"--output={run_dir / 'job.out'}", *extra,
-                           str(ROOT / "examples" / "slurm" / "train.sbatch"), *flags],
+                           str(ROOT / "examples" / "slurm" / "train.sbatch"), *flags, *train],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     return proc.stdout.strip().split(";")[0]
@@ -190,3 +190,18 @@ def test_scancel_saves_and_the_job_ends_without_a_requeue(slurm, tmp_path):
     manifest = (tmp_path / "ck" / "manifest.json").read_text()
     assert f"step_{result['steps']:08d}.pt" in manifest and (tmp_path / "ck" / "PREEMPTED").is_file()
     print(f"scancel -> saved {saved:.1f} s")
+
+
+def test_a_deterministic_error_on_one_rank_fails_the_job_without_a_requeue(slurm, tmp_path):
+    """Issue 33, bug 1: rank 1 fails at step 10 in every incarnation; rank 0 sees it vanish
+    (NODE_LOST) and the restart-loop guard stops the launch with FATAL. The job fails once; it
+    was requeued until its time limit, each requeue clearing FATAL as a new launch does."""
+    job = submit({**slurm, "MAX_RESTARTS": "3"}, tmp_path, train=(
+        "--recovery.fault_inject", "crash@step=10,rank=1,restart=*", "--recovery.max_no_progress_restarts", "1",
+        "--checkpoint.every_steps", "8"))
+    assert wait_done(slurm, job, 180) == "FAILED"
+    time.sleep(2)  # a requeue would show now
+    out = (tmp_path / "job.out").read_text()
+    assert job_field(slurm, job, "Restarts") == "0", out[-3000:]
+    assert "not requeueing job" in out and "requeueing job" not in out.replace("not requeueing job", "")
+    assert "crash at step 10" in (tmp_path / "ck" / "FATAL").read_text()

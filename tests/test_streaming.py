@@ -180,3 +180,22 @@ def test_a_preflight_with_no_batch_is_a_fatal_error_not_a_type_error():
 
     with pytest.raises(FatalError, match="no batch of the training set"):
         policy.probe(torch.nn.Linear(2, 2), [], None, lambda: torch.autocast("cpu", enabled=False))
+
+
+def test_a_stream_resumed_at_another_world_size_stops_without_the_fatal_marker_that_blocks_a_rejoin(tmp_path):
+    """Issue 33, bug 3: an elastic shrink re-splits a stream's shards, which it cannot: the run
+    stops with one line, but without the FATAL marker that would stop every later incarnation,
+    also the one where the lost node is back and the world size is the checkpoint's again."""
+    import torch
+
+    from framework.resilience.markers import FatalError
+    DDPTrainer(stream_config(tmp_path / "one", max_steps=3, num_epochs=1, save_every_steps=3),
+               train_dataset=Rows(32)).train()
+    state = torch.load(tmp_path / "one" / "ck" / "step_00000003.pt", weights_only=True)
+    state["sampler"]["world_size"] = 2  # as a 2-rank run saved it
+    torch.save(state, tmp_path / "two_ranks.pt")
+    with pytest.raises(FatalError, match="saved with 2 ranks, resumed on 1"):
+        DDPTrainer({**stream_config(tmp_path / "shrunk"), "checkpoint.resume": str(tmp_path / "two_ranks.pt")},
+                   train_dataset=Rows(32))
+    assert not (tmp_path / "shrunk" / "ck" / "FATAL").exists()
+    assert "saved with 2 ranks" in (tmp_path / "shrunk" / "ck" / "LAST_ERROR").read_text()

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset
 
-from ..resilience.markers import FatalError
+from ..resilience.markers import FatalError, WorldSizeMismatch
 from .batches import to_device
 
 log = logging.getLogger(__name__)
@@ -78,8 +78,8 @@ class StreamPosition:
 
     def load_state_dict(self, state: dict) -> None:
         if int(state["world_size"]) != self.world_size:
-            raise ValueError(f"a stream's shards depend on the world size: saved with {state['world_size']} ranks, "
-                             f"resumed on {self.world_size}")
+            raise WorldSizeMismatch(f"a stream's shards depend on the world size: saved with {state['world_size']} "
+                                    f"ranks, resumed on {self.world_size}; resume it on {state['world_size']}")
         self.epoch, self.consumed = int(state["epoch"]), int(state["consumed"])
         # Saved once the stream ran out: the epoch is done, and a resume starts the next one.
         self.exhausted = bool(state.get("exhausted", False))

@@ -13,17 +13,14 @@ import torch
 from torch.utils.data import Dataset
 
 from ..resilience.exclusions import FILE as EXCLUDED_FILE
-from ..resilience.markers import FatalError
+from ..resilience.markers import FatalError, WorldSizeMismatch
 from .batches import fetch, to_device
 
 log = logging.getLogger(__name__)
 
 
-class GlobalBatchUnsplittable(FatalError):
-    """The global batch does not split over this world size: a stop with one line, but no FATAL
-    marker, since a restart at another world size (a node back in an elastic range) can continue."""
-
-    blocks_restarts = False
+class GlobalBatchUnsplittable(WorldSizeMismatch):
+    """The global batch does not split over this world size (no FATAL marker: see the base)."""
 
 
 def split_global_batch(global_batch: int, world_size: int, max_micro_batch: int, *, why: str) -> tuple[int, int]:

@@ -35,6 +35,14 @@ class FatalError(RuntimeError):
     blocks_restarts = True
 
 
+class WorldSizeMismatch(FatalError):
+    """A stop that only this world size causes (a global batch that does not split over it, a
+    stream's shards saved at another): one line, but no FATAL marker, since a restart at another
+    world size (a node back in an elastic range) can continue."""
+
+    blocks_restarts = False
+
+
 class EarlierFatal(FatalError):
     """A restart stopping on the FATAL marker of an earlier incarnation, which stays as it is."""
 
@@ -82,6 +90,14 @@ def _recorded_by_this_incarnation(path: Path) -> bool:
         return path.stat().st_mtime >= psutil.Process().create_time()
     except FileNotFoundError:
         return False
+
+
+def clear_if_earlier(directory: str | Path, name: str) -> None:
+    """Remove the marker ``name`` if an earlier incarnation wrote it (before this process started):
+    one that a peer of this incarnation wrote already stays."""
+    path = Path(directory) / name
+    if path.exists() and not _recorded_by_this_incarnation(path):
+        path.unlink(missing_ok=True)
 
 
 def peer_lost(err: BaseException) -> bool:
@@ -134,11 +150,15 @@ def recorded_micro_batch(directory: str | Path) -> dict | None:
     return None if text is None else json.loads(text)
 
 
-def check_at_start(directory: str | Path, *, restart_count: int, is_main: bool) -> None:
+def check_at_start(directory: str | Path, *, restart_count: int, is_main: bool, is_local_main: bool = False) -> None:
     """A restarted group stops at once on an earlier incarnation's FATAL marker. A fresh launch
     (restart count 0) clears it, the micro-batch an earlier launch recorded (the user's
-    configuration decides again) and the earlier launch's lineages. Call it holding
-    checkpoint_dir's lock: the markers may be a live run's."""
+    configuration decides again) and the earlier launch's lineages. A restart that starts
+    clears NODE_LOST on each node (``is_local_main``): the loss an earlier incarnation recorded
+    was survived, so the launcher's exit says what the last incarnation met, not the first.
+    Call it holding checkpoint_dir's lock: the markers may be a live run's."""
+    if restart_count > 0 and (is_main or is_local_main):
+        clear_if_earlier(directory, NODE_LOST)
     if restart_count == 0 and is_main:
         if read(directory, MICRO_BATCH) is not None:
             log.warning("clearing %s of an earlier launch", MICRO_BATCH)

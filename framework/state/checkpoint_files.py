@@ -142,7 +142,7 @@ class CheckpointManager:
 
     LOCK = ".lock"
 
-    def __init__(self, directory: str | Path, keep_last: int = 3, rank: int = 0):
+    def __init__(self, directory: str | Path, keep_last: int = 3, rank: int = 0, *, wait_for_run_s: float = 0):
         if keep_last < 1:
             raise ValueError(f"keep_last={keep_last}: must be at least 1")
         self.directory = Path(directory)
@@ -167,7 +167,7 @@ class CheckpointManager:
         self._reported_other_lineages = False
         self._unreadable: list[str] = []  # what the last latest_valid could not read, for its error
         if rank == 0:
-            self._acquire()
+            self._acquire(wait_for_run_s)
 
     load_file = staticmethod(load_file)
 
@@ -308,8 +308,11 @@ class CheckpointManager:
         finally:
             self.release()
 
-    def _acquire(self) -> None:
-        self._lock = _DirLock(self.lock_path)
+    def _acquire(self, wait_for_run_s: float = 0) -> None:
+        """Take the directory's lock. ``wait_for_run_s``: how long to wait for a holder of this
+        same torchrun run (a survivor of the last incarnation still writing its save alone); a
+        holder of another run fails at once."""
+        self._lock = _DirLock(self.lock_path, wait_for_run_s)
         # Only under the lock: another live run's temp files are its writes in progress.
         self._remove_stale_temp_files()
 
@@ -603,9 +606,9 @@ class _DirLock:
     """An exclusive ``flock`` on ``path``, written with the holder's pid and host. Released by
     ``release()``, when the object is garbage-collected, or by the kernel when the process dies."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, wait_for_run_s: float = 0):
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd = _locked_fd(path)
+        fd = _locked_fd(path, wait_for_run_s)
         self._finalizer = None if fd is None else weakref.finalize(self, _unlock, fd, path, os.getpid())
 
     @property
@@ -618,14 +621,16 @@ class _DirLock:
             self._finalizer()
 
 
-def _locked_fd(path: Path) -> int | None:
+def _locked_fd(path: Path, wait_for_run_s: float = 0) -> int | None:
     collected = False
+    deadline = time.monotonic() + wait_for_run_s
+    waiting_since = None
     while True:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = _lock_holder(fd)
+            holder, run_id = _lock_holder(fd), _lock_run_id(fd)
             os.close(fd)
             if not collected and "this process" in holder:
                 # An earlier trainer of this process that nobody closed: its manager may be garbage
@@ -633,7 +638,17 @@ def _locked_fd(path: Path) -> int | None:
                 gc.collect()
                 collected = True
                 continue
-            raise CheckpointDirLocked(f"checkpoint_dir {path.parent} is in use by another run ({holder}): "
+            if run_id is not None and run_id == os.environ.get("TORCHELASTIC_RUN_ID") and time.monotonic() < deadline:
+                # A process of this same run, from its last incarnation: a survivor still writing
+                # the step it saves alone. The new round waits for it (bounded) instead of failing.
+                if waiting_since is None:
+                    waiting_since = time.monotonic()
+                    log.warning("checkpoint_dir %s is locked by %s of this run (a survivor saving alone?): waiting "
+                                "up to %.0f s for it", path.parent, holder, deadline - waiting_since)
+                time.sleep(0.1)
+                continue
+            waited = "" if waiting_since is None else f" (waited {time.monotonic() - waiting_since:.0f} s for it)"
+            raise CheckpointDirLocked(f"checkpoint_dir {path.parent} is in use by another run ({holder}){waited}: "
                                       f"wait for it to finish, or use another checkpoint_dir") from None
         except OSError as e:
             os.close(fd)
@@ -648,7 +663,8 @@ def _locked_fd(path: Path) -> int | None:
         os.close(fd)
     try:
         os.ftruncate(fd, 0)
-        os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname()}).encode())
+        os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                 "run_id": os.environ.get("TORCHELASTIC_RUN_ID")}).encode())
     except BaseException:
         os.close(fd)
         raise
@@ -666,6 +682,16 @@ def _lock_holder(fd: int) -> str:
     if info["pid"] == os.getpid() and info["host"] == socket.gethostname():
         holder += ", this process: close its other CheckpointManager first"
     return holder
+
+
+def _lock_run_id(fd: int) -> str | None:
+    """The torchrun run id the lock's holder recorded, if any."""
+    try:
+        info = json.loads(os.pread(fd, 4096, 0))
+    except ValueError:
+        return None
+    run_id = info.get("run_id") if isinstance(info, dict) else None
+    return run_id if isinstance(run_id, str) else None
 
 
 def _same_file(fd: int, path: Path) -> bool:

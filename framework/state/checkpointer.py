@@ -9,6 +9,7 @@ floats, strings, lists, dicts) so it loads under ``torch.load(weights_only=True)
 from __future__ import annotations
 
 import contextlib
+import copy
 import errno
 import logging
 from pathlib import Path
@@ -146,10 +147,15 @@ def guard_restart_loop(cfg: TrainConfig, env, resumed_step: int) -> None:
 
 def open_manager(cfg: TrainConfig, env) -> CheckpointManager:
     """The checkpoint manager; rank 0 takes checkpoint_dir's lock, and every rank learns if it
-    could not (the others would otherwise wait for it in the first collective)."""
+    could not (the others would otherwise wait for it in the first collective). A restart waits
+    for a process of its own run that still holds the lock (a survivor of the last incarnation
+    writing its save alone, which can outlast the rendezvous's last call) for up to half the
+    collective timeout the other ranks wait under meanwhile."""
     error = None
+    wait = (cfg.ddp.init_timeout_s or cfg.ddp.timeout_s) / 2 if process_group.incarnation() > 0 else 0
     try:
-        manager = CheckpointManager(cfg.checkpoint.dir, keep_last=cfg.checkpoint.keep_last, rank=env.rank)
+        manager = CheckpointManager(cfg.checkpoint.dir, keep_last=cfg.checkpoint.keep_last, rank=env.rank,
+                                    wait_for_run_s=wait)
     except CheckpointDirLocked as err:
         error = str(err)
     if env.distributed:
@@ -162,40 +168,77 @@ def open_manager(cfg: TrainConfig, env) -> CheckpointManager:
 
 
 class BufferWatch:
-    """The model's persistent buffers as they stood at the current step's start, for a save
-    alone: a step's forward changes some in place (BatchNorm's running statistics, in C++ kernels
-    that do not bump the tensors' versions) before any collective can fail, so they are copied at
-    each step's start (a few KB for BatchNorm; nothing for the many transformers without a
-    persistent buffer), with the copy of the step before, which tells whether they change at all.
-    Beyond ``LIMIT`` bytes they are not copied, and a save alone is not made."""
+    """The model's state other than its parameters (persistent buffers and modules' extra state)
+    as it stood at the current step's start, for a save alone. A step's forward changes some of it
+    before any collective can fail: BatchNorm's running statistics in place (in C++ kernels that
+    do not bump the tensors' versions), a buffer reassigned out of place (``self.n = self.n + 1``),
+    a module's ``get_extra_state()`` that returns a new object each call (fp8 scaling histories).
+    So at each step's start the state is read anew by name from ``state_dict`` and copied (a few
+    KB for BatchNorm; nothing for the many transformers without such state), with the copy of the
+    step before, which tells whether it changes at all. Beyond ``LIMIT`` bytes, or for an extra
+    state that cannot be copied, nothing is copied and a save alone is not made."""
 
     LIMIT = 64 * 2**20
 
     def __init__(self, model: torch.nn.Module):
         self.model = model
-        params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
-        self.buffers = {name: t for name, t in model.state_dict(keep_vars=True).items()
-                        if name not in params and torch.is_tensor(t)}
-        self.bytes = sum(t.numel() * t.element_size() for t in self.buffers.values())
-        self.copies: dict[str, torch.Tensor] | None = None
-        self.before: dict[str, torch.Tensor] | None = None  # the copies at the previous step's start
+        self.params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+        self.bytes = 0
+        self.copies: dict | None = None
+        self.before: dict | None = None  # the copies at the previous step's start
+        self.why_not: str | None = "no step started yet"
+        self.watched = bool(self.read())  # a model with no such state reads nothing at each step
+
+    def read(self) -> dict:
+        """The model's state other than its parameters, now, by name (what ``state_dict`` holds)."""
+        return {name: v for name, v in self.model.state_dict(keep_vars=True).items() if name not in self.params}
+
+    @property
+    def buffers(self) -> dict:
+        return self.read()
 
     def at_step_start(self) -> None:
-        if self.buffers and self.bytes <= self.LIMIT:
-            self.before, self.copies = self.copies, {name: t.detach().clone() for name, t in self.buffers.items()}
+        if not self.watched:
+            return
+        state = self.read()
+        leaves = [leaf for v in state.values() for leaf in torch.utils._pytree.tree_leaves(v)]
+        self.bytes = sum(t.numel() * t.element_size() for t in leaves if torch.is_tensor(t))
+        self.before = self.copies
+        if self.bytes > self.LIMIT:
+            self.copies, self.why_not = None, f"its buffers ({self.bytes / 2**20:.0f} MB) are not copied at each step"
+            return
+        try:
+            self.copies = {name: v.detach().clone() if torch.is_tensor(v) else copy.deepcopy(v)
+                           for name, v in state.items()}
+            self.why_not = None
+        except Exception as err:  # noqa: BLE001  (an extra state deepcopy cannot copy: no save alone)
+            self.copies, self.why_not = None, f"its extra state cannot be copied ({type(err).__name__}: {err})"
 
     def model_state(self, *, is_main: bool) -> tuple[dict | None, str | None]:
-        """The model's state_dict with its buffers as at the step's start, or None and why not.
-        Off rank 0 only when the buffers do not change in a step: DDP's buffers are rank 0's."""
-        if not self.buffers:
+        """The model's state_dict with its buffers and extra state as at the step's start, or None
+        and why not. Off rank 0 only when they do not change in a step: DDP's buffers are rank 0's."""
+        if not self.watched:
             return self.model.state_dict(), None
         if self.copies is None:
-            return None, (f"its persistent buffers ({self.bytes / 2**20:.0f} MB) are not copied at each step"
-                          if self.bytes > self.LIMIT else "no step started yet")
-        if not is_main and (self.before is None or any(not torch.equal(self.before[name], self.copies[name])
-                                                       for name in self.copies)):
+            return None, self.why_not
+        if not is_main and (self.before is None or self.before.keys() != self.copies.keys()
+                            or not all(_same(self.before[name], self.copies[name]) for name in self.copies)):
             return None, "the buffers that a step changes (BatchNorm statistics) are rank 0's"
         return {**self.model.state_dict(), **self.copies}, None
+
+
+def _same(a, b) -> bool:
+    """Whether two copies of a buffer or an extra state are equal (False when it cannot tell)."""
+    try:
+        leaves_a, spec_a = torch.utils._pytree.tree_flatten(a)
+        leaves_b, spec_b = torch.utils._pytree.tree_flatten(b)
+        if spec_a != spec_b:
+            return False
+        return all((torch.is_tensor(x) and torch.is_tensor(y) and x.dtype == y.dtype and torch.equal(x, y))
+                   or (not torch.is_tensor(x) and not torch.is_tensor(y) and bool(x == y))
+                   for x, y in zip(leaves_a, leaves_b, strict=True))
+    except Exception:  # noqa: BLE001  (an object whose == is not a bool: taken as changed)
+        return False
 
 
 class Checkpointer:
