@@ -144,10 +144,10 @@ def test_reentrant_hidden_parameters_get_one_consistent_reason():
 
 
 @pytest.mark.parametrize("message, fix", [
-    ("Expected to mark a variable ready only once. This error ...", "ddp_static_graph=auto"),
-    ("Your training graph has changed in this iteration, ...", "ddp_static_graph=false"),
+    ("Expected to mark a variable ready only once. This error ...", "ddp.static_graph=auto"),
+    ("Your training graph has changed in this iteration, ...", "ddp.static_graph=false"),
     ("Expected to have finished reduction in the prior iteration before starting a new one.",
-     "find_unused_parameters=true"),
+     "ddp.find_unused_parameters=true"),
     ("expect_autograd_hooks_ INTERNAL ASSERT FAILED at ...", "warm-up"),
 ])
 def test_diagnoses_name_the_fix(message, fix):

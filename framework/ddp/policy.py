@@ -21,8 +21,10 @@ unwrapped model and real batches, and ``decide`` picks the settings.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import random
+import re
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -33,6 +35,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..data.batches import batch_loss, num_samples
 from ..model.activation_checkpointing import Checkpointing, checkpointing_of
+from ..model.loss_without_grad import diagnose_loss_without_grad
 from ..resilience.markers import FatalError
 from ..resilience.memory import is_oom
 
@@ -140,7 +143,14 @@ def probe(model: nn.Module, batches: list, loss_fn, autocast) -> ProbeReport:
                 with autocast():
                     loss = batch_loss(model, batch, loss_fn)
                 reachable = _graph_leaves(loss.grad_fn)
-                loss.backward()
+                try:
+                    loss.backward()
+                except RuntimeError as err:
+                    rerun = functools.partial(batch_loss, model, batch, loss_fn)  # to name the module
+                    diagnosed = diagnose_loss_without_grad(err, model, rerun)
+                    if diagnosed is None:
+                        raise
+                    raise diagnosed from err
                 used = {i for i, p in params.items() if p.grad is not None}
                 used_sets.append(used)
                 multi |= {i for i in used if fires.get(i, 0) > 1}
@@ -273,36 +283,83 @@ def warm_up(ddp_model: DDP, batch, loss_fn, autocast) -> None:
             p.grad = None
 
 
-# Substrings of DDP's errors -> what it means here and which setting fixes it.
+# Substrings of DDP's errors (matched case-insensitively, first match wins) -> what it means here
+# and which setting fixes it. "graph has changed" comes first: DDP's message for it also begins
+# with "Expected to have finished reduction".
 DIAGNOSES = {
     "Expected to mark a variable ready only once": (
         "a parameter's gradient hook fired twice in one backward (a weight shared by reentrant-checkpointed "
-        "blocks, or find_unused_parameters with reentrant checkpointing)",
-        "set ddp_static_graph=auto (or true) and find_unused_parameters=auto, or use "
-        "gradient_checkpointing=non_reentrant"),
-    "Your training graph has changed in this iteration": (
-        "static_graph is on but the set of parameters used changed between iterations",
-        "set ddp_static_graph=false and find_unused_parameters=true (or auto)"),
+        "blocks, a block checkpointed twice, or ddp.find_unused_parameters with reentrant checkpointing)",
+        "set ddp.static_graph=auto (or true) and ddp.find_unused_parameters=auto, or pass use_reentrant=False to "
+        "the model's checkpoint calls (the framework's own: memory.activation_checkpointing=non_reentrant)"),
+    "training graph has changed in this iteration": (
+        "ddp.static_graph is on but the set of parameters used changed between iterations",
+        "set ddp.static_graph=false and ddp.find_unused_parameters=true (or both auto)"),
     "Expected to have finished reduction in the prior iteration": (
-        "some parameters got no gradient, and DDP waited for them",
-        "set find_unused_parameters=true (or auto)"),
+        "some parameters got no gradient in the last backward, and DDP waited for them",
+        "set ddp.find_unused_parameters=true (or auto), or make every parameter take part in the loss"),
     "expect_autograd_hooks_": (
         "static_graph's first backward ran inside no_sync()",
-        "let the framework run its static-graph warm-up (ddp_static_graph=auto or true), or use "
-        "gradient_accumulation_steps=1"),
+        "let the framework run its static-graph warm-up (ddp.static_graph=auto or true), or use "
+        "data.gradient_accumulation_steps=1"),
 }
 
 
-class DDPConfigurationError(RuntimeError):
+class DDPConfigurationError(FatalError):
     """A DDP error recognised and explained; fatal: every rank stops."""
 
 
-def diagnose(err: BaseException) -> DDPConfigurationError | None:
+def reducer_parameter_names(model: nn.Module) -> list[str]:
+    """The names of DDP's parameters in its reducer's order (the indices in its errors): those that
+    require grad, shared ones once, less the ones it ignores."""
+    ignored = getattr(model, "parameters_to_ignore", set())
+    return [n for n, p in unwrap(model).named_parameters() if p.requires_grad and n not in ignored]
+
+
+def parameters_named_in(text: str, model: nn.Module | None) -> list[str]:
+    """The parameters a DDP error names: by name (TORCH_DISTRIBUTED_DEBUG, or the marked-twice one),
+    else by the reducer indices it lists, mapped through ``model``."""
+    named = re.findall(r"with name (\S+) has been marked", text)
+    listed = re.search(r"Parameters which did not receive grad for rank \d+: (.+)", text)
+    if listed:
+        named += [n.strip() for n in listed.group(1).split(",") if n.strip()]
+    if named or model is None:
+        return list(dict.fromkeys(named))
+    indices = re.findall(r"Parameter at index (\d+)", text)
+    listed = re.search(r"Parameter indices which did not receive grad for rank \d+: ([\d ]+)", text)
+    if listed:
+        indices += listed.group(1).split()
+    order = reducer_parameter_names(model)
+    return list(dict.fromkeys(order[int(i)] for i in indices if int(i) < len(order)))
+
+
+def modules_of(parameters: list[str], model: nn.Module | None) -> str:
+    """"module 'name' (Class)", or "modules ..." with a few of them: those holding ``parameters``."""
+    names = list(dict.fromkeys(p.rpartition(".")[0] for p in parameters))
+    root = unwrap(model) if model is not None else None
+    labels = []
+    for name in names:
+        try:
+            kind = f" ({type(root.get_submodule(name)).__name__})" if root is not None else ""
+        except AttributeError:  # a name from DDP's debug output that this model does not hold
+            kind = ""
+        labels.append(f"'{name}'{kind}" if name else "the model's own parameters")
+    return ("module " if len(labels) == 1 else "modules ") + _few(labels)
+
+
+def diagnose(err: BaseException, model: nn.Module | None = None) -> DDPConfigurationError | None:
+    """The diagnosis of a DDP error (None if ``err`` is not one we know): the modules its parameters
+    belong to (mapped through ``model``, the DDP-wrapped one, when the error gives only indices),
+    the cause and the setting that fixes it, on the first line; DDP's own first line after it."""
     text = str(err)
     for needle, (cause, fix) in DIAGNOSES.items():
-        if needle in text:
-            return DDPConfigurationError(f"DDP error '{needle}': {cause}. Fix: {fix}. Original error: "
-                                         f"{text.splitlines()[0] if text else type(err).__name__}")
+        if needle.lower() not in text.lower():
+            continue
+        parameters = parameters_named_in(text, model)
+        where = (f" in {modules_of(parameters, model)} (parameters {_few(parameters)})" if parameters
+                 else " (DDP's error names no parameter)")
+        return DDPConfigurationError(f"DDP error '{needle}'{where}: {cause}. Fix: {fix}.\n"
+                                     f"DDP's error: {text.splitlines()[0] if text else type(err).__name__}")
     return None
 
 

@@ -21,6 +21,7 @@ from ..data.batches import batch_loss, label_count, to_device
 from ..ddp import policy
 from ..ddp.compile import is_ddp, uncompiled
 from ..model.hf_checkpointing import divides_by_num_items, loss_shifts_labels
+from ..model.loss_without_grad import diagnose_loss_without_grad
 from ..resilience import markers
 from ..resilience.markers import FatalError
 from ..resilience.memory import is_oom
@@ -165,10 +166,20 @@ class TrainStep:
         try:
             return self._accumulate(micro_batches, step)
         except RuntimeError as err:
-            diagnosed = policy.diagnose(err)
+            diagnosed = self.diagnose(err, micro_batches[0])
             if diagnosed is None:
                 raise
             raise diagnosed from err
+
+    def diagnose(self, err: RuntimeError, batch) -> FatalError | None:
+        """The diagnosis of a raw error that a restart cannot fix (the module, the cause and the
+        setting that fixes it), or None: DDP's errors, and autograd's for a loss without a gradient,
+        whose module is found by running ``batch`` forward once more."""
+        def forward() -> torch.Tensor:
+            model_kwargs = self._weights[0][0] if self._weights is not None else {}
+            with policy.preserved_state(self.raw_model), self.autocast():
+                return batch_loss(self.raw_model, to_device(batch, self.env.device), self.loss_fn, model_kwargs)
+        return policy.diagnose(err, self.model) or diagnose_loss_without_grad(err, self.raw_model, forward)
 
     def _token_weights(self, micro_batches: list) -> list[tuple[dict, torch.Tensor | float]]:
         """For ``loss_average`` tokens or rank_tokens: per micro-batch, the model's extra keyword
