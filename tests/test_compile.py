@@ -7,6 +7,7 @@ import pytest
 
 from framework.config import ConfigError, resolve_config
 from tests.dist_helper import launch_cases
+from tests.equivalence import max_weight_diff
 from tests.workers.compiled import GRAD_CASES
 
 
@@ -77,4 +78,5 @@ def test_injected_oom_under_compile_halves_the_micro_batch_and_matches_eager(tmp
     a = torch.load(tmp_path / "a" / "final_model.pt", weights_only=True)
     b = torch.load(tmp_path / "b" / "final_model.pt", weights_only=True)
     assert list(a) == list(b)  # plain names, no _orig_mod. prefix
-    assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-5
+    # Measured: 2.3e-7 without the attention key biases (2.3e-6 with them); see tests/equivalence.py.
+    assert max_weight_diff(a, b) <= 1e-5

@@ -7,6 +7,7 @@ from framework.config import resolve_config
 from framework.model.gpt import GPT, GPTConfig
 from framework.trainer import DDPTrainer
 from tests.dist_helper import launch_cases
+from tests.equivalence import max_weight_diff
 from tests.workers.ddp_equivalence import BASE, EVAL_CASE, GRAD_CASES, TRAIN_CASES
 
 pytestmark = pytest.mark.dist
@@ -60,7 +61,8 @@ def test_parameters_after_steps(two_ranks, tmp_path, name):
     assert summary["steps"] == r0["summary"]["steps"]
     ddp = torch.load(r0["final_model"], weights_only=True)
     assert ddp.keys() == ref.keys()
-    worst = max((ddp[k] - ref[k]).abs().max().item() for k in ref)
+    # Measured: 5.0e-7 without the attention key biases (9.2e-7 with them); see tests/equivalence.py.
+    worst = max_weight_diff(ddp, ref)
     assert worst <= TOL, worst
     assert abs(summary["final_train_loss"] - r0["summary"]["final_train_loss"]) <= 1e-5
     # The weights moved: equality is not just two untouched initialisations.

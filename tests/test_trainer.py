@@ -10,6 +10,7 @@ from framework.config import resolve_config
 from framework.resilience.consistency import model_sha256
 from framework.resilience.markers import FatalError
 from framework.testing.tiny import tiny as tiny_config
+from tests.equivalence import max_weight_diff
 
 TINY = tiny_config(tensorboard=True)
 
@@ -114,7 +115,8 @@ def test_oom_in_one_process_retries_with_half_the_micro_batch(tmp_path):
                            checkpoint_dir=str(tmp_path / "b"))).train()
     a = torch.load(tmp_path / "a" / "final_model.pt", weights_only=True)
     b = torch.load(tmp_path / "b" / "final_model.pt", weights_only=True)
-    assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-5
+    # Measured: 2.3e-7 without the attention key biases (2.3e-6 with them); see tests/equivalence.py.
+    assert max_weight_diff(a, b) <= 1e-5
     assert got["steps"] == want["steps"] == 4
 
 
