@@ -119,6 +119,12 @@ class DDPTrainer:
         return self.config
 
     @property
+    def total_steps(self) -> int:
+        """The run's last step: ``train.max_steps``, or where ``train.num_epochs`` ends at the run's
+        global batch (a checkpoint's, when resumed at another world size)."""
+        return self._total_steps
+
+    @property
     def report(self):
         """The DDP preflight's findings (a ProbeReport)."""
         return self._report
@@ -447,7 +453,8 @@ class DDPTrainer:
             "PowerSGD's state is every rank's" if self._comm_hook.state is not None else
             "a stream's dataset state is every rank's" if getattr(self._stream, "stateful", False) else
             "the state of the user's stateful objects mid-step is unknown"
-            if self._user_state or self._callbacks.stateful() else
+            if any(getattr(obj, "changes_mid_step", True)
+                   for obj in (*self._user_state.values(), *self._callbacks.stateful().values())) else
             buffers_not if model_state is None else None)
         if why_not is not None:
             log.info("a peer went away in step %d: not saving step %d alone (%s)", step + 1, step, why_not)
@@ -559,10 +566,14 @@ class DDPTrainer:
         self._drop_ddp_wrapper()
         self.close()
 
-    def close(self) -> None:
+    def close(self, *, release_model: bool = False) -> None:
         """Wait for the checkpoint write in flight, release the loader's workers and, if this
         trainer created it, the process group (``model`` is then ``raw_model``). Safe to call more
-        than once; called at interpreter exit if still open."""
+        than once; called at interpreter exit if still open. ``release_model``: drop the DDP
+        wrapper also when the group is the caller's, who may destroy it next (a DDP module freed
+        after its group was destroyed hangs or aborts); ``model`` is then ``raw_model``."""
+        if release_model:
+            self._drop_ddp_wrapper()
         if getattr(self, "_checkpointer", None) is not None:
             try:
                 self._checkpointer.close()

@@ -51,7 +51,10 @@ def test_every_training_arguments_field_is_in_exactly_one_table():
     ({"per_device_train_batch_size": 3}, "data.batch_size", 3),
     ({"gradient_accumulation_steps": 4}, "data.gradient_accumulation_steps", 4),
     ({"max_steps": 17}, "train.max_steps", 17),
-    ({"max_steps": -1, "num_train_epochs": 2}, "train.max_steps", 20),
+    ({"max_steps": 17}, "train.num_epochs", 17),  # epochs enough at any world size: max_steps decides
+    # Whole epochs stay epochs: the engine counts their steps at the run's global batch.
+    ({"max_steps": -1, "num_train_epochs": 2}, "train.max_steps", 0),
+    ({"max_steps": -1, "num_train_epochs": 2}, "train.num_epochs", 2),
     ({"max_steps": -1, "num_train_epochs": 1.5}, "train.max_steps", 15),
     ({"max_steps": -1, "num_train_epochs": 1.5}, "train.num_epochs", 2),
     ({"learning_rate": 1e-4}, "optim.lr", 1e-4),

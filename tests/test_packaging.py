@@ -31,7 +31,7 @@ def test_pip_builds_the_metadata_offline_and_needs_nothing_new(tmp_path):
     metadata = install[0]["metadata"]
     assert metadata["version"] == __version__
     assert "torch>=2.13" in metadata["requires_dist"]
-    assert metadata["provides_extra"] == ["hf", "etcd"]
+    assert metadata["provides_extra"] == ["hf", "trl", "etcd"]
     assert not list(ROOT.glob("*.egg-info"))
 
 
@@ -68,3 +68,5 @@ def test_dependencies_agree_with_the_requirement_files():
     assert PYPROJECT["project"]["optional-dependencies"]["hf"] == hf
     etcd = [r for r in requirement_lines("requirements-dev.txt") if r.startswith("python-etcd==")]
     assert PYPROJECT["project"]["optional-dependencies"]["etcd"] == etcd
+    trl = [r for r in requirement_lines("requirements-dev.txt") if r.split("==")[0] in ("trl", "datasets")]
+    assert PYPROJECT["project"]["optional-dependencies"]["trl"] == trl + hf  # TRL with the hf extra's pins

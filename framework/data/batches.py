@@ -5,7 +5,9 @@ The loss of a batch:
 - a dict, no ``loss_fn``: ``model(**batch).loss`` (a transformers model computes it from ``labels``);
 - a dict with ``loss_fn``: ``loss_fn(model(**batch), batch)``;
 - ``(inputs, targets)``: ``loss_fn(model(inputs), targets)``, the built-in language-model loss
-  when there is no ``loss_fn``.
+  when there is no ``loss_fn``;
+- a ``loss_fn`` with ``calls_model = True`` runs the forward itself: ``loss_fn(model, batch,
+  model_kwargs)`` (framework.hf honours a Trainer subclass's ``compute_loss`` so).
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ def batch_loss(model: torch.nn.Module, batch: Any, loss_fn: Callable | None,
                model_kwargs: dict | None = None) -> torch.Tensor:
     """The mean loss of ``batch`` under ``model`` (see the module docstring). ``model_kwargs`` go to
     the forward of a dict batch's model with the batch (transformers' ``num_items_in_batch``)."""
+    if getattr(loss_fn, "calls_model", False):  # it runs the forward itself (a Trainer's compute_loss)
+        return loss_fn(model, batch, model_kwargs or {})
     if isinstance(batch, Mapping):
         out = model(**batch, **(model_kwargs or {}))
         if loss_fn is not None:

@@ -50,6 +50,14 @@ WARNED = frozenset({
     "dataloader_in_order", "use_cache",
 })
 
+# trl.SFTConfig's own fields: TRL's preparation, collator and model set-up apply them (framework/hf/sft.py).
+SFT_MAPPED = frozenset({
+    "model_init_kwargs", "trust_remote_code", "router_aux_loss_coef", "chat_template_path", "dataset_text_field",
+    "dataset_kwargs", "dataset_num_proc", "eos_token", "max_length", "truncation_mode", "shuffle_dataset",
+    "packing", "packing_strategy", "padding_free", "pad_to_multiple_of", "eval_packing", "completion_only_loss",
+    "assistant_only_loss", "pad_token", "loss_type", "activation_offloading",
+})
+
 REFUSED = frozenset({
     "label_smoothing_factor", "optim_target_modules", "use_liger_kernel", "liger_kernel_config",
     "neftune_noise_alpha", "auto_find_batch_size", "load_best_model_at_end", "metric_for_best_model",
@@ -78,14 +86,15 @@ def _plain(value: Any) -> Any:
 
 
 @functools.cache
-def _defaults(cls: type, output_dir: str | None) -> Any:
+def _defaults(cls: type, output_dir: str | None, use_cpu: bool) -> Any:
     """An instance of ``cls`` (TrainingArguments or a subclass) with every default, normalised by
-    its ``__post_init__`` as the user's is (``report_to``, ``accelerator_config``, enums)."""
-    return cls(output_dir=output_dir)
+    its ``__post_init__`` as the user's is (``report_to``, ``accelerator_config``, enums). With the
+    user's ``use_cpu``: SFTConfig's default bf16 refuses a machine without a GPU otherwise."""
+    return cls(output_dir=output_dir, use_cpu=use_cpu)
 
 
 def _default(args, name: str) -> Any:
-    return getattr(_defaults(type(args), args.output_dir), name)
+    return getattr(_defaults(type(args), args.output_dir, bool(args.use_cpu)), name)
 
 
 def non_default(args) -> dict[str, Any]:
@@ -98,7 +107,7 @@ def check_fields(args) -> list[str]:
     """Raise ConfigError naming every refused field set away from its default (and every field no
     table knows); return the warned fields so set, for one warning."""
     changed = non_default(args)
-    refused = [name for name in changed if name in REFUSED or name not in MAPPED | WARNED]
+    refused = [name for name in changed if name in REFUSED or name not in MAPPED | WARNED | SFT_MAPPED]
     if refused:
         raise ConfigError([f"TrainingArguments.{name}={changed[name]!r}: framework.hf.Trainer cannot honour it "
                            f"({_WHY_REFUSED.get(name, 'no counterpart')}); allowed: the default, "
@@ -153,6 +162,20 @@ def total_steps(args, steps_per_epoch: int) -> int:
     return math.ceil(args.num_train_epochs * steps_per_epoch)
 
 
+def run_length(args, steps_per_epoch: int) -> dict:
+    """train.max_steps and train.num_epochs for ``args``. A resume at another world size keeps the
+    run's global batch, so its length must not be counted at this world size: max_steps stays
+    max_steps (with epochs enough for any world size), whole epochs stay epochs (the engine counts
+    their steps at the run's global batch). Only a fraction of an epoch is counted here, at this
+    world size's ``steps_per_epoch``."""
+    if args.max_steps > 0:
+        return {"max_steps": args.max_steps, "num_epochs": args.max_steps}
+    epochs = float(args.num_train_epochs)
+    if epochs.is_integer():
+        return {"max_steps": 0, "num_epochs": max(1, int(epochs))}
+    return {"max_steps": math.ceil(epochs * steps_per_epoch), "num_epochs": math.ceil(epochs)}
+
+
 def to_config(args, *, steps_per_epoch: int, resume: str) -> dict:
     """The framework configuration (sectioned dict) for ``args``; ``steps_per_epoch`` is the
     number of optimizer steps of one epoch; ``resume`` the checkpoint.resume value."""
@@ -172,8 +195,8 @@ def to_config(args, *, steps_per_epoch: int, resume: str) -> dict:
                  "gradient_accumulation_steps": args.gradient_accumulation_steps,
                  "num_workers": args.dataloader_num_workers, "pin_memory": bool(args.dataloader_pin_memory)},
         "optim": {"lr": args.learning_rate, "grad_clip": float(args.max_grad_norm or 0.0)},
-        "train": {"max_steps": total, "num_epochs": math.ceil(total / steps_per_epoch),
-                  "target_loss": 0.0, "seed": args.seed, "deterministic": bool(args.full_determinism)},
+        "train": {**run_length(args, steps_per_epoch), "target_loss": 0.0, "seed": args.seed,
+                  "deterministic": bool(args.full_determinism)},
         "precision": {"autocast": "true" if (args.bf16 or args.fp16) else "false",
                       "dtype": "fp16" if args.fp16 else "bf16"},
         "memory": {"activation_checkpointing": checkpointing_mode(args), "activation_checkpointing_modules": "",

@@ -16,7 +16,10 @@ log = logging.getLogger(__name__)
 
 class HFCallbacks:
     """One framework callback (see framework/train/callbacks.py) that drives ``callbacks``.
-    Its state (``log_history`` and the loss since the last log) is saved with the run."""
+    Its state (``log_history`` and the loss since the last log) is saved with the run; it changes
+    in the hooks only, never within a step, so a survivor may save the run alone."""
+
+    changes_mid_step = False
 
     def __init__(self, callbacks: list, args, *, steps_per_epoch: int, max_steps: int, logging_interval: int,
                  logging_first_step: bool, components: dict[str, Any]):
@@ -31,6 +34,13 @@ class HFCallbacks:
         self.control = TrainerControl()
         self._loss_sum, self._loss_steps = 0.0, 0  # since the last on_log
         self.run_loss, self.run_steps = 0.0, 0  # this process's steps, for TrainOutput.training_loss
+
+    def set_run_length(self, steps_per_epoch: int, max_steps: int) -> None:
+        """The run's own epoch length and last step (a run resumed at another world size keeps its
+        global batch: these are the run's, not this world size's)."""
+        self.steps_per_epoch = max(1, steps_per_epoch)
+        self.state.max_steps = max_steps
+        self.state.num_train_epochs = max(1, -(-max_steps // self.steps_per_epoch))
 
     def _event(self, name: str, trainer=None, **kwargs) -> None:
         if trainer is not None:

@@ -58,6 +58,27 @@ def _model_columns(model: torch.nn.Module, label_names: list[str] | None) -> fro
     return frozenset(names | set(_LABEL_COLUMNS) | set(label_names or ()))
 
 
+# Methods a subclass of transformers.Trainer commonly overrides. Honoured: compute_loss (called for
+# every micro-batch's loss, with num_items_in_batch=None: the framework weighs each micro-batch's
+# mean by its labelled tokens), create_optimizer and create_scheduler. Refused, with one line each:
+# the framework's own step and data order replace these, and ignoring them would train something else.
+REFUSED_OVERRIDES = {
+    "training_step": "the framework's step replaces it (DDP's no_sync, the OOM retry, the non-finite skip): put "
+                     "the loss in compute_loss, or what runs around a step in a TrainerCallback",
+    "get_train_dataloader": "the framework's resumable sampler decides the data order: pass the data as "
+                            "train_dataset and the batching as data_collator",
+    "get_eval_dataloader": "the framework evaluates eval_dataset with data_collator",
+    "_inner_training_loop": "the framework's loop replaces it",
+    "optimizer_step": "the framework's optimizer step replaces it",
+}
+
+
+def _overridden(cls: type, name: str) -> bool:
+    """Whether a class below framework.hf's own defines ``name``."""
+    own = {c for c in cls.__mro__ if c.__module__.startswith("framework.hf.")} | {object}
+    return any(name in vars(c) for c in cls.__mro__ if c not in own)
+
+
 def _default_collator(processing_class):
     from transformers import DataCollatorWithPadding, default_data_collator
 
@@ -86,6 +107,10 @@ class Trainer:
                               "evaluation reports eval_loss)"])
         if model is None:
             raise ConfigError(["framework.hf.Trainer: model is required"])
+        refused = [name for name in REFUSED_OVERRIDES if _overridden(type(self), name)]
+        if refused:
+            raise ConfigError([f"{type(self).__name__}.{name}: overriding it is not supported by framework.hf "
+                               f"({REFUSED_OVERRIDES[name]})" for name in refused])
         if isinstance(train_dataset, IterableDataset) or isinstance(eval_dataset, IterableDataset):
             raise ConfigError(["framework.hf.Trainer: an IterableDataset is not supported yet; pass a map-style "
                               "dataset, or use DDPTrainer, which streams IterableDatasets"])
@@ -128,8 +153,10 @@ class Trainer:
             summary = engine.train()
         finally:
             # The DDP wrapper holds the process group: dropped here (also when train raises, e.g.
-            # PeerLost after a node loss), the group goes at exit's teardown and not in the
-            # interpreter's finalisation (see process_group.teardown).
+            # PeerLost after a node loss), while the group lives. A script's own
+            # destroy_process_group() may come next, and a DDP module freed after it hangs at
+            # exit; else the group goes at exit's teardown, not in the interpreter's finalisation.
+            engine.close(release_model=True)
             self._engine = engine = None
         self.state = bridge.state
         return TrainOutput(summary["steps"], bridge.run_loss / max(1, bridge.run_steps),
@@ -182,11 +209,30 @@ class Trainer:
         dtype = torch.float16 if self.args.fp16 else torch.bfloat16
         return lambda: torch.autocast(env.device.type, dtype=dtype, enabled=bool(self.args.bf16 or self.args.fp16))
 
+    def _columns(self) -> frozenset[str] | None:
+        """The sample keys the batches keep (None: every key)."""
+        return _model_columns(self.model, self.args.label_names) if self.args.remove_unused_columns else None
+
     def _collated(self, dataset) -> Collated:
-        columns = _model_columns(self.model, self.args.label_names) if self.args.remove_unused_columns else None
-        return Collated(dataset, self.data_collator, columns)
+        return Collated(dataset, self.data_collator, self._columns())
+
+    def compute_loss(self, model, inputs, return_outputs: bool = False, num_items_in_batch=None):
+        """The batch's loss, as transformers.Trainer computes it: the model's own (from the labels
+        in ``inputs``), or ``compute_loss_func``'s. A subclass may override it (see
+        REFUSED_OVERRIDES for what it may not)."""
+        outputs = model(**inputs)
+        if self.compute_loss_func is not None:
+            loss = self.compute_loss_func(outputs, inputs["labels"], num_items_in_batch=num_items_in_batch)
+        else:
+            loss = outputs["loss"] if isinstance(outputs, dict) else outputs[0]
+        return (loss, outputs) if return_outputs else loss
 
     def _loss_fn(self) -> Callable | None:
+        if _overridden(type(self), "compute_loss"):
+            def subclass_loss(model, batch, model_kwargs):
+                return self.compute_loss(model, dict(batch), return_outputs=False, num_items_in_batch=None)
+            subclass_loss.calls_model = True
+            return subclass_loss
         if self.compute_loss_func is None:
             return None  # the model's own loss, from the labels in the batch
         user = self.compute_loss_func
@@ -206,6 +252,25 @@ class Trainer:
                               f"({per_step}: per_device_train_batch_size x world size x gradient_accumulation_steps)"])
         return steps
 
+    def create_optimizer(self) -> torch.optim.Optimizer:
+        """``self.optimizer``, built as transformers.Trainer builds it unless given (a subclass may
+        override it)."""
+        if self.optimizer is None:
+            self.optimizer = self._make_optimizer()
+        return self.optimizer
+
+    def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None):
+        """``self.lr_scheduler``, built by transformers' ``get_scheduler`` from the arguments unless
+        given (a subclass may override it)."""
+        from transformers import get_scheduler
+
+        if self.lr_scheduler is None:
+            self.lr_scheduler = get_scheduler(self.args.lr_scheduler_type, optimizer or self.optimizer,
+                                              num_warmup_steps=self.args.get_warmup_steps(num_training_steps),
+                                              num_training_steps=num_training_steps,
+                                              scheduler_specific_kwargs=self.args.lr_scheduler_kwargs)
+        return self.lr_scheduler
+
     def _make_optimizer(self) -> torch.optim.Optimizer:
         """The optimizer transformers.Trainer.create_optimizer builds: no weight decay on biases and norms."""
         from transformers import Trainer as HFTrainer
@@ -218,23 +283,62 @@ class Trainer:
         return cls(groups, **kwargs)
 
     def _scheduler_factory(self, total: int) -> Callable[[torch.optim.Optimizer], Any]:
-        from transformers import get_scheduler
+        return lambda optimizer: self.create_scheduler(total, optimizer)
 
-        def build(optimizer: torch.optim.Optimizer):
-            if self.lr_scheduler is None:
-                self.lr_scheduler = get_scheduler(self.args.lr_scheduler_type, optimizer,
-                                                  num_warmup_steps=self.args.get_warmup_steps(total),
-                                                  num_training_steps=total,
-                                                  scheduler_specific_kwargs=self.args.lr_scheduler_kwargs)
-            return self.lr_scheduler
-        return build
+    def _keep_the_runs_length(self, engine: DDPTrainer, bridge: HFCallbacks, steps_per_epoch: int,
+                              total: int, built_scheduler: bool) -> None:
+        """A run resumed at another world size keeps its global batch, so its epochs have the
+        run's number of steps, not this world size's: HF's counts and the schedule's horizon
+        follow the engine's (transformers.Trainer recounts them at the new size)."""
+        run_steps, run_total = engine.sampler.steps_per_epoch, engine.total_steps
+        if (run_steps, run_total) == (steps_per_epoch, total):
+            return
+        log.warning("the run's global batch is %d samples (%d steps an epoch, %d steps in all), not this world "
+                    "size's %d steps an epoch: HF's epochs, max_steps and learning-rate schedule stay the run's",
+                    engine.sampler.global_batch, run_steps, run_total, steps_per_epoch)
+        bridge.set_run_length(run_steps, run_total)
+        scheduler = self.lr_scheduler
+        if not built_scheduler or not hasattr(scheduler, "lr_lambdas"):
+            log.warning("the learning-rate scheduler was given: its horizon is left as built")
+            return
+        for rate in scheduler.lr_lambdas:  # transformers' schedules: partials of the horizon
+            keywords = getattr(rate, "keywords", None)
+            if keywords is not None and "num_training_steps" in keywords:
+                keywords["num_training_steps"] = run_total
+            if keywords is not None and "num_warmup_steps" in keywords:
+                keywords["num_warmup_steps"] = self.args.get_warmup_steps(run_total)
+        for group, base, rate in zip(self.optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas,
+                                     strict=True):
+            group["lr"] = base * rate(scheduler.last_epoch)
+        scheduler._last_lr = [group["lr"] for group in self.optimizer.param_groups]
+
+    def _agreed_config(self, config: dict) -> dict:
+        """Rank 0's configuration on every rank: arguments that differ between ranks (a script's
+        ``save_strategy="steps" if is_main else "no"``) would have only some ranks enter a
+        checkpoint's collectives. The differences are named once, by rank 0."""
+        import torch.distributed as dist
+
+        from ..config import dotted
+
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+            return config
+        configs: list = [None] * dist.get_world_size()
+        dist.all_gather_object(configs, config)
+        ours = dotted(configs[0])
+        differ = sorted({f"{key} ({ours.get(key)!r} on rank 0, {value!r} on rank {rank})"
+                         for rank, other in enumerate(configs[1:], 1) for key, value in dotted(other).items()
+                         if ours.get(key) != value})
+        if differ and dist.get_rank() == 0:
+            log.warning("the TrainingArguments differ between ranks: %s; every rank uses rank 0's",
+                        "; ".join(differ))
+        return configs[0]
 
     def _build(self, *, resume: str) -> tuple[DDPTrainer, HFCallbacks]:
         if self.train_dataset is None:
             raise ConfigError(["framework.hf.Trainer.train: no train_dataset"])
         steps_per_epoch = self._steps_per_epoch()
-        config = arguments.to_config(self.args, steps_per_epoch=steps_per_epoch, resume=resume)
-        total = config["train"]["max_steps"]
+        config = self._agreed_config(arguments.to_config(self.args, steps_per_epoch=steps_per_epoch, resume=resume))
+        total = arguments.total_steps(self.args, steps_per_epoch)
         # transformers.Trainer averages over tokens when the batches have labels and the model takes
         # num_items_in_batch (or a compute_loss_func is given); across devices, unless
         # average_tokens_across_devices=False.
@@ -250,12 +354,13 @@ class Trainer:
                              logging_interval=config["logging"]["interval"],
                              logging_first_step=bool(self.args.logging_first_step),
                              components={"processing_class": self.processing_class})
-        optimizer = self.optimizer if self.optimizer is not None else self._make_optimizer()
-        self.optimizer = optimizer
+        optimizer = self.create_optimizer()
+        built_scheduler = self.lr_scheduler is None
         use_eval = self.eval_dataset is not None and config["eval"]["interval"] > 0
         self._engine = DDPTrainer(config, model=self.model, train_dataset=self._collated(self.train_dataset),
                                   val_dataset=self._collated(self.eval_dataset) if use_eval else None,
                                   loss_fn=self._loss_fn(), optimizer=optimizer,
                                   lr_scheduler=self._scheduler_factory(total), callbacks=[bridge])
         bridge.components["lr_scheduler"] = self.lr_scheduler
+        self._keep_the_runs_length(self._engine, bridge, steps_per_epoch, total, built_scheduler)
         return self._engine, bridge

@@ -4,7 +4,7 @@ that differs). A tiny Llama (random weights, nothing downloaded) learns byte seq
 constant stride, so the loss falls within tens of steps.
 
     torchrun --nproc-per-node 2 -m framework.testing.hf_script OUT [--plain] [--reentrant]
-        [--max-steps N] [--kill-rank R --kill-step S]
+        [--max-steps N | --epochs E] [--resume] [--kill-rank R --kill-step S]
 
 ``--kill-*``: the rank sends itself SIGKILL after step S in the first incarnation (torchrun's
 restart count 0). Each rank writes result_rank{N}.json into TEST_OUT_DIR (default OUT): the
@@ -31,6 +31,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--samples", type=int, default=512)
     parser.add_argument("--kill-rank", type=int, default=-1)
     parser.add_argument("--kill-step", type=int, default=-1)
+    parser.add_argument("--epochs", type=float, default=0, help="num_train_epochs (max_steps -1) instead of max-steps")
+    parser.add_argument("--resume", action="store_true", help="resume_from_checkpoint=True")
     return parser.parse_args(argv)
 
 
@@ -82,7 +84,8 @@ def main(argv: list[str] | None = None) -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
 
     training_args = TrainingArguments(
-        output_dir=args.out, per_device_train_batch_size=4, max_steps=args.max_steps, learning_rate=1e-2,
+        output_dir=args.out, per_device_train_batch_size=4, learning_rate=1e-2,
+        **({"max_steps": -1, "num_train_epochs": args.epochs} if args.epochs else {"max_steps": args.max_steps}),
         logging_steps=5, save_steps=5, gradient_checkpointing=True,
         gradient_checkpointing_kwargs={"use_reentrant": args.reentrant}, report_to="none", disable_tqdm=True,
         use_cpu=not torch.cuda.is_available())  # transformers 5 on CPU runs DDP under torchrun only with use_cpu
@@ -90,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
     hf_trainer = Trainer(model=model, args=training_args, train_dataset=StrideBytes(args.samples),
                       eval_dataset=StrideBytes(64, seed=1), callbacks=[KillAt()])
     start = time.perf_counter()
-    hf_trainer.train(resume_from_checkpoint=None)
+    hf_trainer.train(resume_from_checkpoint=True if args.resume else None)
     train_s = time.perf_counter() - start
     rank = int(os.environ.get("RANK", 0))
     write_result(Path(os.environ.get("TEST_OUT_DIR", args.out)), rank, {
