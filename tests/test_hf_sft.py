@@ -288,3 +288,11 @@ def test_a_drop_in_run_resumed_at_another_world_size_keeps_its_length_and_schedu
     assert rates and max(rates) == steps
     for step, rate in rates.items():
         assert rate == pytest.approx(1e-2 * (steps - step + 1) / steps, rel=1e-6), (step, rate)
+
+
+def test_trls_own_refusal_of_its_arguments_is_one_config_error_line(tmp_path, tokenizer):
+    """assistant_only_loss on data that is not conversational: TRL's ValueError, as one line."""
+    with pytest.raises(ConfigError) as info:
+        SFTTrainer(model=build_model(tokenizer), args=sft_args(tmp_path, assistant_only_loss=True),
+                   train_dataset=dataset("text", 8), processing_class=tokenizer)
+    assert len(info.value.problems) == 1 and "assistant_only_loss" in info.value.problems[0]

@@ -201,7 +201,7 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def _rank0_says(value: bool) -> bool:
+def _rank0_says(value):
     """Rank 0's ``value`` on every rank (each rank's own view of the file system could differ:
     rank 0 may finish writing the cache before another rank looks)."""
     import torch.distributed as dist
@@ -210,7 +210,7 @@ def _rank0_says(value: bool) -> bool:
         return value
     box = [value]
     dist.broadcast_object_list(box, src=0)
-    return bool(box[0])
+    return box[0]
 
 
 @dataclasses.dataclass
@@ -247,18 +247,32 @@ def prepare(model, args, *, data_collator, train_dataset, eval_dataset, processi
                       formatting_func=None if skip else formatting_func)
         if quantization_config is not None:
             kwargs["quantization_config"] = quantization_config
-        with _skipping_preparation(args) if skip else _alone():
-            return TRLTrainer(**kwargs)
+        try:
+            with _skipping_preparation(args) if skip else _alone():
+                return TRLTrainer(**kwargs)
+        except (ValueError, TypeError) as err:  # TRL's checks of its arguments and data: a user's mistake
+            raise ConfigError([f"SFTTrainer: {(str(err).splitlines() or [type(err).__name__])[0]}"]) from err
 
     tokenised = False
     if not _rank0_says((cache / "train").is_dir()):
+        failed = None
         if rank == 0:
-            built = build(train_dataset, eval_dataset, skip=False)
-            _save(built.train_dataset, cache / "train")
-            if built.eval_dataset is not None:
-                _save(built.eval_dataset, cache / "eval")
-            tokenised = True
-        _rank0_says(True)  # the others wait here for rank 0's prepared data
+            try:
+                built = build(train_dataset, eval_dataset, skip=False)
+                _save(built.train_dataset, cache / "train")
+                if built.eval_dataset is not None:
+                    _save(built.eval_dataset, cache / "eval")
+                tokenised = True
+            except Exception as err:  # the others must not wait for data that never comes
+                failed = err.problems if isinstance(err, ConfigError) else (
+                    f"{type(err).__name__}: {(str(err).splitlines() or [''])[0]}")
+                _rank0_says(failed)
+                raise
+        failed = _rank0_says(failed)  # the others wait here for rank 0's prepared data, or its error
+        if isinstance(failed, list):
+            raise ConfigError(failed)
+        if failed is not None:
+            raise RuntimeError(f"rank 0 could not prepare the data: {failed}")
         if not (cache / "train").is_dir():
             raise ConfigError([f"SFTTrainer: the prepared data {cache} is not readable from rank {rank}: "
                                "output_dir must be on a file system every node shares"])

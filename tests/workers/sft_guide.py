@@ -115,6 +115,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--packing", action="store_true")
     parser.add_argument("--kill-rank", type=int, default=-1)
     parser.add_argument("--kill-step", type=int, default=-1)
+    parser.add_argument("--same-save-strategy", action="store_true",
+                        help="save_strategy 'steps' on every rank (the guide's per-rank one hangs trl)")
     parser.add_argument("--kill-mid-step", action="store_true",
                         help="die in the forward of the step after --kill-step (the peer saves alone)")
     return parser.parse_args(argv)
@@ -144,7 +146,12 @@ def main(argv: list[str] | None = None) -> None:
 
     armed = []
 
+    began_at = []
+
     class KillAt(TrainerCallback):
+        def on_train_begin(self, targs, state, control, **kwargs):
+            began_at.append(state.global_step)
+
         def on_step_end(self, targs, state, control, **kwargs):
             if (state.global_step == args.kill_step and rank == args.kill_rank
                     and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) == 0):
@@ -163,7 +170,7 @@ def main(argv: list[str] | None = None) -> None:
     training_args = SFTConfig(
         output_dir=args.out, per_device_train_batch_size=4, gradient_accumulation_steps=1,
         max_steps=args.max_steps, learning_rate=2e-3, logging_steps=5, max_length=64, packing=args.packing,
-        save_strategy="steps" if is_main_process else "no", save_steps=args.save_steps,
+        save_strategy="steps" if is_main_process or args.same_save_strategy else "no", save_steps=args.save_steps,
         gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False},
         report_to="none", disable_tqdm=True, bf16=False, use_cpu=not torch.cuda.is_available(),
         ddp_find_unused_parameters=False)
@@ -177,7 +184,7 @@ def main(argv: list[str] | None = None) -> None:
     write_result(Path(os.environ.get("TEST_OUT_DIR", args.out)), rank, {
         "sha256": model_sha256(trainer.model), "log_history": trainer.state.log_history,
         "steps": trainer.state.global_step, "train_s": train_s,
-        "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
+        "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)), "began_at": began_at[0],
         "tokenised_here": getattr(trainer, "tokenised_here", None)})
     dist.destroy_process_group()
 
