@@ -296,3 +296,22 @@ def test_trls_own_refusal_of_its_arguments_is_one_config_error_line(tmp_path, to
         SFTTrainer(model=build_model(tokenizer), args=sft_args(tmp_path, assistant_only_loss=True),
                    train_dataset=dataset("text", 8), processing_class=tokenizer)
     assert len(info.value.problems) == 1 and "assistant_only_loss" in info.value.problems[0]
+
+
+@pytest.mark.slow
+def test_a_formatting_func_shapes_the_text_and_is_part_of_the_cache_key(tmp_path, tokenizer):
+    def as_dialogue(row):
+        return f"Q: {row['speaker']}A: {row['line']}"
+
+    def as_play(row):
+        return f"{row['speaker']}{row['line']}"
+
+    rows = dataset("prompt_completion", 16)
+    data = datasets.Dataset.from_dict({"speaker": rows["prompt"], "line": rows["completion"]})
+    first = SFTTrainer(model=build_model(tokenizer), args=sft_args(tmp_path), train_dataset=data,
+                       processing_class=tokenizer, formatting_func=as_dialogue)
+    assert tokenizer.decode(first.train_dataset[0]["input_ids"]).startswith("Q: Who speaks?")
+    other = SFTTrainer(model=build_model(tokenizer), args=sft_args(tmp_path), train_dataset=data,
+                       processing_class=tokenizer, formatting_func=as_play)
+    assert other.tokenised_here and other.prepared_cache != first.prepared_cache
+    assert tokenizer.decode(other.train_dataset[0]["input_ids"]).startswith("Who speaks?")
