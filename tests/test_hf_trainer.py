@@ -1,6 +1,8 @@
 """framework.hf.Trainer, the drop-in for transformers.Trainer: the translation of every
 TrainingArguments field, HF's optimizer and schedule, callbacks and their control, the data
-collator, the loss function, save_model and resume (one process, in-process); and a
+collator, the loss function, save_model and resume, compute_metrics, evaluate and predict, the
+best model and early stopping, report_to's integrations, and a resume from a checkpoint that
+transformers.Trainer wrote (one process, in-process); and a
 transformers.Trainer LoRA script run through plain transformers and through the drop-in on 2
 ranks, with a rank killed under --max-restarts 1 (one batch of launches)."""
 
@@ -121,16 +123,16 @@ def test_refused_fields_are_named_one_line_each(tmp_path):
 def test_unknown_values_and_unsupported_arguments_are_refused(tmp_path):
     with pytest.raises(ConfigError, match="save_strategy='best'"):
         config_of(targs(tmp_path, save_strategy="best", metric_for_best_model="loss"))
-    with pytest.raises(ConfigError, match="compute_metrics"):
-        Trainer(model=build_model(), args=targs(tmp_path), train_dataset=StrideBytes(64), compute_metrics=len)
+    with pytest.raises(ConfigError, match="model_init"):
+        Trainer(model=build_model(), args=targs(tmp_path), train_dataset=StrideBytes(64), model_init=build_model)
 
 
 def test_warned_fields_get_one_warning(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="framework.hf"):
-        Trainer(model=build_model(), args=targs(tmp_path, run_name="mine", skip_memory_metrics=False),
+        Trainer(model=build_model(), args=targs(tmp_path, eval_delay=2, skip_memory_metrics=False),
                 train_dataset=StrideBytes(64))
     lines = [r.getMessage() for r in caplog.records if "not used by framework.hf.Trainer" in r.getMessage()]
-    assert len(lines) == 1 and "run_name" in lines[0] and "skip_memory_metrics" in lines[0]
+    assert len(lines) == 1 and "eval_delay" in lines[0] and "skip_memory_metrics" in lines[0]
 
 
 # --- one process, in-process ---------------------------------------------------------------------
@@ -366,3 +368,219 @@ def test_a_padded_step_weighs_every_labelled_token_as_transformers_does(tmp_path
     assert moved > 1e-3
     for name in theirs:
         torch.testing.assert_close(ours[name], theirs[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+# --- compute_metrics, evaluate and predict ---------------------------------------------------------
+
+def next_token_accuracy(prediction) -> dict:
+    """A compute_metrics: the share of next tokens predicted (predictions are argmax ids)."""
+    return {"accuracy": float((prediction.predictions[:, :-1] == prediction.label_ids[:, 1:]).mean())}
+
+
+def argmax(logits, labels):
+    return logits.argmax(-1)
+
+
+def test_merge_shards_puts_every_rank_s_samples_back_in_order():
+    """Each rank predicts a strided shard (rank r: samples r, r + W, ...), in batches whose
+    lengths differ: the gathered predictions are the whole set, in its order, padded with -100
+    as transformers pads them; a rank with no samples adds none."""
+    from framework.hf.trainer import _concat, merge_shards
+
+    rows = {i: torch.full((2 + i % 3,), i) for i in range(7)}  # sample i: length 2..4, every value i
+
+    def shard(rank, world=3):
+        mine = list(range(7))[rank::world]
+        batches = [_concat([rows[i][None] for i in mine[lo:lo + 2]]) for lo in range(0, len(mine), 2)]
+        return mine, _concat(batches), (_concat(batches), {"ids": torch.tensor(mine)})
+
+    preds, labels = merge_shards([shard(0), shard(1), shard(2), ([], None, None)])
+    assert preds.shape == (7, 4)
+    for i in range(7):
+        assert preds[i, :2 + i % 3].eq(i).all() and preds[i, 2 + i % 3:].eq(-100).all()
+    assert labels[1]["ids"].tolist() == list(range(7)) and labels[0].equal(preds)
+
+
+def test_evaluate_and_predict_return_transformers_results(tmp_path):
+    """evaluate(): eval_loss, compute_metrics' results over the whole set (with
+    preprocess_logits_for_metrics per batch) and the speed metrics, logged and given to
+    on_evaluate; predict(): a PredictionOutput of the whole set in its order."""
+    from transformers.trainer_utils import PredictionOutput
+
+    seen, rec = [], Recorder()
+
+    def metrics(prediction):
+        seen.append(prediction)
+        return next_token_accuracy(prediction)
+
+    evaluation = StrideBytes(10, seed=1)  # 10 samples in batches of 4: the last one short
+    trainer = Trainer(model=build_model(), args=targs(tmp_path, per_device_eval_batch_size=4),
+                      train_dataset=StrideBytes(64), eval_dataset=evaluation, compute_metrics=metrics,
+                      preprocess_logits_for_metrics=argmax, callbacks=[rec])
+    out = trainer.evaluate()
+    assert {"eval_loss", "eval_accuracy", "eval_runtime", "eval_samples_per_second"} <= set(out)
+    assert seen[-1].predictions.shape == (10, 32), "argmax ids of every sample"
+    assert (seen[-1].label_ids == evaluation.ids.numpy()).all(), "every sample's labels, in the dataset's order"
+    with torch.no_grad():  # the same accuracy computed directly
+        logits = trainer.model(input_ids=evaluation.ids).logits
+    direct = float((logits.argmax(-1)[:, :-1] == evaluation.ids[:, 1:]).float().mean())
+    assert out["eval_accuracy"] == pytest.approx(direct)
+    assert [e[0] for e in rec.events] == ["evaluate"] and rec.logs[-1][1]["eval_accuracy"] == out["eval_accuracy"]
+    assert trainer.state.log_history[-1]["eval_accuracy"] == out["eval_accuracy"]
+
+    predicted = trainer.predict(evaluation)
+    assert isinstance(predicted, PredictionOutput)
+    assert predicted.predictions.shape == (10, 32) and (predicted.label_ids == evaluation.ids.numpy()).all()
+    assert predicted.metrics["test_accuracy"] == pytest.approx(direct)
+    assert predicted.metrics["test_loss"] == pytest.approx(out["eval_loss"])
+
+
+@pytest.mark.slow
+def test_compute_metrics_runs_at_each_evaluation_during_training(tmp_path):
+    rec = Recorder()
+    metrics_seen = []
+
+    class Metrics(TrainerCallback):
+        def on_evaluate(self, args, state, control, metrics=None, **kw):
+            metrics_seen.append(dict(metrics))
+
+    trainer = Trainer(model=build_model(), args=targs(tmp_path, max_steps=4, eval_strategy="steps", eval_steps=2,
+                                                      save_strategy="no"),
+                      train_dataset=StrideBytes(64), eval_dataset=StrideBytes(10, seed=1),
+                      compute_metrics=next_token_accuracy, preprocess_logits_for_metrics=argmax,
+                      callbacks=[rec, Metrics()])
+    trainer.train()
+    evaluations = [h for h in trainer.state.log_history if "eval_loss" in h]
+    assert [h["step"] for h in evaluations] == [2, 4]
+    assert all(0.0 <= h["eval_accuracy"] <= 1.0 for h in evaluations)
+    assert [m["eval_accuracy"] for m in metrics_seen] == [h["eval_accuracy"] for h in evaluations]
+    assert trainer.evaluate()["eval_accuracy"] == pytest.approx(evaluations[-1]["eval_accuracy"])
+
+
+# --- the best model and early stopping ---------------------------------------------------------------
+
+@pytest.mark.slow
+def test_early_stopping_stops_and_the_best_model_is_loaded_at_the_end(tmp_path):
+    """transformers' own EarlyStoppingCallback with a metric that only gets worse: the best is the
+    first evaluation's (step 2), patience 1 stops the run after the second (one step later than
+    transformers.Trainer: the engine stops after a step), and the model ends with step 2's
+    weights, kept in output_dir/best_model though checkpoints are pruned to the last one."""
+    from transformers import EarlyStoppingCallback
+
+    calls = []
+
+    def worsening(prediction):
+        calls.append(1)
+        return {"worse": float(len(calls))}
+
+    at = {}
+
+    class Weights(TrainerCallback):
+        def on_evaluate(self, args, state, control, model=None, **kw):
+            at[state.global_step] = lora_weights(model)
+
+        def on_train_end(self, args, state, control, model=None, **kw):
+            at["end"] = lora_weights(model)
+
+    model = build_model()
+    args = targs(tmp_path, max_steps=20, eval_strategy="steps", eval_steps=2, save_steps=2, save_total_limit=1,
+                 load_best_model_at_end=True, metric_for_best_model="worse", greater_is_better=False)
+    trainer = Trainer(model=model, args=args, train_dataset=StrideBytes(128), eval_dataset=StrideBytes(8, seed=1),
+                      compute_metrics=worsening, callbacks=[EarlyStoppingCallback(early_stopping_patience=1),
+                                                            Weights()])
+    out = trainer.train()
+    assert out.global_step == 5, "stopped after the step that follows the second evaluation"
+    assert trainer.state.best_metric == 1.0 and trainer.state.best_global_step == 2
+    best = tmp_path / "out" / "best_model"
+    assert trainer.state.best_model_checkpoint == str(best)
+    assert (best / "adapter_model.safetensors").exists()
+    assert len(list((tmp_path / "out" / "checkpoints").glob("step_*.pt"))) == 1, "pruned to the last"
+    final = lora_weights(model)
+    assert any(not torch.equal(final[n], at["end"][n]) for n in final), "the last step's weights differ"
+    for name in final:
+        assert torch.equal(final[name], at[2][name]), name
+
+
+# --- report_to -------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_report_to_tensorboard_writes_event_files(tmp_path, monkeypatch):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    monkeypatch.delenv("TENSORBOARD_LOGGING_DIR", raising=False)
+    trainer = Trainer(model=build_model(), args=targs(tmp_path, max_steps=4, eval_strategy="steps", eval_steps=2,
+                                                      save_strategy="no", report_to="tensorboard"),
+                      train_dataset=StrideBytes(64), eval_dataset=StrideBytes(8, seed=1))
+    assert [type(cb).__name__ for cb in trainer.reporters] == ["TensorBoardCallback"]
+    trainer.train()
+    events = list((tmp_path / "out" / "runs").glob("*/events.out.tfevents.*"))
+    assert len(events) == 1, events
+    scalars = EventAccumulator(str(events[0].parent)).Reload().Tags()["scalars"]
+    assert {"train/loss", "train/learning_rate", "eval/loss"} <= set(scalars), scalars
+
+
+@pytest.mark.slow
+def test_report_to_wandb_offline_records_the_run(tmp_path, monkeypatch):
+    try:
+        import wandb
+    except ImportError:
+        pytest.skip("wandb is not installed here (pip install wandb): report_to='wandb' is not tested")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    trainer = Trainer(model=build_model(), args=targs(tmp_path, max_steps=4, save_strategy="no", report_to="wandb",
+                                                      run_name="drop-in"),
+                      train_dataset=StrideBytes(64))
+    assert [type(cb).__name__ for cb in trainer.reporters] == ["WandbCallback"]
+    try:
+        trainer.train()
+    finally:
+        wandb.finish()
+    runs = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(runs) == 1, list(tmp_path.rglob("*"))
+    assert b"train/loss" in runs[0].read_bytes()
+
+
+# --- a checkpoint written by transformers.Trainer ------------------------------------------------------
+
+@pytest.mark.slow
+def test_resume_from_a_checkpoint_transformers_trainer_wrote(tmp_path):
+    """transformers.Trainer trains 6 steps of AdamW with a linear schedule, saving checkpoint-3; the
+    drop-in resumes that folder (adapter weights, optimizer.pt, scheduler.pt, trainer_state.json)
+    and trains steps 4 to 6. Every step takes the whole (4-sample) dataset, so the sample order
+    does not matter: the weights end where transformers' own did."""
+    from transformers import Trainer as HFTrainer
+
+    def args(run):
+        return targs(run, per_device_train_batch_size=4, max_steps=6, save_steps=3, logging_steps=1,
+                     learning_rate=1e-2, use_cpu=True)
+
+    theirs_model = build_model()
+    theirs = HFTrainer(model=theirs_model, args=args(tmp_path / "hf"), train_dataset=PaddedBytes())
+    theirs.train()
+    checkpoint = tmp_path / "hf" / "out" / "checkpoint-3"
+    assert (checkpoint / "optimizer.pt").exists() and (checkpoint / "adapter_model.safetensors").exists()
+
+    rec = Recorder()
+    ours_model = build_model()
+    ours = Trainer(model=ours_model, args=args(tmp_path / "ours"), train_dataset=PaddedBytes(), callbacks=[rec])
+    out = ours.train(resume_from_checkpoint=str(checkpoint))
+    assert out.global_step == 6
+    assert [e[1] for e in rec.events if e[0] == "step_end"] == [4, 5, 6], "continued at step 3"
+    history = [(h["step"], h["learning_rate"]) for h in ours.state.log_history if "loss" in h]
+    assert history == pytest.approx([(h["step"], h["learning_rate"]) for h in theirs.state.log_history
+                                     if "loss" in h], rel=1e-6), "its log history, and the schedule continued"
+    mine, hf = lora_weights(ours_model), lora_weights(theirs_model)
+    moved = max(float((hf[n] - lora_weights(build_model())[n]).abs().max()) for n in hf)
+    assert moved > 1e-3
+    for name in hf:
+        torch.testing.assert_close(mine[name], hf[name], rtol=1e-4, atol=1e-5, msg=name)
+
+    # resume_from_checkpoint=True in transformers' output_dir (no framework checkpoint there): its newest
+    # checkpoint-N, here the last step's, so nothing is left to train
+    again_model = build_model()
+    again = Trainer(model=again_model, args=args(tmp_path / "hf"), train_dataset=PaddedBytes())
+    assert again.train(resume_from_checkpoint=True).global_step == 6
+    for name, value in lora_weights(again_model).items():
+        torch.testing.assert_close(value, hf[name], rtol=0, atol=0, msg=name)

@@ -4,8 +4,8 @@ Every field of TrainingArguments is in exactly one table below (tests/test_hf_tr
 this against the installed transformers, so a field a new release adds fails the test):
 
 - ``MAPPED``: translated by ``to_config`` or applied by the drop-in Trainer itself;
-- ``WARNED``: no counterpart, but ignoring it cannot change the trained weights (reporting, the
-  Hub, evaluation extras, loader tuning): a value other than the default gets one warning;
+- ``WARNED``: no counterpart, but ignoring it cannot change the trained weights (logging levels,
+  the Hub, evaluation extras, loader tuning): a value other than the default gets one warning;
 - ``REFUSED``: no counterpart, and ignoring it would train something else: a value other than the
   default is an error. A field no table names (a newer transformers) counts as refused.
 """
@@ -36,16 +36,19 @@ MAPPED = frozenset({
     "ddp_static_graph", "ddp_backend", "ddp_timeout", "use_cpu", "resume_from_checkpoint",
     "torch_empty_cache_steps", "local_rank", "per_device_eval_batch_size", "label_names",
     "average_tokens_across_devices", "train_sampling_strategy", "disable_tqdm",
+    # the best model (framework/hf/callbacks.py tracks it; trainer.py keeps and loads its weights)
+    "load_best_model_at_end", "metric_for_best_model", "greater_is_better", "batch_eval_metrics",
+    # given to transformers' own integration callbacks, which run on rank 0
+    "report_to", "run_name", "project", "trackio_space_id", "trackio_bucket_id", "trackio_static_space_id",
 })
 
 WARNED = frozenset({
-    "report_to", "run_name", "project", "trackio_space_id", "trackio_bucket_id", "trackio_static_space_id",
     "log_level", "log_level_replica", "log_on_each_node", "logging_nan_inf_filter",
     "include_num_input_tokens_seen", "skip_memory_metrics", "debug", "do_train", "do_eval", "do_predict",
     "push_to_hub", "hub_token", "hub_private_repo", "hub_model_id", "hub_strategy", "hub_always_push",
     "hub_revision", "save_on_each_node", "save_only_model", "prediction_loss_only", "eval_on_start", "eval_delay",
     "eval_do_concat_batches", "eval_use_gather_object", "eval_accumulation_steps", "include_for_metrics",
-    "batch_eval_metrics", "bf16_full_eval", "fp16_full_eval", "length_column_name",
+    "bf16_full_eval", "fp16_full_eval", "length_column_name",
     "dataloader_persistent_workers", "dataloader_prefetch_factor", "dataloader_multiprocessing_context",
     "dataloader_in_order", "use_cache",
 })
@@ -60,15 +63,12 @@ SFT_MAPPED = frozenset({
 
 REFUSED = frozenset({
     "label_smoothing_factor", "optim_target_modules", "use_liger_kernel", "liger_kernel_config",
-    "neftune_noise_alpha", "auto_find_batch_size", "load_best_model_at_end", "metric_for_best_model",
-    "greater_is_better", "ignore_data_skip", "data_seed", "accelerator_config", "parallelism_config", "fsdp",
-    "fsdp_config", "deepspeed", "restore_callback_states_from_checkpoint",
+    "neftune_noise_alpha", "auto_find_batch_size", "ignore_data_skip", "data_seed", "accelerator_config",
+    "parallelism_config", "fsdp", "fsdp_config", "deepspeed", "restore_callback_states_from_checkpoint",
 })
 
 _WHY_REFUSED = {
     "label_smoothing_factor": "the loss is the model's own (or compute_loss_func)",
-    "load_best_model_at_end": "no best-model tracking; every checkpoint is kept by checkpoint.keep_last",
-    "metric_for_best_model": "no best-model tracking", "greater_is_better": "no best-model tracking",
     "ignore_data_skip": "a resumed run always continues at its next sample",
     "data_seed": "the sample order follows seed",
     "restore_callback_states_from_checkpoint": "HF callbacks' states are not saved in checkpoints",

@@ -1,13 +1,21 @@
 """transformers ``TrainerCallback``s driven by DDPTrainer's hooks, with HF's ``TrainerState`` and
 ``TrainerControl``. A control flag one rank's callback sets is agreed by every rank (one
 all-reduce of two flags per step), so ``should_training_stop`` stops every rank after the same
-step and ``should_save`` saves the same step everywhere."""
+step and ``should_save`` saves the same step everywhere.
+
+At each evaluation the bridge adds the drop-in's metrics (``compute_metrics`` over the whole
+evaluation set, the same on every rank) to ``eval_loss``, logs them, calls ``on_evaluate``, then
+tracks the best metric as transformers.Trainer does (``state.best_metric``, ``best_global_step``;
+with ``load_best_model_at_end``, the best weights are kept aside and ``best_model_checkpoint``
+names them)."""
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from pathlib import Path
+from typing import Any, Callable
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -22,10 +30,15 @@ class HFCallbacks:
     changes_mid_step = False
 
     def __init__(self, callbacks: list, args, *, steps_per_epoch: int, max_steps: int, logging_interval: int,
-                 logging_first_step: bool, components: dict[str, Any]):
+                 logging_first_step: bool, components: dict[str, Any],
+                 metrics: Callable[[Any], dict] | None = None, keep_best: Callable[[Any, int], str] | None = None):
+        """``metrics(trainer)``: the evaluation's metrics beside eval_loss (every rank calls it at
+        the same step and gets the same dict); ``keep_best(trainer, step)``: keep the weights of a
+        new best step aside, returning where (``state.best_model_checkpoint``)."""
         from transformers.trainer_callback import TrainerControl, TrainerState
 
         self.callbacks, self.args, self.components = list(callbacks), args, components
+        self.metrics, self.keep_best = metrics, keep_best
         self.steps_per_epoch, self.logging_interval = max(1, steps_per_epoch), logging_interval
         self.logging_first_step = logging_first_step
         self.state = TrainerState(max_steps=max_steps, logging_steps=logging_interval,
@@ -88,9 +101,42 @@ class HFCallbacks:
         if val_loss is None:
             return
         self._at(step)
-        metrics = {"eval_loss": val_loss, "epoch": self.state.epoch}
+        metrics = {"eval_loss": val_loss}
+        if self.metrics is not None:
+            metrics.update({k: v for k, v in self.metrics(trainer).items() if k != "eval_loss"})
+        metrics["epoch"] = self.state.epoch
         self.log(trainer, metrics)
         self._event("on_evaluate", trainer, metrics=metrics)
+        self.track_best(trainer, step, metrics)  # after on_evaluate, as transformers.Trainer does
+
+    def track_best(self, trainer, step: int, metrics: dict) -> bool:
+        """transformers.Trainer's ``_determine_best_metric``: with ``metric_for_best_model``,
+        record a better value in ``state.best_metric`` and ``best_global_step`` (every rank decides
+        alike: the metrics are every rank's), and keep its weights when ``keep_best`` is given."""
+        name = self.args.metric_for_best_model
+        if name is None:
+            return False
+        key = name if name.startswith("eval_") else f"eval_{name}"
+        if key not in metrics:
+            raise KeyError(f"The `metric_for_best_model` training argument is set to '{key}', which is not found in "
+                           f"the evaluation metrics. The available evaluation metrics are: {list(metrics)}.")
+        better = np.greater if self.args.greater_is_better else np.less
+        best = self.state.best_metric
+        if best is not None and not better(metrics[key], best):
+            return False
+        self.state.best_metric, self.state.best_global_step = float(metrics[key]), step
+        if self.keep_best is not None:
+            self.state.best_model_checkpoint = self.keep_best(trainer, step)
+        return True
+
+    def adopt(self, saved) -> None:
+        """A transformers checkpoint's ``TrainerState`` (its trainer_state.json): its step, log
+        history and best metric (its best checkpoint only while that folder exists)."""
+        self.state.log_history = list(saved.log_history)
+        self.state.best_metric, self.state.best_global_step = saved.best_metric, saved.best_global_step
+        best = saved.best_model_checkpoint
+        self.state.best_model_checkpoint = best if best is not None and Path(best).is_dir() else None
+        self._at(saved.global_step)
 
     def on_save(self, trainer, step: int) -> None:
         self._at(step)
@@ -109,8 +155,13 @@ class HFCallbacks:
 
     def state_dict(self) -> dict:
         return {"log_history": list(self.state.log_history), "loss_sum": self._loss_sum,
-                "loss_steps": self._loss_steps}
+                "loss_steps": self._loss_steps, "best_metric": self.state.best_metric,
+                "best_global_step": self.state.best_global_step,
+                "best_model_checkpoint": self.state.best_model_checkpoint}
 
     def load_state_dict(self, state: dict) -> None:
         self.state.log_history = list(state["log_history"])
         self._loss_sum, self._loss_steps = float(state["loss_sum"]), int(state["loss_steps"])
+        self.state.best_metric = state.get("best_metric")
+        self.state.best_global_step = state.get("best_global_step")
+        self.state.best_model_checkpoint = state.get("best_model_checkpoint")
