@@ -205,3 +205,24 @@ def test_two_nodes_roll_back_a_spike_and_name_a_slow_rank(tmp_path):
     clean = run("reference", spike_guard="rollback", exclude_samples=str(faulty / "ck" / "EXCLUDED_SAMPLES.json"))
     assert summary(clean)["loss_spikes"] == 0
     assert summary(clean)["model_sha256"] == got["model_sha256"]
+
+
+def test_teardown_has_a_live_ddp_module_let_go_of_the_group_first(caplog):
+    """A script's own DDP wrapper that outlives destroy_process_group() freed the group later, from
+    its Python deallocation with the GIL held, while a gloo thread waited for the GIL: the Kaggle
+    guide's script hung at exit 3 times in 10. Teardown now frees the group itself."""
+    import logging
+
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from framework.ddp import process_group
+
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    wrapper = DDP(torch.nn.Linear(2, 2))
+    wrapper(torch.ones(1, 2)).sum().backward()
+    caplog.set_level(logging.INFO, logger="framework.ddp.process_group")
+    process_group.teardown()
+    assert not dist.is_initialized() and wrapper.process_group is None and wrapper.reducer is None
+    assert "1 DDP module(s) still held the process group: released before destroying it" in caplog.text

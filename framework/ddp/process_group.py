@@ -373,13 +373,38 @@ def teardown() -> None:
     global STORE, GENERATION
     if dist.is_available() and dist.is_initialized():
         group = dist.group.WORLD
-        dist.destroy_process_group()
+        release_ddp_holders(group)
+        dist.distributed_c10d.destroy_process_group()  # not a script's patched name (framework.hf)
         holders = sys.getrefcount(group) - 2  # less this frame's name and getrefcount's argument
         if holders > 0:
             log.info("the process group is still referenced %d time(s) after destroy_process_group (a DDP "
                      "module?): it is freed when the last reference goes", holders)
         del group
     STORE = GENERATION = None  # release the store client here, not during interpreter shutdown
+
+
+def release_ddp_holders(group) -> int:
+    """Have every live DDP module let go of ``group`` (its reducer and logger hold it), so that
+    destroying the group frees it there, with the GIL released. A DDP module that outlives the
+    group (a script's own wrapper, a local of its main()) frees it later, from its Python
+    deallocation, which holds the GIL while gloo's destructor joins its threads, one of which may
+    be waiting for the GIL to free a finished work's tensors: the process hangs at exit (seen 3
+    times in 10 with the Kaggle guide's script). Returns how many modules let go."""
+    import gc
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    released = 0
+    for obj in gc.get_objects():
+        if isinstance(obj, DistributedDataParallel) and getattr(obj, "process_group", None) is group:
+            for name in ("logger", "reducer"):
+                if name in obj.__dict__:
+                    obj.__dict__[name] = None
+            obj.process_group = None
+            released += 1
+    if released:
+        log.info("%d DDP module(s) still held the process group: released before destroying it", released)
+    return released
 
 
 def join_early(timeout_s: float = 600.0) -> None:

@@ -11,7 +11,9 @@ and fails with gloo's "connectFullMesh failed ... Connection refused". accelerat
 that exists. Import it before building TrainingArguments.
 
 A script's own ``torch.distributed.init_process_group(...)`` after the import (as the Kaggle
-guide's scripts do) then finds the group joined and returns: one line says so. A ConfigError that
+guide's scripts do) then finds the group joined and returns: one line says so. Its
+``destroy_process_group()`` at the end is the framework's teardown, which frees the group safely
+while a DDP wrapper of the script's still holds it. A ConfigError that
 the script does not catch ends it with its lines and exit 2, without a traceback."""
 
 from __future__ import annotations
@@ -45,6 +47,19 @@ def init_process_group(*args, **kwargs):
 
 dist.init_process_group = init_process_group
 
+
+def destroy_process_group(group=None) -> None:
+    """torch.distributed.destroy_process_group, except for the group framework.hf joined: the
+    framework's teardown, which first has every DDP module let go of it (a script's own DDP
+    wrapper freed after the group hangs at exit; see process_group.release_ddp_holders)."""
+    if group is None and dist.is_initialized() and process_group.STORE is not None:
+        process_group.teardown()
+        return
+    dist.distributed_c10d.destroy_process_group(group)
+
+
+dist.destroy_process_group = destroy_process_group
+
 _excepthook = sys.excepthook
 
 
@@ -75,4 +90,4 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["SFTConfig", "SFTTrainer", "Trainer", "init_process_group"]
+__all__ = ["SFTConfig", "SFTTrainer", "Trainer", "destroy_process_group", "init_process_group"]
