@@ -117,14 +117,79 @@ def test_the_checker_passes_a_clean_result_and_catches_each_broken_invariant():
     assert violations(explore.check(user, res, None)) == {}
 
 
+def test_the_checker_judges_issue_33s_dimensions_and_faults():
+    import torch
+
+    base = {"config": dict(SIMPLEST), "fault": "kill9_worker", "moment": "mid_step"}
+    good = clean_result(base["config"])
+    ref = reference_of(good)
+    # a relaunch on another world size: the weights within 1e-5 of the reference's, not bit-exact
+    changed = {**base, "config": {**SIMPLEST, "topology": "1x2", "world_change": "2to1"}}
+    weights = {"w": torch.zeros(3), "blocks.0.attn.qkv.bias": torch.zeros(6)}
+    res = copy.deepcopy(good)
+    res["summary"]["model_sha256"] = "b" * 64
+    res.update(world_changes=["2 -> 1"], final_weights={k: v + 5e-6 for k, v in weights.items()})
+    near = {**ref, "weights": weights}
+    assert violations(explore.check(changed, res, near)) == {}
+    res["final_weights"]["blocks.0.attn.qkv.bias"][2:4] += 1.0  # the key third: summation noise, left out
+    assert violations(explore.check(changed, res, near)) == {}
+    res["final_weights"]["w"] += 1e-4
+    assert "final weights 1.05e-04 from the reference's" in violations(explore.check(changed, res, near))["equivalence"]
+    # a deterministic error on one rank: exit 1 with the restart-loop guard's FATAL, no NODE_LOST
+    crash = {**base, "config": {**SIMPLEST, "topology": "1x2"}, "fault": "crash_one_rank"}
+    stopped = copy.deepcopy(good)
+    stopped.update(summary=None, fatal="rank 0: FatalError: 2 restarts in a row resumed from step 3 with no progress "
+                   "in between (max_no_progress_restarts=1); the last error: rank 1: RuntimeError: fault injection",
+                   launches=[{"codes": [1], "timed_out": False, "wall_s": 9.0, "left_behind": 0, "stderr": ""}])
+    assert violations(explore.check(crash, stopped, None)) == {}
+    stopped.update(node_lost_marker=True)
+    stopped["launches"][0]["codes"] = [75]
+    found = violations(explore.check(crash, stopped, None))["explained"]
+    assert "exited [75], not 1" in found and "left NODE_LOST" in found
+    # the explorer's twitchy spike guard past max_rollbacks after an injected spike: the guard's doing
+    fatal = "rank 1: FatalError: more than max_rollbacks=3 loss-spike rollbacks: step 5; step 7; step 8; step 8"
+    guard = copy.deepcopy(good)
+    guard.update(summary=None, fatal=fatal, launches=stopped["launches"][:1])
+    guard["launches"][0]["codes"] = [1, 1]
+    spiked = {"config": {**SIMPLEST, "spike_guard": "rollback"}, "fault": "bad_data", "moment": "epoch_boundary"}
+    assert violations(explore.check(spiked, guard, None)) == {}
+    assert violations(explore.check({**spiked, "fault": "nan"}, guard, None)) == {}
+    assert "FATAL after a transient fault" in violations(explore.check({**spiked, "fault": "kill9_worker"}, guard,
+                                                                       ref))["explained"]
+    # a survivor slowed while it held the lock to save alone, whose checkpoint never came
+    slow = {**base, "config": {**SIMPLEST, "topology": "1x2"}, "fault": "kill9_slow_save"}
+    res = copy.deepcopy(good)
+    res.update(froze_survivor=True, saved_alone=True)
+    assert violations(explore.check(slow, res, ref)) == {}
+    res["saved_alone"] = False
+    assert "never wrote its checkpoint" in violations(explore.check(slow, res, ref))["nothing_lost"]
+
+
+def test_issue_33s_dimensions_and_faults_are_drawn_and_a_rerun_fills_them_with_their_simplest_values():
+    drawn = [explore.draw(random.Random(5000 + i)) for i in range(400)]
+    for dim in ("world_change", "nnodes", "loss_average", "trainer"):
+        assert {t["config"][dim] for t in drawn} == set(explore.DIMS[dim]), dim
+    assert {"sigstop_worker", "crash_one_rank", "kill9_slow_save"} <= {t["fault"] for t in drawn}
+    hf = [t for t in drawn if t["config"]["trainer"] == "hf"]
+    assert 0.05 < len(hf) / len(drawn) < 0.2
+    assert all(t["config"][k] == v for t in hf for k, v in explore.HF_FIXED.items())
+    # a trial of before these dimensions: --rerun gives each its first value, what it ran with
+    old = {k: v for k, v in SIMPLEST.items() if k not in ("world_change", "nnodes", "loss_average", "trainer")}
+    filled = {**SIMPLEST, **old}
+    assert explore.applicable({"config": filled, "fault": "kill9_worker", "moment": "mid_step"}) is None
+    assert explore.config_args({"config": filled, "fault": "none", "moment": "startup"},
+                               explore.Layout(Path("w"), Path("ck"), Path("logs"), None))["train.loss_average"] == \
+        "micro_batch"
+
+
 def test_a_failing_trial_is_shrunk_to_the_choice_that_fails_and_replayed_from_one_line():
     """A synthetic failure that needs only the nested layout: every other choice is simplified away."""
     rng = random.Random(4)
-    trial = explore.draw(rng)
-    while trial["fault"] in ("none", "user_error"):
+    while True:  # a drawn trial with a fault, that these choices leave applicable
         trial = explore.draw(rng)
-    trial["config"].update(layout="nested", topology="1x2", data="map2", accum=2, keep_last=1)
-    assert explore.applicable(trial) is None
+        trial["config"].update(layout="nested", topology="1x2", data="map2", accum=2, keep_last=1)
+        if trial["fault"] not in ("none", "user_error") and explore.applicable(trial) is None:
+            break
     runs = []
 
     def fake_evaluate(t: dict) -> dict:
@@ -154,16 +219,27 @@ def test_draws_are_seeded_and_applicable():
 # The slice, as drawn by seed 24283 before the explorer had the save_on_peer_loss dimension (one
 # process each): a kill -9 at a checkpoint write, restarted by torchrun (--max-restarts 2), and a
 # SIGTERM after a loss-spike rollback (a preemption), relaunched. Then the first one on 2 ranks,
-# killed mid-step: the survivor saves alone, under resume=PATH and keep_last=1.
+# killed mid-step: the survivor saves alone, under resume=PATH and keep_last=1. (The dimensions
+# added since take their first values, as --rerun gives them.)
 _SLICE_CONFIG = {"topology": "1", "max_restarts": 2, "resume": "path", "layout": "apart", "foreign": True,
                  "data": "map2", "spike_guard": "rollback", "accum": 1, "act_ckpt": "offload", "tiled_mlp": 2,
                  "comm_hook": "bf16", "save_every_steps": 4, "save_interval": 1, "keep_last": 1,
-                 "stop": "num_epochs", "save_on_peer_loss": True}
+                 "stop": "num_epochs", "save_on_peer_loss": True, "world_change": "none", "nnodes": "fixed",
+                 "loss_average": "micro_batch", "trainer": "builtin"}
+# Issue 33's, on the simplest configuration otherwise: a worker killed mid-step on 2 ranks with the
+# save alone off (steps redone) and the run relaunched on 1 rank, averaging over tokens; a worker
+# stopped (SIGSTOP) on 2 nodes, the other's watchdog ending the group; a deterministic error on
+# rank 1 under launch_training.sh, which the restart-loop guard stops with a FATAL.
+_ISSUE33 = {k: v[0] for k, v in explore.DIMS.items()}
 SLICE = [
     {"config": _SLICE_CONFIG, "fault": "kill9_worker", "moment": "ckpt_write"},
     {"config": {**_SLICE_CONFIG, "max_restarts": 0, "resume": "none", "layout": "nested", "foreign": False,
                 "save_every_steps": 3, "save_interval": 0}, "fault": "sigterm_worker", "moment": "rollback"},
     {"config": {**_SLICE_CONFIG, "topology": "1x2"}, "fault": "kill9_worker", "moment": "mid_step"},
+    {"config": {**_ISSUE33, "topology": "1x2", "world_change": "2to1", "loss_average": "tokens",
+                "save_on_peer_loss": False}, "fault": "kill9_worker", "moment": "mid_step"},
+    {"config": {**_ISSUE33, "topology": "2x1"}, "fault": "sigstop_worker", "moment": "eval"},
+    {"config": {**_ISSUE33, "topology": "1x2"}, "fault": "crash_one_rank", "moment": "mid_step"},
 ]
 
 
@@ -179,4 +255,8 @@ def test_a_fixed_seed_slice_of_real_trials_breaks_no_invariant(tmp_path):
     assert all(r["hit"] is not False for r in results), [r["notes"] for r in results]
     assert results[0]["trial"]["config"]["max_restarts"] == 2 and len(results[0]["codes"]) == 1  # restarted
     assert len(results[1]["codes"]) == 2  # preempted, then relaunched
-    assert [r["saved_alone"] for r in results] == [False, False, True]  # rank 0 saved alone, rank 1 killed
+    assert [r["saved_alone"] for r in results[:3]] == [False, False, True]  # rank 0 saved alone, rank 1 killed
+    # relaunched on 1 rank, within 1e-5 of the uninterrupted 2-rank run
+    assert results[3]["world_changes"] == ["2 -> 1"] and results[3]["weight_diff"] <= 1e-5
+    assert len(results[4]["codes"]) == 2  # the stopped worker's group ended, then relaunched
+    assert results[5]["codes"] == [[1]]  # FATAL, no relaunch (and no 75)
