@@ -13,7 +13,7 @@ per-launch timeout). The script passes ``resume_from_checkpoint=None``, as most 
     python bench/hf_peer.py --sft --kills 10 --max-steps 60 --out hf_peer_sft.json
 
 ``--sft``: trl.SFTTrainer against framework.hf.SFTTrainer on the Kaggle guide's script
-(tests/workers/sft_guide.py: its own init_process_group, DDP wrapping, rank 0's save_pretrained):
+(framework/testing/sft_script.py: its own init_process_group, DDP wrapping, rank 0's save_pretrained):
 TRL runs it with save_strategy "steps" on every rank (the guide's per-rank save_strategy hangs it
 at its first save: ``--guide-as-written`` measures that once), the drop-in as written. The kill
 comes mid-step (in the forward after the drawn step), and each outcome also says whether the
@@ -36,7 +36,7 @@ from framework.testing.launch import launch  # noqa: E402
 
 SCRIPT = ROOT / "framework" / "testing" / "hf_script.py"
 PEERS = {"transformers.Trainer": ["--plain"], "framework.hf.Trainer": []}
-SFT_SCRIPT = ROOT / "tests" / "workers" / "sft_guide.py"
+SFT_SCRIPT = ROOT / "framework" / "testing" / "sft_script.py"
 SFT_PEERS = {"trl.SFTTrainer": ["--plain", "--same-save-strategy"], "framework.hf.SFTTrainer": []}
 
 

@@ -21,9 +21,9 @@ from framework.config.schema import ConfigError  # noqa: E402
 from framework.data.sampler import ResumableDistributedSampler  # noqa: E402
 from framework.hf import SFTConfig, SFTTrainer  # noqa: E402
 from framework.testing.launch import ROOT, launch  # noqa: E402
-from tests.workers.sft_guide import build_model, build_tokenizer, dataset, lora_config  # noqa: E402
+from framework.testing.sft_script import build_model, build_tokenizer, dataset, lora_config  # noqa: E402
 
-GUIDE = ROOT / "tests" / "workers" / "sft_guide.py"
+GUIDE = ROOT / "framework" / "testing" / "sft_script.py"
 HF_SCRIPT = ROOT / "framework" / "testing" / "hf_script.py"
 
 
@@ -128,7 +128,7 @@ SCRIPT_WITH_A_BAD_OPTIMIZER = """
 import sys
 sys.path.insert(0, {root!r})
 from framework.hf import SFTConfig, SFTTrainer
-from tests.workers.sft_guide import build_model, build_tokenizer, dataset
+from framework.testing.sft_script import build_model, build_tokenizer, dataset
 tok = build_tokenizer()
 SFTTrainer(model=build_model(tok), args=SFTConfig(output_dir={out!r}, optim="adamw_8bit", use_cpu=True,
            report_to="none"), train_dataset=dataset("text", 16), processing_class=tok)

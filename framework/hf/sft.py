@@ -253,29 +253,10 @@ def prepare(model, args, *, data_collator, train_dataset, eval_dataset, processi
         except (ValueError, TypeError) as err:  # TRL's checks of its arguments and data: a user's mistake
             raise ConfigError([f"SFTTrainer: {(str(err).splitlines() or [type(err).__name__])[0]}"]) from err
 
-    tokenised = False
+    built = None
     if not _rank0_says((cache / "train").is_dir()):
-        failed = None
-        if rank == 0:
-            try:
-                built = build(train_dataset, eval_dataset, skip=False)
-                _save(built.train_dataset, cache / "train")
-                if built.eval_dataset is not None:
-                    _save(built.eval_dataset, cache / "eval")
-                tokenised = True
-            except Exception as err:  # the others must not wait for data that never comes
-                failed = err.problems if isinstance(err, ConfigError) else (
-                    f"{type(err).__name__}: {(str(err).splitlines() or [''])[0]}")
-                _rank0_says(failed)
-                raise
-        failed = _rank0_says(failed)  # the others wait here for rank 0's prepared data, or its error
-        if isinstance(failed, list):
-            raise ConfigError(failed)
-        if failed is not None:
-            raise RuntimeError(f"rank 0 could not prepare the data: {failed}")
-        if not (cache / "train").is_dir():
-            raise ConfigError([f"SFTTrainer: the prepared data {cache} is not readable from rank {rank}: "
-                               "output_dir must be on a file system every node shares"])
+        built = _prepare_on_rank0(lambda: build(train_dataset, eval_dataset, skip=False), cache, rank)
+    tokenised = built is not None
     if not tokenised:
         log.info("loading the prepared data from %s (tokenised once, by rank 0)", cache)
         train = datasets.load_from_disk(str(cache / "train"))
@@ -287,6 +268,33 @@ def prepare(model, args, *, data_collator, train_dataset, eval_dataset, processi
                         data_collator=built.data_collator, train_dataset=built.train_dataset,
                         eval_dataset=built.eval_dataset, cache=cache, tokenised_here=tokenised)
     return prepared
+
+
+def _prepare_on_rank0(build: Callable, cache: Path, rank: int):
+    """On rank 0: TRL's trainer built with the data prepared, the prepared data saved at ``cache``
+    (returned); elsewhere: None, once rank 0's data is there. An error on rank 0 reaches every rank
+    (no rank waits for data that never comes)."""
+    built = failed = None
+    if rank == 0:
+        try:
+            built = build()
+            _save(built.train_dataset, cache / "train")
+            if built.eval_dataset is not None:
+                _save(built.eval_dataset, cache / "eval")
+        except Exception as err:
+            failed = err.problems if isinstance(err, ConfigError) else (
+                f"{type(err).__name__}: {(str(err).splitlines() or [''])[0]}")
+            _rank0_says(failed)
+            raise
+    failed = _rank0_says(failed)  # the others wait here for rank 0's prepared data, or its error
+    if isinstance(failed, list):
+        raise ConfigError(failed)
+    if failed is not None:
+        raise RuntimeError(f"rank 0 could not prepare the data: {failed}")
+    if not (cache / "train").is_dir():
+        raise ConfigError([f"SFTTrainer: the prepared data {cache} is not readable from rank {rank}: "
+                           "output_dir must be on a file system every node shares"])
+    return built
 
 
 class SFTTrainer(Trainer):

@@ -444,7 +444,7 @@ class Trainer:
         and labels (``preprocess_logits_for_metrics`` applied per batch) gathered on rank 0 (or
         on ``everyone``) in the dataset's order, with ``compute_metrics``' results, computed on
         rank 0 and the same on every rank. Returns a ``PredictionOutput`` (numpy arrays)."""
-        from transformers.trainer_utils import PredictionOutput, denumpify_detensorize, speed_metrics
+        from transformers.trainer_utils import PredictionOutput, speed_metrics
 
         start = time.time()
         collated, size = self._collated(dataset), len(dataset)
@@ -482,23 +482,24 @@ class Trainer:
             if shards is not None:
                 all_preds, all_labels = (_numpy(x) for x in merge_shards(shards))
 
-        def compute() -> dict:
-            from transformers.trainer_utils import EvalPrediction
-
-            if self.compute_metrics is None or all_preds is None or all_labels is None:
-                return {}
-            prediction = EvalPrediction(predictions=all_preds, label_ids=all_labels)
-            if self.args.batch_eval_metrics:  # a batch-wise function, given the whole set as its one batch
-                return denumpify_detensorize(self.compute_metrics(prediction, compute_result=True))
-            return denumpify_detensorize(self.compute_metrics(prediction))
-
-        metrics = {} if loss_only else _from_rank0(compute, env)
+        metrics = {} if loss_only else _from_rank0(lambda: self._computed_metrics(all_preds, all_labels), env)
         if count:
             metrics["loss"] = total / count
         metrics = {k if k.startswith(f"{prefix}_") else f"{prefix}_{k}": v for k, v in metrics.items()}
         per_step = batch_size * env.world_size
         metrics.update(speed_metrics(prefix, start, num_samples=size, num_steps=-(-size // per_step)))
         return PredictionOutput(predictions=all_preds, label_ids=all_labels, metrics=metrics)
+
+    def _computed_metrics(self, predictions, label_ids) -> dict:
+        """``compute_metrics`` on the whole set (rank 0 calls it), or nothing."""
+        from transformers.trainer_utils import EvalPrediction, denumpify_detensorize
+
+        if self.compute_metrics is None or predictions is None or label_ids is None:
+            return {}
+        prediction = EvalPrediction(predictions=predictions, label_ids=label_ids)
+        if self.args.batch_eval_metrics:  # a batch-wise function, given the whole set as its one batch
+            return denumpify_detensorize(self.compute_metrics(prediction, compute_result=True))
+        return denumpify_detensorize(self.compute_metrics(prediction))
 
     def _metrics_at_evaluation(self, engine: DDPTrainer) -> dict:
         """``compute_metrics``' results at an evaluation during training (every rank, the same step):

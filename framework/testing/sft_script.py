@@ -6,7 +6,7 @@ the trainer, sets ``save_strategy="steps" if is_main_process else "no"``, trains
 call ``save_pretrained`` and ends with ``dist.destroy_process_group()``. With ``--plain`` it
 imports ``trl``'s SFTConfig and SFTTrainer, else ``framework.hf``'s: the one line that differs.
 
-    torchrun --nproc-per-node 2 tests/workers/sft_guide.py OUT [--plain] [--max-steps N]
+    torchrun --nproc-per-node 2 framework/testing/sft_script.py OUT [--plain] [--max-steps N]
         [--kill-rank R --kill-step S] [--data text|prompt_completion|conversational] [--packing]
 
 ``--kill-*``: that rank sends itself SIGKILL after step S in the first incarnation. Each rank
@@ -54,9 +54,9 @@ def build_tokenizer():
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=512, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    bpe = trainers.BpeTrainer(vocab_size=512, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   special_tokens=["<unk>", "<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"])
-    tok.train_from_iterator([text[i:i + 1000] for i in range(0, len(text), 1000)], trainer)
+    tok.train_from_iterator([text[i:i + 1000] for i in range(0, len(text), 1000)], bpe)
     hf = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", bos_token="<s>",
                                  eos_token="</s>")
     hf.chat_template = CHAT_TEMPLATE
@@ -122,6 +122,17 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def config_kwargs(args: argparse.Namespace, is_main_process: bool) -> dict:
+    """The guide's SFTConfig, save_strategy set on rank 0 only (unless --same-save-strategy)."""
+    return dict(
+        output_dir=args.out, per_device_train_batch_size=4, gradient_accumulation_steps=1,
+        max_steps=args.max_steps, learning_rate=2e-3, logging_steps=5, max_length=64, packing=args.packing,
+        save_strategy="steps" if is_main_process or args.same_save_strategy else "no", save_steps=args.save_steps,
+        gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False},
+        report_to="none", disable_tqdm=True, bf16=False, use_cpu=not torch.cuda.is_available(),
+        ddp_find_unused_parameters=False)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
     if args.plain:
@@ -167,25 +178,19 @@ def main(argv: list[str] | None = None) -> None:
     model = get_peft_model(build_model(tokenizer), lora_config()).to(device)
     model.register_forward_pre_hook(kill_in_forward)
     model = DDP(model, device_ids=[local_rank] if torch.cuda.is_available() else None)
-    training_args = SFTConfig(
-        output_dir=args.out, per_device_train_batch_size=4, gradient_accumulation_steps=1,
-        max_steps=args.max_steps, learning_rate=2e-3, logging_steps=5, max_length=64, packing=args.packing,
-        save_strategy="steps" if is_main_process or args.same_save_strategy else "no", save_steps=args.save_steps,
-        gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False},
-        report_to="none", disable_tqdm=True, bf16=False, use_cpu=not torch.cuda.is_available(),
-        ddp_find_unused_parameters=False)
-    trainer = SFTTrainer(model=model.module, args=training_args, train_dataset=dataset(args.data, args.samples),
+    training_args = SFTConfig(**config_kwargs(args, is_main_process))
+    sft_trainer = SFTTrainer(model=model.module, args=training_args, train_dataset=dataset(args.data, args.samples),
                          processing_class=tokenizer, callbacks=[KillAt()])
     start = time.perf_counter()
-    trainer.train()
+    sft_trainer.train()
     train_s = time.perf_counter() - start
     if is_main_process:
-        trainer.model.save_pretrained(os.path.join(args.out, "final_adapter"))
+        sft_trainer.model.save_pretrained(os.path.join(args.out, "final_adapter"))
     write_result(Path(os.environ.get("TEST_OUT_DIR", args.out)), rank, {
-        "sha256": model_sha256(trainer.model), "log_history": trainer.state.log_history,
-        "steps": trainer.state.global_step, "train_s": train_s,
+        "sha256": model_sha256(sft_trainer.model), "log_history": sft_trainer.state.log_history,
+        "steps": sft_trainer.state.global_step, "train_s": train_s,
         "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)), "began_at": began_at[0],
-        "tokenised_here": getattr(trainer, "tokenised_here", None)})
+        "tokenised_here": getattr(sft_trainer, "tokenised_here", None)})
     dist.destroy_process_group()
 
 
