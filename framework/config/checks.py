@@ -93,7 +93,7 @@ def _unparsable(key: str, value: str, parse) -> list[str]:
 
 
 # --- the built-in data, checked before a run builds it ---------------------------------------
-# Torch-free, for --check-config; framework/data.py builds the datasets these describe.
+# Torch-free, for --check-config; framework/data/datasets.py builds the datasets these describe.
 
 VAL_FRACTION_TEXT = "the last 10% is the validation split"
 
@@ -131,7 +131,7 @@ def _scan_data_file(path: str, size: int, mtime_ns: int, inode: int) -> tuple[in
         text = Path(path).read_text(encoding="utf-8")
     except UnicodeDecodeError as err:
         return 0, -1, f"not UTF-8 text ({err.reason} at byte {err.start}); allowed: a UTF-8 text file"
-    # framework/data.py encode_text: one token per character, or per UTF-8 byte beyond 256 characters
+    # framework/data/datasets.py encode_text: one token per character, or per UTF-8 byte beyond 256 characters
     return (len(text) if len(set(text)) <= 256 else len(text.encode("utf-8"))), -1, ""
 
 
@@ -238,7 +238,7 @@ def world_size_from(env) -> int:
 
 
 EXPORT_RECORD = ".framework_export.json"
-"""The file in which the export (framework/export.py) lists the files it wrote into export_dir: the
+"""The file in which the export (framework/state/export.py) lists the files it wrote into export_dir: the
 only ones a later export replaces or removes."""
 _EXPORT_NAMES = ("config.json", "model.safetensors")  # written by every export but those of PEFT models
 

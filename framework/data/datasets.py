@@ -146,7 +146,7 @@ def builtin_datasets(cfg):
 
 
 def check_datasets(dataset, val_dataset, cfg, world_size: int) -> None:
-    """What the config check (framework/config.py) cannot see: the datasets a run was given from
+    """What the config check (framework/config/checks.py) cannot see: the datasets a run was given from
     Python. A map-style training set must hold one global batch, also without exclude_samples;
     a stream needs max_steps and has no sample indices to exclude; evaluation needs a map-style
     set. Raises FatalError: a restart would only fail the same way."""

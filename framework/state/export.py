@@ -19,7 +19,7 @@ inside ``export_dir``, synced, and each renamed into place (so each file is whol
 export's or this one's); ``export_dir/.framework_export.json`` lists them. A later export replaces
 or removes only the files that list names; anything else in ``export_dir`` (the run's checkpoint_dir
 and log_dir nested in it, the user's files) is left alone, and a file the export would replace but
-did not write is kept, with an ERROR. framework/config.py refuses, at check time, the overlaps the
+did not write is kept, with an ERROR. framework/config/checks.py refuses, at check time, the overlaps the
 export cannot honour: export_dir = log_dir, and an export_dir holding a config.json or
 model.safetensors that no export wrote.
 
