@@ -10,7 +10,7 @@ usage: ./launch_training.sh [options] [-- ddp_training.py flags]
 
   -g, --gpus IDS            GPUs to use, e.g. 0,1 (sets CUDA_VISIBLE_DEVICES; one process each)
       --cpu                 train on CPU with gloo; hides every GPU (CUDA_VISIBLE_DEVICES="")
-  -n, --nproc N             processes with --cpu (default 2)
+  -n, --nproc N             processes: with --cpu (default 2), or the first N GPUs of a GPU host
   -b, --batch-size N        per-rank micro-batch size
   -e, --epochs N            number of epochs
   -l, --log-dir DIR         logs, TensorBoard events, summary.json
@@ -174,8 +174,11 @@ if [[ -n "$gpus" ]]; then
   nproc=${#gpu_list[@]}
 elif [[ $cpu -eq 0 ]]; then
   visible=$(gpu_count)
-  if [[ "$visible" =~ ^[1-9][0-9]*$ && -z "$nproc" ]]; then
-    nproc=$visible
+  if [[ "$visible" =~ ^[1-9][0-9]*$ ]]; then
+    # A GPU host: --nproc N trains on its first N GPUs (it never switches to CPU unasked).
+    [[ -z "$nproc" || $nproc -le $visible ]] ||
+      die "--nproc $nproc: this host has $visible GPU(s); use --nproc 1 to $visible, --gpus IDS, or --cpu for CPU processes"
+    nproc=${nproc:-$visible}
   else
     cpu=1
   fi

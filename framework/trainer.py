@@ -86,6 +86,7 @@ class DDPTrainer:
 
     _stop_requested = False
     _eval_owed = -1  # the step whose evaluation a preemption request stopped: a run resumed there runs it first
+    _evaluated_step = -1  # the step of the last evaluation recorded (the final one is not run twice)
 
     def __init__(self, config: TrainConfig | dict | None = None, *, rank: int | None = None,
                  world_size: int | None = None, model: torch.nn.Module | None = None,
@@ -364,6 +365,8 @@ class DDPTrainer:
                 self._save(epoch_ended=self.sampler.steps_remaining() == 0)
                 if self._evaluator.should_run(self.step) and self._evaluate_mid_run(step_log):
                     return True
+                if self._stop_requested:  # asked at the evaluation (transformers' EarlyStoppingCallback)
+                    return False
             self.sampler.set_epoch(self.sampler.epoch + 1)
             self._skips.new_epoch()
         return False
@@ -488,7 +491,8 @@ class DDPTrainer:
             log.info("target_loss %g reached at step %d (loss %.4f)", cfg.train.target_loss, self.step, step_log.loss)
         preempted = agree(loss=torch.zeros((), device=env.device), world_size=env.world_size,
                           distributed=env.distributed, preempt=self._preemption.requested is not None).preempt
-        if preempted or not self._evaluate_and_record(step_log):
+        evaluated = self._evaluated_step == self.step  # a stop requested at this step's evaluation
+        if preempted or not (evaluated or self._evaluate_and_record(step_log)):
             self._save_preempted()
             return True
         with self._watchdog.phase("checkpoint save", scale=10):
@@ -504,6 +508,7 @@ class DDPTrainer:
         if self._evaluator.interrupted:
             return False
         step_log.record_val(self.step, val_loss)
+        self._evaluated_step = self.step
         self._moments.evaluated(self.step, val_loss)
         return True
 

@@ -462,8 +462,8 @@ def test_compute_metrics_runs_at_each_evaluation_during_training(tmp_path):
 @pytest.mark.slow
 def test_early_stopping_stops_and_the_best_model_is_loaded_at_the_end(tmp_path):
     """transformers' own EarlyStoppingCallback with a metric that only gets worse: the best is the
-    first evaluation's (step 2), patience 1 stops the run after the second (one step later than
-    transformers.Trainer: the engine stops after a step), and the model ends with step 2's
+    first evaluation's (step 2), patience 1 stops the run at the second (step 4, as
+    transformers.Trainer does), and the model ends with step 2's
     weights, kept in output_dir/best_model though checkpoints are pruned to the last one."""
     from transformers import EarlyStoppingCallback
 
@@ -489,7 +489,8 @@ def test_early_stopping_stops_and_the_best_model_is_loaded_at_the_end(tmp_path):
                       compute_metrics=worsening, callbacks=[EarlyStoppingCallback(early_stopping_patience=1),
                                                             Weights()])
     out = trainer.train()
-    assert out.global_step == 5, "stopped after the step that follows the second evaluation"
+    assert out.global_step == 4, "stopped at the second evaluation"
+    assert [e["step"] for e in trainer.state.log_history if "eval_loss" in e] == [2, 4], "not evaluated twice"
     assert trainer.state.best_metric == 1.0 and trainer.state.best_global_step == 2
     best = tmp_path / "out" / "best_model"
     assert trainer.state.best_model_checkpoint == str(best)

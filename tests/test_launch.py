@@ -177,6 +177,18 @@ def test_bad_gpu_ids_exit_2_before_torchrun(shim, gpus, ids, message):
     assert torchrun is None
 
 
+def test_nproc_on_a_gpu_host_uses_its_gpus_or_refuses_in_one_line(shim):
+    """--nproc N without --cpu on a GPU host switched it to N CPU processes without a word."""
+    proc, torchrun = shim(["--nproc", "1"], gpus=2)
+    assert proc.returncode == 0, proc.stderr
+    assert option(torchrun["argv"], "--nproc-per-node") == "1" and "gloo" not in torchrun["argv"]
+    assert torchrun["env"].get("CUDA_VISIBLE_DEVICES") != ""
+    proc, torchrun = shim(["--nproc", "3"], gpus=2)
+    assert proc.returncode == 2 and torchrun is None
+    assert proc.stderr == ("launch_training.sh: --nproc 3: this host has 2 GPU(s); use --nproc 1 to 2, --gpus IDS, "
+                           "or --cpu for CPU processes\n")
+
+
 def test_gpus_index_the_hosts_gpus_whatever_the_callers_visible_devices(shim):
     proc, torchrun = shim(["--gpus", "1"], gpus=2, CUDA_VISIBLE_DEVICES="")
     assert proc.returncode == 0, proc.stderr

@@ -108,6 +108,9 @@ class HFCallbacks:
         self.log(trainer, metrics)
         self._event("on_evaluate", trainer, metrics=metrics)
         self.track_best(trainer, step, metrics)  # after on_evaluate, as transformers.Trainer does
+        if self._agreed(trainer, self.control.should_training_stop)[0]:  # EarlyStoppingCallback: stop now
+            log.info("a callback set control.should_training_stop at the evaluation of step %d: stopping", step)
+            trainer.request_stop()
 
     def track_best(self, trainer, step: int, metrics: dict) -> bool:
         """transformers.Trainer's ``_determine_best_metric``: with ``metric_for_best_model``,
