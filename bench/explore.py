@@ -1094,7 +1094,9 @@ def verdict_inputs(trial: dict, lay: Layout, sentinels: dict, foreign_files: dic
         log0 = ""
     # Each (re)start's world size, from its effective-batch line: a resume at another size, or a
     # fresh start at another (no checkpoint yet) with the same global batch.
-    sizes = [int(n) for n in re.findall(r"effective batch: \d+ per rank x (\d+) ranks", log0)]
+    # The first launch's size leads: a launch killed before it logged one (kill -9 at start-up)
+    # left the relaunch's as the only line, which hid its change of size.
+    sizes = [world(cfg)] + [int(n) for n in re.findall(r"effective batch: \d+ per rank x (\d+) ranks", log0)]
     return {"world_changes": [f"{a} -> {b}" for a, b in zip(sizes, sizes[1:], strict=False) if a != b],
             "final_weights": final_weights(lay) if elastic(cfg) else None,
             "node_lost_marker": marker_text(lay, "NODE_LOST") is not None,
