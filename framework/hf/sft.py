@@ -36,7 +36,7 @@ import torch
 
 from ..config.schema import ConfigError
 from ..ddp import process_group
-from .trainer import Trainer
+from .trainer import Trainer, from_rank0
 
 log = logging.getLogger(__name__)
 
@@ -201,17 +201,6 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def _rank0_says(value):
-    """Rank 0's ``value`` on every rank (each rank's own view of the file system could differ:
-    rank 0 may finish writing the cache before another rank looks)."""
-    import torch.distributed as dist
-
-    if not _distributed():
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
 
 @dataclasses.dataclass
 class Prepared:
@@ -254,7 +243,8 @@ def prepare(model, args, *, data_collator, train_dataset, eval_dataset, processi
             raise ConfigError([f"SFTTrainer: {(str(err).splitlines() or [type(err).__name__])[0]}"]) from err
 
     built = None
-    if not _rank0_says((cache / "train").is_dir()):
+    if not from_rank0(lambda: (cache / "train").is_dir(), rank=rank, distributed=_distributed(),
+                      what="looking for the prepared data"):
         built = _prepare_on_rank0(lambda: build(train_dataset, eval_dataset, skip=False), cache, rank)
     tokenised = built is not None
     if not tokenised:
@@ -274,23 +264,15 @@ def _prepare_on_rank0(build: Callable, cache: Path, rank: int):
     """On rank 0: TRL's trainer built with the data prepared, the prepared data saved at ``cache``
     (returned); elsewhere: None, once rank 0's data is there. An error on rank 0 reaches every rank
     (no rank waits for data that never comes)."""
-    built = failed = None
-    if rank == 0:
-        try:
-            built = build()
-            _save(built.train_dataset, cache / "train")
-            if built.eval_dataset is not None:
-                _save(built.eval_dataset, cache / "eval")
-        except Exception as err:
-            failed = err.problems if isinstance(err, ConfigError) else (
-                f"{type(err).__name__}: {(str(err).splitlines() or [''])[0]}")
-            _rank0_says(failed)
-            raise
-    failed = _rank0_says(failed)  # the others wait here for rank 0's prepared data, or its error
-    if isinstance(failed, list):
-        raise ConfigError(failed)
-    if failed is not None:
-        raise RuntimeError(f"rank 0 could not prepare the data: {failed}")
+    def prepare_and_save():
+        built = build()
+        _save(built.train_dataset, cache / "train")
+        if built.eval_dataset is not None:
+            _save(built.eval_dataset, cache / "eval")
+        return built
+
+    built = from_rank0(prepare_and_save, rank=rank, distributed=_distributed(), what="preparing the data",
+                       share=False)
     if not (cache / "train").is_dir():
         raise ConfigError([f"SFTTrainer: the prepared data {cache} is not readable from rank {rank}: "
                            "output_dir must be on a file system every node shares"])

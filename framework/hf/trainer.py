@@ -178,22 +178,30 @@ def _gather(obj, env, *, everyone: bool) -> list | None:
     return out if env.rank == 0 else None
 
 
-def _from_rank0(compute: Callable[[], Any], env):
-    """``compute()`` run on rank 0, its result (or its failure) on every rank."""
-    result: list = [None, None]
-    error = None
-    if env.rank == 0:
+def from_rank0(compute: Callable[[], Any], *, rank: int, distributed: bool, what: str, share: bool = True):
+    """``compute()`` run on rank 0 alone; its result on every rank (only on rank 0 unless
+    ``share``). A failure there raises on every rank, so that none waits for what never comes:
+    rank 0 its own error, the others a ConfigError with its lines, or a RuntimeError naming
+    ``what``."""
+    result = error = failure = None
+    if rank == 0:
         try:
-            result[0] = compute()
+            result = compute()
         except Exception as err:  # noqa: BLE001  (the others raise with it, not wait for it)
-            error, result[1] = err, f"{type(err).__name__}: {err}"
-    if env.distributed:
-        dist.broadcast_object_list(result, src=0)
+            error = err
+            failure = err.problems if isinstance(err, ConfigError) else f"{type(err).__name__}: {err}"
+    if distributed:
+        box = [result if share else None, failure]
+        dist.broadcast_object_list(box, src=0)
+        if rank != 0:
+            result, failure = box
     if error is not None:
         raise error
-    if result[1] is not None:
-        raise RuntimeError(f"compute_metrics failed on rank 0: {result[1]}")
-    return result[0]
+    if isinstance(failure, list):
+        raise ConfigError(failure)
+    if failure is not None:
+        raise RuntimeError(f"{what} failed on rank 0: {failure}")
+    return result
 
 
 # --- transformers checkpoints ------------------------------------------------------------------------
@@ -482,7 +490,8 @@ class Trainer:
             if shards is not None:
                 all_preds, all_labels = (_numpy(x) for x in merge_shards(shards))
 
-        metrics = {} if loss_only else _from_rank0(lambda: self._computed_metrics(all_preds, all_labels), env)
+        metrics = {} if loss_only else from_rank0(lambda: self._computed_metrics(all_preds, all_labels), rank=env.rank,
+                                                 distributed=env.distributed, what="compute_metrics")
         if count:
             metrics["loss"] = total / count
         metrics = {k if k.startswith(f"{prefix}_") else f"{prefix}_{k}": v for k, v in metrics.items()}
@@ -592,15 +601,15 @@ class Trainer:
         parts = []
         if (folder / "optimizer.pt").is_file():
             try:
-                engine.optimizer.load_state_dict(torch.load(folder / "optimizer.pt", map_location="cpu",
-                                                            weights_only=True))
+                state = torch.load(folder / "optimizer.pt", weights_only=True, map_location="cpu")
+                engine.optimizer.load_state_dict(state)
             except ValueError as err:
                 raise ConfigError([f"{folder}/optimizer.pt does not fit this optimizer ({err}): build the optimizer "
                                    "as the checkpoint's run did"]) from err
             parts.append("optimizer")
         if (folder / "scheduler.pt").is_file() and self.lr_scheduler is not None:
-            self.lr_scheduler.load_state_dict(torch.load(folder / "scheduler.pt", map_location="cpu",
-                                                         weights_only=True))
+            state = torch.load(folder / "scheduler.pt", weights_only=True, map_location="cpu")
+            self.lr_scheduler.load_state_dict(state)
             parts.append("scheduler")
         sampler = engine.sampler
         sampler.load_state_dict({"epoch": step // sampler.steps_per_epoch,
