@@ -25,8 +25,8 @@ from .ddp.compile import compile_model
 from .model.activation_checkpointing import enable_checkpointing
 from .model.gpt import GPT, GPTConfig, lm_loss
 from .model.tiled_mlp import tile_user_mlps
-from .observability.logs import log_file_stream, setup_logging
-from .observability.metrics import SampleLog, StartupClock, StepLog, log_run_start
+from .observability.logs import DETAIL, log_file_stream, setup_logging
+from .observability.metrics import SampleLog, StartupClock, StepLog, log_run_start, summary_line
 from .resilience import markers
 from .resilience.consistency import ConsistencyCheck, model_sha256
 from .resilience.markers import FatalError
@@ -125,6 +125,14 @@ class DDPTrainer:
         global batch (a checkpoint's, when resumed at another world size)."""
         return self._total_steps
 
+    def recount(self, *, max_steps: int, eval_interval: int) -> None:
+        """Set ``train.max_steps`` and ``eval.interval`` after the build, before ``train()``: for a
+        caller that counts them in the run's epochs, whose length is known once the checkpoint
+        (its global batch) is loaded (framework.hf: a run resumed at another world size)."""
+        self.config.train.max_steps, self.config.eval.interval = max_steps, eval_interval
+        self._evaluator.interval = eval_interval
+        self._total_steps = self._schedule.total_steps = self.sampler.last_step(self.step, self.config)
+
     @property
     def report(self):
         """The DDP preflight's findings (a ProbeReport)."""
@@ -179,6 +187,7 @@ class DDPTrainer:
         state = self._restore(load=not doctor)
         self._startup.mark("checkpoint load")
         self._total_steps = self._schedule.total_steps = self.sampler.last_step(self.step, self.config)
+        self._resumed = state is not None
         log_run_start(self.config, self.env, self.sampler, model=self.raw_model, amp=self._amp,
                       total_steps=self._total_steps, num_workers=self._num_workers, builtin_model=model is None,
                       builtin_data=builtin_data)
@@ -218,6 +227,18 @@ class DDPTrainer:
         if process_group.incarnation() > 0:
             apply_recorded_micro_batch(self.sampler, cfg.checkpoint.dir)
         return state
+
+    def _say_where_the_run_starts(self, *, resumed: bool) -> None:
+        """One line when ``checkpoint.resume`` found nothing to continue: no checkpoint, or a run
+        that has finished (a run to continue is named by the checkpoint's "resumed from" line)."""
+        ckpt = self.config.checkpoint
+        if not resumed:
+            if ckpt.resume == "auto":
+                log.info("resume=auto: no checkpoint in %s; starting a new run at step 0", ckpt.dir)
+            return
+        if self.step >= self._total_steps or self.sampler.epoch >= self.config.train.num_epochs:
+            log.info("the run in %s finished at step %d: nothing to do (raise train.max_steps or train.num_epochs "
+                     "to go on, or set checkpoint.resume=none to start afresh)", ckpt.dir, self.step)
 
     def _build_model(self, model: torch.nn.Module | None) -> None:
         cfg = self.config
@@ -286,7 +307,8 @@ class DDPTrainer:
         return self._train_step.forward_backward(micro_batches, self.step)
 
     def optimizer_step(self, loss: torch.Tensor, *, stop: bool = False, preempt: bool = False):
-        return self._train_step.optimizer_step(loss, self.step, stop=stop, preempt=preempt)
+        return self._train_step.optimizer_step(loss, self.step, stop=stop, preempt=preempt,
+                                               save_due=self._checkpointer.time_due())
 
     def evaluate(self) -> float | None:
         return self._evaluator.run(self.step)
@@ -316,6 +338,7 @@ class DDPTrainer:
 
     def _train(self) -> dict:
         cfg, env = self.config, self.env
+        self._say_where_the_run_starts(resumed=self._resumed)
         step_log = StepLog.open(cfg, env, total_steps=self._total_steps, initial_step=self.step)
         samples_log = SampleLog(Path(cfg.logging.dir) / f"samples_rank_{env.rank}.jsonl"
                                 if cfg.logging.record_samples else None)
@@ -362,7 +385,7 @@ class DDPTrainer:
                     return True
                 if self._should_stop(agreed):
                     return False
-                self._save(epoch_ended=self.sampler.steps_remaining() == 0)
+                self._save(epoch_ended=self.sampler.steps_remaining() == 0, timed=agreed.save_due)
                 if self._evaluator.should_run(self.step) and self._evaluate_mid_run(step_log):
                     return True
                 if self._stop_requested:  # asked at the evaluation (transformers' EarlyStoppingCallback)
@@ -381,10 +404,10 @@ class DDPTrainer:
             self._total_steps = self._schedule.total_steps = self.sampler.last_step(self.step, self.config)
         return restored is not None  # False: nothing to go back to, and the step's bookkeeping runs
 
-    def _save(self, *, epoch_ended: bool) -> None:
-        if self._checkpointer.should_save(self.step, self.sampler.epoch, epoch_ended):
+    def _save(self, *, epoch_ended: bool, timed: bool = False) -> None:
+        if self._checkpointer.should_save(self.step, self.sampler.epoch, epoch_ended, timed=timed):
             with self._watchdog.phase("checkpoint save", scale=10):
-                self._checkpointer.maybe_save(self.step, self.sampler.epoch, epoch_ended)
+                self._checkpointer.save(self.step)
                 self._moments.save(self.step)
 
     def _run_step(self, step_log: StepLog, samples_log: SampleLog) -> Agreement | None:
@@ -553,7 +576,9 @@ class DDPTrainer:
             export.save_final_weights(self.raw_model, cfg)  # final_model.pt and the safetensors export
         if env.is_main:
             atomic.write_bytes(Path(cfg.logging.dir) / "summary.json", json.dumps(summary, indent=2).encode())
-        log.info("%s: %s", "preempted" if preempted else "done", json.dumps(summary))
+        log.info("%s: %s", "preempted" if preempted else "done", json.dumps(summary), extra=DETAIL)
+        log.info("%s: %s (all of it in %s)", "preempted" if preempted else "finished", summary_line(summary),
+                 Path(cfg.logging.dir) / "summary.json")
         self._moments.train_end(summary)
         return summary
 

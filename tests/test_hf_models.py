@@ -165,7 +165,7 @@ def test_forced_ddp_settings_stop_with_the_fix(two_ranks, name):
     for rank in (0, 1):
         out = case(two_ranks, rank, name)
         assert out["error_type"] == "DDPConfigurationError", out
-        assert "Fix: set gradient_checkpointing=non_reentrant" in out["error"]
+        assert "Fix: set memory.activation_checkpointing=non_reentrant" in out["error"]
 
 
 # --- which checkpointing path, in one process -------------------------------------------------

@@ -315,3 +315,23 @@ def test_a_formatting_func_shapes_the_text_and_is_part_of_the_cache_key(tmp_path
                        processing_class=tokenizer, formatting_func=as_play)
     assert other.tokenised_here and other.prepared_cache != first.prepared_cache
     assert tokenizer.decode(other.train_dataset[0]["input_ids"]).startswith("Who speaks?")
+
+
+@pytest.mark.dist
+def test_a_fraction_of_an_epoch_and_epoch_intervals_are_the_runs_epochs_at_another_world_size(tmp_path):
+    """num_train_epochs=2.5 with eval_strategy and logging_strategy "epoch", 1->2 ranks: the run's
+    epochs have 16 steps (64 samples, its global batch of 4 kept), so it ends at step 40 and logs and
+    evaluates at 16 and 32 (and the last step), not at this world size's 8-step epochs, where 2.5
+    epochs were 20 steps."""
+    out, length = str(tmp_path / "out"), ["--epochs", "2.5", "--epoch-intervals", "--samples", "64"]
+    interrupted = launch(HF_SCRIPT, [out, *length, "--kill-rank", "0", "--kill-step", "12"], tmp_path / "first",
+                         nproc=1, timeout=180)
+    assert interrupted.returncode != 0
+    resumed = results(launch(HF_SCRIPT, [out, *length, "--resume"], tmp_path / "then", nproc=2, timeout=240))
+    assert [r["steps"] for r in resumed] == [40, 40]
+    history = resumed[0]["log_history"]
+    rates = {e["step"]: e["learning_rate"] for e in history if "learning_rate" in e}
+    assert sorted(rates) == [16, 32, 40]
+    for step, rate in rates.items():
+        assert rate == pytest.approx(1e-2 * (40 - step + 1) / 40, rel=1e-6), (step, rate)
+    assert [e["step"] for e in history if "eval_loss" in e] == [16, 32, 40]

@@ -502,6 +502,44 @@ def test_early_stopping_stops_and_the_best_model_is_loaded_at_the_end(tmp_path):
         assert torch.equal(final[name], at[2][name]), name
 
 
+@pytest.mark.slow
+def test_early_stoppings_patience_counter_is_saved_and_continues_after_a_resume(tmp_path):
+    """EarlyStoppingCallback's counter (its exported state) is saved in the framework's checkpoint:
+    stopped after the evaluation of step 4, which raised it to 1, a resumed run's new callback starts
+    at 1, so patience 3 stops it at step 8, as the uninterrupted run stops (a reset counter: step 10)."""
+    from transformers import EarlyStoppingCallback
+
+    calls = []
+
+    def worsening(prediction):
+        calls.append(1)
+        return {"worse": float(len(calls))}
+
+    class StopAt4(TrainerCallback):
+        def on_evaluate(self, args, state, control, **kw):
+            control.should_training_stop = state.global_step == 4
+
+    counters = []
+
+    class Probe(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kw):
+            counters.append(early.early_stopping_patience_counter)
+
+    def run(*extra):
+        args = targs(tmp_path, max_steps=20, eval_strategy="steps", eval_steps=2, save_steps=2,
+                     metric_for_best_model="worse", greater_is_better=False)
+        return Trainer(model=build_model(), args=args, train_dataset=StrideBytes(128),
+                       eval_dataset=StrideBytes(8, seed=1), compute_metrics=worsening,
+                       callbacks=[early, Probe(), *extra])
+
+    early = EarlyStoppingCallback(early_stopping_patience=3)
+    assert run(StopAt4()).train().global_step == 4 and early.early_stopping_patience_counter == 1
+    early = EarlyStoppingCallback(early_stopping_patience=3)
+    out = run().train(resume_from_checkpoint=True)
+    assert counters == [0, 1], "the resumed run's callback starts at the saved counter"
+    assert out.global_step == 8
+
+
 # --- report_to -------------------------------------------------------------------------------------
 
 @pytest.mark.slow
@@ -546,7 +584,7 @@ def test_report_to_wandb_offline_records_the_run(tmp_path, monkeypatch):
 # --- a checkpoint written by transformers.Trainer ------------------------------------------------------
 
 @pytest.mark.slow
-def test_resume_from_a_checkpoint_transformers_trainer_wrote(tmp_path):
+def test_resume_from_a_checkpoint_transformers_trainer_wrote(tmp_path, caplog):
     """transformers.Trainer trains 6 steps of AdamW with a linear schedule, saving checkpoint-3; the
     drop-in resumes that folder (adapter weights, optimizer.pt, scheduler.pt, trainer_state.json)
     and trains steps 4 to 6. Every step takes the whole (4-sample) dataset, so the sample order
@@ -557,17 +595,35 @@ def test_resume_from_a_checkpoint_transformers_trainer_wrote(tmp_path):
         return targs(run, per_device_train_batch_size=4, max_steps=6, save_steps=3, logging_steps=1,
                      learning_rate=1e-2, use_cpu=True)
 
+    from transformers.trainer_callback import ExportableState
+
+    class Tally(TrainerCallback, ExportableState):  # a stateful callback: transformers saves its count
+        def __init__(self):
+            self.count = 0
+
+        def on_step_end(self, args, state, control, **kw):
+            self.count += 1
+
+        def state(self) -> dict:
+            return {"args": {}, "attributes": {"count": self.count}}
+
     theirs_model = build_model()
-    theirs = HFTrainer(model=theirs_model, args=args(tmp_path / "hf"), train_dataset=PaddedBytes())
+    theirs = HFTrainer(model=theirs_model, args=args(tmp_path / "hf"), train_dataset=PaddedBytes(),
+                       callbacks=[Tally()])
     theirs.train()
     checkpoint = tmp_path / "hf" / "out" / "checkpoint-3"
     assert (checkpoint / "optimizer.pt").exists() and (checkpoint / "adapter_model.safetensors").exists()
 
-    rec = Recorder()
+    assert (checkpoint / "rng_state.pth").exists()
+    rec, tally = Recorder(), Tally()
     ours_model = build_model()
-    ours = Trainer(model=ours_model, args=args(tmp_path / "ours"), train_dataset=PaddedBytes(), callbacks=[rec])
-    out = ours.train(resume_from_checkpoint=str(checkpoint))
+    ours = Trainer(model=ours_model, args=args(tmp_path / "ours"), train_dataset=PaddedBytes(),
+                   callbacks=[rec, tally])
+    with caplog.at_level(logging.INFO, logger="framework.hf.trainer"):
+        out = ours.train(resume_from_checkpoint=str(checkpoint))
     assert out.global_step == 6
+    assert tally.count == 6, "its state from trainer_state.json's stateful_callbacks, then steps 4 to 6"
+    assert "rng_state.pth: " in caplog.text and "superseded" in caplog.text
     assert [e[1] for e in rec.events if e[0] == "step_end"] == [4, 5, 6], "continued at step 3"
     history = [(h["step"], h["learning_rate"]) for h in ours.state.log_history if "loss" in h]
     assert history == pytest.approx([(h["step"], h["learning_rate"]) for h in theirs.state.log_history

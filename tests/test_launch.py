@@ -7,6 +7,7 @@ the GPU count the launcher probes, and runs the real interpreter for everything 
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -91,6 +92,14 @@ def test_cpu_test_mode_trains_in_under_30s(tmp_path):
     assert "[rank 1]" not in proc.stderr  # the console shows rank 0 only
     assert "[rank 1]" in (tmp_path / "logs" / "rank_1.log").read_text()
     assert not leftovers(str(tmp_path))
+    # The first screen is read by a person: no line over 400 characters; the whole configuration
+    # and summary are in config.json and summary.json (and the rank's log file).
+    screen = (proc.stdout + proc.stderr).splitlines()
+    assert max(map(len, screen)) <= 400, max(screen, key=len)
+    finished = next(line for line in screen if "framework.trainer: finished: step 60," in line)
+    assert f"model_sha256 {summary['model_sha256'][:12]}" in finished and "summary.json" in finished
+    assert re.search(r" and \d+ more \(saved as ", next(line for line in screen if "metrics: config: " in line))
+    assert json.loads((tmp_path / "logs" / "config.json").read_text())["train"]["max_steps"] == 60
 
 
 def test_bad_config_exits_2_before_torchrun(tmp_path):

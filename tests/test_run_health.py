@@ -160,7 +160,7 @@ def test_oom_in_the_preflight_probe_halves_the_micro_batch_on_every_rank(health)
 
 def test_a_final_save_that_fails_on_rank_0_stops_every_rank(health):
     """Otherwise rank 1 exits 0 and, on 2 nodes, the other agent's restart waits for it forever."""
-    assert case(health, "final_save_fails_on_rank_0", 0)["error"].startswith("FatalError: checkpoint_dir=")
+    assert case(health, "final_save_fails_on_rank_0", 0)["error"].startswith("FatalError: checkpoint.dir=")
     assert "File too large" in case(health, "final_save_fails_on_rank_0", 0)["error"]
     assert case(health, "final_save_fails_on_rank_0", 1)["error"] == (
         "FatalError: rank 0 could not write the final checkpoint of step 10; see its log")

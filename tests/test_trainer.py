@@ -1,12 +1,14 @@
 """DDPTrainer in one process: the Python API, outputs on disk, stopping rules, user models."""
 
 import json
+import logging
 
 import pytest
 import torch
 
 from framework import ConfigError, DDPTrainer
 from framework.config import resolve_config
+from framework.observability.metrics import CONSOLE_LINE, changed_keys, summary_line
 from framework.resilience.consistency import model_sha256
 from framework.resilience.markers import FatalError
 from framework.testing.tiny import tiny as tiny_config
@@ -44,6 +46,51 @@ def test_same_seed_same_model_and_log_appends(tmp_path):
     log = (tmp_path / "logs" / "rank_0.log").read_text()
     assert log.count("done: ") == 3
     assert "running as a single process" in log
+
+
+def test_resume_auto_says_what_it_found(tmp_path, caplog):
+    with caplog.at_level(logging.INFO, logger="framework.trainer"):
+        DDPTrainer(tiny_config(tmp_path, max_steps=4, save_every_steps=2)).train()
+        assert f"resume=auto: no checkpoint in {tmp_path / 'ck'}; starting a new run at step 0" in caplog.text
+        caplog.clear()
+        summary = DDPTrainer(tiny_config(tmp_path, max_steps=4, save_every_steps=2)).train()
+    assert summary["steps"] == 4
+    assert f"the run in {tmp_path / 'ck'} finished at step 4: nothing to do" in caplog.text
+    assert "starting a new run" not in caplog.text
+
+
+def test_timed_checkpoints_are_saved_when_rank_0_says_the_minutes_have_passed(tmp_path, monkeypatch):
+    import framework.state.checkpointer as checkpointer
+    clock = [0.0]
+    monkeypatch.setattr(checkpointer.time, "monotonic", lambda: clock[0])
+
+    class Clock:
+        def on_step_end(self, trainer, step, metrics):  # 4 minutes of training a step
+            clock[0] += 240.0
+
+    timed = {"checkpoint.every_epochs": 0, "checkpoint.every_minutes": 10}
+    DDPTrainer(tiny_config(tmp_path, max_steps=6, keep_last=10, **timed), callbacks=[Clock()]).train()
+    manifest = json.loads((tmp_path / "ck" / "manifest.json").read_text())
+    # Rank 0 reads its clock at each step's agreement: at step 4's, 3 steps (12 minutes) have passed
+    # since the start; then 8 minutes more by step 6, which is saved as the run's end.
+    assert sorted({e["step"] for e in manifest}) == [4, 6], manifest
+    clock[0] = 0.0
+    off = {"checkpoint.every_epochs": 0, "checkpoint.every_minutes": 0}
+    DDPTrainer(tiny_config(tmp_path / "off", max_steps=6, **off), callbacks=[Clock()]).train()
+    manifest = json.loads((tmp_path / "off" / "ck" / "manifest.json").read_text())
+    assert sorted({e["step"] for e in manifest}) == [6], manifest
+
+
+def test_console_lists_are_cut_to_their_budget():
+    changed = {f"section.key_{i}": i for i in range(40)}
+    line = changed_keys(changed)
+    assert len(line) <= CONSOLE_LINE and line.startswith("section.key_0=0, section.key_1=1")
+    shown = line.count("=")
+    assert line.endswith(f" and {40 - shown} more") and 0 < shown < 40
+    assert changed_keys({"a.b": 1}) == "a.b=1" and changed_keys({}) == "the defaults"
+    words = summary_line({"steps": 7, "epochs": 0.5, "final_train_loss": 1.23456, "final_val_loss": None,
+                          "tokens_per_sec": 10.4, "wall_s": 2.0, "world_size": 2, "model_sha256": "ab" * 32})
+    assert words == "step 7, epochs 0.50, train loss 1.2346, 10 tok/s, 2.0 s, world size 2, model_sha256 abababababab"
 
 
 def test_stops_at_epochs_and_target_loss(tmp_path):

@@ -200,6 +200,9 @@ class CheckpointSection:
     """Save a checkpoint every this many optimizer steps; 0 disables step checkpoints."""
     every_epochs: int = bounded(5, lo=0, resume="neutral", was="save_interval")
     """Save a checkpoint every this many epochs; 0 disables epoch checkpoints."""
+    every_minutes: float = bounded(10.0, lo=0.0, resume="neutral", was=None)
+    """Save a checkpoint once this many minutes of training have passed since the last save (rank 0's
+    clock, agreed at the step); 0 disables timed checkpoints."""
     keep_last: int = bounded(3, lo=1, resume="neutral", was="keep_last")
     """Number of checkpoints kept in checkpoint.dir (older ones are deleted)."""
     resume: str = option("auto", resume="neutral", was="resume")

@@ -236,7 +236,7 @@ def decide(report: ProbeReport, *, static_graph: str, find_unused: str, checkpoi
         safe = False
         reasons.append(f"the used parameters change between batches ({_few(report.changing)}): static_graph "
                        f"would fail with 'graph has changed'; no DDP setting fits. Use "
-                       f"gradient_checkpointing=non_reentrant and untie shared weights")
+                       f"memory.activation_checkpointing=non_reentrant and untie shared weights")
 
     static = {"auto": want_static, "true": True, "false": False}[static_graph]
     unused = {"auto": want_unused, "true": True, "false": False}[find_unused]
@@ -392,7 +392,7 @@ def wrap_for_training(model: nn.Module, batches: list, loss_fn, autocast, cfg, d
         plan = checkpointing_of(model)
         if no_setting_fits(report) and plan is not None and plan.mode == "reentrant":
             fix = ("enable the model's checkpointing with use_reentrant=False" if plan.path == "user"
-                   else "set gradient_checkpointing=non_reentrant")
+                   else "set memory.activation_checkpointing=non_reentrant")
             raise DDPConfigurationError(
                 f"{message}\nNo DDP setting trains this model under reentrant checkpointing, and the framework "
                 "switches to non_reentrant only when ddp_static_graph and find_unused_parameters are both auto. "

@@ -38,6 +38,8 @@ MAPPED = frozenset({
     "average_tokens_across_devices", "train_sampling_strategy", "disable_tqdm",
     # the best model (framework/hf/callbacks.py tracks it; trainer.py keeps and loads its weights)
     "load_best_model_at_end", "metric_for_best_model", "greater_is_better", "batch_eval_metrics",
+    # the callbacks' exported states are saved with every checkpoint and always restored (callbacks.py)
+    "restore_callback_states_from_checkpoint",
     # given to transformers' own integration callbacks, which run on rank 0
     "report_to", "run_name", "project", "trackio_space_id", "trackio_bucket_id", "trackio_static_space_id",
 })
@@ -64,14 +66,13 @@ SFT_MAPPED = frozenset({
 REFUSED = frozenset({
     "label_smoothing_factor", "optim_target_modules", "use_liger_kernel", "liger_kernel_config",
     "neftune_noise_alpha", "auto_find_batch_size", "ignore_data_skip", "data_seed", "accelerator_config",
-    "parallelism_config", "fsdp", "fsdp_config", "deepspeed", "restore_callback_states_from_checkpoint",
+    "parallelism_config", "fsdp", "fsdp_config", "deepspeed",
 })
 
 _WHY_REFUSED = {
     "label_smoothing_factor": "the loss is the model's own (or compute_loss_func)",
     "ignore_data_skip": "a resumed run always continues at its next sample",
     "data_seed": "the sample order follows seed",
-    "restore_callback_states_from_checkpoint": "HF callbacks' states are not saved in checkpoints",
     "fsdp": "DDP only", "fsdp_config": "DDP only", "deepspeed": "DDP only", "parallelism_config": "DDP only",
 }
 
@@ -162,12 +163,22 @@ def total_steps(args, steps_per_epoch: int) -> int:
     return math.ceil(args.num_train_epochs * steps_per_epoch)
 
 
+def intervals(args, steps_per_epoch: int, total: int) -> dict[str, int]:
+    """Steps between logs, evaluations and step-counted saves for ``args`` (0: none), counted in
+    epochs of ``steps_per_epoch`` steps and a run of ``total``."""
+    eval_steps = args.eval_steps if args.eval_steps is not None else args.logging_steps
+    return {"logging": _interval(args.logging_strategy, args.logging_steps, steps_per_epoch, total, "logging_strategy"),
+            "eval": _interval(args.eval_strategy, eval_steps, steps_per_epoch, total, "eval_strategy"),
+            "save": _interval(args.save_strategy, args.save_steps, steps_per_epoch, total, "save_strategy")}
+
+
 def run_length(args, steps_per_epoch: int) -> dict:
     """train.max_steps and train.num_epochs for ``args``. A resume at another world size keeps the
     run's global batch, so its length must not be counted at this world size: max_steps stays
     max_steps (with epochs enough for any world size), whole epochs stay epochs (the engine counts
     their steps at the run's global batch). Only a fraction of an epoch is counted here, at this
-    world size's ``steps_per_epoch``."""
+    world size's ``steps_per_epoch`` (framework.hf.Trainer recounts it, and the ``epoch``
+    intervals, in the run's epochs once the engine has loaded the checkpoint)."""
     if args.max_steps > 0:
         return {"max_steps": args.max_steps, "num_epochs": args.max_steps}
     epochs = float(args.num_train_epochs)
@@ -185,9 +196,8 @@ def to_config(args, *, steps_per_epoch: int, resume: str) -> dict:
     if (_plain(args.train_sampling_strategy) or "random") != "random":
         raise ConfigError([f"TrainingArguments.train_sampling_strategy={args.train_sampling_strategy!r}: "
                           "allowed: random"])
-    logging_interval = _interval(args.logging_strategy, args.logging_steps, steps_per_epoch, total, "logging_strategy")
-    eval_steps = args.eval_steps if args.eval_steps is not None else args.logging_steps
-    save_every = _interval(args.save_strategy, args.save_steps, steps_per_epoch, total, "save_strategy")
+    every = intervals(args, steps_per_epoch, total)
+    logging_interval, save_every = every["logging"], every["save"]
     if _plain(args.save_strategy) == "best":
         raise ConfigError(["TrainingArguments.save_strategy='best': allowed: no, steps, epoch"])
     return {
@@ -201,12 +211,12 @@ def to_config(args, *, steps_per_epoch: int, resume: str) -> dict:
                       "dtype": "fp16" if args.fp16 else "bf16"},
         "memory": {"activation_checkpointing": checkpointing_mode(args), "activation_checkpointing_modules": "",
                    **({"cleanup_interval": args.torch_empty_cache_steps} if args.torch_empty_cache_steps else {})},
-        "eval": {"interval": _interval(args.eval_strategy, eval_steps, steps_per_epoch, total, "eval_strategy"),
-                 "steps": 0},
+        "eval": {"interval": every["eval"], "steps": 0},
         "logging": {"dir": f"{out}/logs", "interval": logging_interval or total or 1,
                     "progress_bar": "false" if args.disable_tqdm else "auto"},
         "checkpoint": {"dir": f"{out}/checkpoints", "every_steps": save_every if _plain(args.save_strategy) == "steps"
                        else 0, "every_epochs": 1 if _plain(args.save_strategy) == "epoch" else 0,
+                       "every_minutes": 0,  # save_strategy is the user's whole schedule
                        "keep_last": args.save_total_limit or 10**6, "resume": resume, "export_dir": "none"},
         "ddp": {"backend": backend, "timeout_s": float(args.ddp_timeout),
                 "find_unused_parameters": _switch(args.ddp_find_unused_parameters),

@@ -24,7 +24,8 @@ log = logging.getLogger(__name__)
 
 class HFCallbacks:
     """One framework callback (see framework/train/callbacks.py) that drives ``callbacks``.
-    Its state (``log_history`` and the loss since the last log) is saved with the run; it changes
+    Its state (``log_history``, the loss since the last log, the best metric and the callbacks'
+    exported states) is saved with the run; it changes
     in the hooks only, never within a step, so a survivor may save the run alone."""
 
     changes_mid_step = False
@@ -134,11 +135,13 @@ class HFCallbacks:
 
     def adopt(self, saved) -> None:
         """A transformers checkpoint's ``TrainerState`` (its trainer_state.json): its step, log
-        history and best metric (its best checkpoint only while that folder exists)."""
+        history, best metric (its best checkpoint only while that folder exists) and the states of
+        its stateful callbacks."""
         self.state.log_history = list(saved.log_history)
         self.state.best_metric, self.state.best_global_step = saved.best_metric, saved.best_global_step
         best = saved.best_model_checkpoint
         self.state.best_model_checkpoint = best if best is not None and Path(best).is_dir() else None
+        self.restore_callbacks(saved.stateful_callbacks)
         self._at(saved.global_step)
 
     def on_save(self, trainer, step: int) -> None:
@@ -156,11 +159,34 @@ class HFCallbacks:
         dist.all_reduce(buf, op=dist.ReduceOp.MAX)
         return [v > 0 for v in buf.tolist()]
 
+    def stateful_callbacks(self) -> dict:
+        """The states of the callbacks that export one (transformers' ``ExportableState``, as
+        ``EarlyStoppingCallback``'s patience counter), as TrainerState.stateful_callbacks holds them:
+        by class name, a list when a class has several."""
+        from transformers.trainer_callback import ExportableState, TrainerState
+
+        exportable = [cb for cb in self.callbacks if isinstance(cb, ExportableState)]
+        return TrainerState(stateful_callbacks=exportable).stateful_callbacks if exportable else {}
+
+    def restore_callbacks(self, saved: dict | None) -> None:
+        """Set the saved attributes (``state()["attributes"]``) on this run's callbacks of the same
+        class, in order (the callbacks keep their own constructor arguments)."""
+        restored = []
+        for name, data in (saved or {}).items():
+            same = [cb for cb in self.callbacks if type(cb).__name__ == name]
+            for cb, state in zip(same, data if isinstance(data, list) else [data], strict=False):
+                for attribute, value in state.get("attributes", {}).items():
+                    setattr(cb, attribute, value)
+                restored.append(name)
+        if restored:
+            log.info("restored the state of the callbacks %s", ", ".join(sorted(set(restored))))
+
     def state_dict(self) -> dict:
         return {"log_history": list(self.state.log_history), "loss_sum": self._loss_sum,
                 "loss_steps": self._loss_steps, "best_metric": self.state.best_metric,
                 "best_global_step": self.state.best_global_step,
-                "best_model_checkpoint": self.state.best_model_checkpoint}
+                "best_model_checkpoint": self.state.best_model_checkpoint,
+                "stateful_callbacks": self.stateful_callbacks()}
 
     def load_state_dict(self, state: dict) -> None:
         self.state.log_history = list(state["log_history"])
@@ -168,3 +194,4 @@ class HFCallbacks:
         self.state.best_metric = state.get("best_metric")
         self.state.best_global_step = state.get("best_global_step")
         self.state.best_model_checkpoint = state.get("best_model_checkpoint")
+        self.restore_callbacks(state.get("stateful_callbacks"))

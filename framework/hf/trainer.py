@@ -15,6 +15,7 @@ from __future__ import annotations
 import inspect
 import json
 import logging
+import pickle
 import shutil
 import time
 from pathlib import Path
@@ -259,6 +260,23 @@ def load_weights(model: torch.nn.Module, folder) -> None:
     if result.missing_keys:
         log.warning("%s: %d of the model's tensors are not in the checkpoint (tied weights are saved once): %s",
                     folder, len(result.missing_keys), result.missing_keys[:5])
+
+
+def _note_rng_state(folder: Path) -> None:
+    """One line on a transformers checkpoint's ``rng_state*.pth``: read (as weights only) but not
+    applied, since the framework seeds every step's generators from (seed, rank, step)."""
+    files = sorted(folder.glob("rng_state*.pth"))
+    if not files:
+        return
+    try:
+        for path in files:
+            torch.load(path, weights_only=True, map_location="cpu")
+        how = "read"
+    except (pickle.UnpicklingError, RuntimeError):  # its numpy state: never unpickled beyond weights_only
+        how = "present (not readable as weights only)"
+    log.info("%s: %s, and superseded: the framework seeds every step's generators from (seed, rank, step), so "
+             "the steps from here draw what an uninterrupted run draws, whatever RNG state was saved",
+             ", ".join(p.name for p in files), how)
 
 
 class Trainer:
@@ -617,9 +635,9 @@ class Trainer:
         engine.step = step
         bridge.adopt(saved)
         log.info("resumed the transformers checkpoint %s at step %d: weights, %s and its TrainerState; the data "
-                 "continue %d global batches into the framework's sample order (not transformers'); its RNG state "
-                 "is not used (the framework seeds each step)", folder, step, ", ".join(parts) or "no optimizer",
-                 step)
+                 "continue %d global batches into the framework's sample order (not transformers')", folder, step,
+                 ", ".join(parts) or "no optimizer", step)
+        _note_rng_state(folder)
 
     # --- the translation ------------------------------------------------------------------------
 
@@ -706,11 +724,15 @@ class Trainer:
     def _keep_the_runs_length(self, engine: DDPTrainer, bridge: HFCallbacks, steps_per_epoch: int,
                               total: int, built_scheduler: bool) -> None:
         """A run resumed at another world size keeps its global batch, so its epochs have the
-        run's number of steps, not this world size's: HF's counts and the schedule's horizon
-        follow the engine's (transformers.Trainer recounts them at the new size)."""
-        run_steps, run_total = engine.sampler.steps_per_epoch, engine.total_steps
-        if (run_steps, run_total) == (steps_per_epoch, total):
+        run's number of steps, not this world size's: HF's counts, a fraction of an epoch, the
+        ``epoch`` intervals and the schedule's horizon follow the run's epochs (transformers.Trainer
+        recounts them at the new size)."""
+        run_steps = engine.sampler.steps_per_epoch
+        if (run_steps, engine.total_steps) == (steps_per_epoch, total):
             return
+        if run_steps != steps_per_epoch:
+            self._recount(engine, bridge, run_steps)
+        run_total = engine.total_steps
         log.warning("the run's global batch is %d samples (%d steps an epoch, %d steps in all), not this world "
                     "size's %d steps an epoch: HF's epochs, max_steps and learning-rate schedule stay the run's",
                     engine.sampler.global_batch, run_steps, run_total, steps_per_epoch)
@@ -729,6 +751,17 @@ class Trainer:
                                      strict=True):
             group["lr"] = base * rate(scheduler.last_epoch)
         scheduler._last_lr = [group["lr"] for group in self.optimizer.param_groups]
+
+    def _recount(self, engine: DDPTrainer, bridge: HFCallbacks, run_steps: int) -> None:
+        """The run's length and intervals counted in its epochs of ``run_steps`` steps, as the
+        checkpoint's world size counted them."""
+        every = arguments.intervals(self.args, run_steps, arguments.total_steps(self.args, run_steps))
+        engine.recount(max_steps=arguments.run_length(self.args, run_steps)["max_steps"],
+                       eval_interval=every["eval"])
+        logging_interval = every["logging"] or engine.total_steps or 1
+        engine.config.logging.interval = bridge.logging_interval = bridge.state.logging_steps = logging_interval
+        if engine.config.checkpoint.every_steps:  # save_strategy="steps"
+            engine.config.checkpoint.every_steps = every["save"]
 
     def _agreed_config(self, config: dict) -> dict:
         """Rank 0's configuration on every rank: arguments that differ between ranks (a script's

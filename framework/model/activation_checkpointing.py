@@ -74,9 +74,9 @@ def _keyword_bound(forward, kwargs: dict):
     for key, value in kwargs.items():
         values = value if isinstance(value, (tuple, list)) else (value,)
         if any(isinstance(v, torch.Tensor) and v.requires_grad for v in values):
-            raise ValueError(f"gradient_checkpointing=reentrant: keyword argument '{key}' requires grad, but "
+            raise ValueError(f"memory.activation_checkpointing=reentrant: keyword argument '{key}' requires grad, but "
                              "reentrant checkpointing passes gradients only to positional arguments; use "
-                             "gradient_checkpointing=non_reentrant")
+                             "memory.activation_checkpointing=non_reentrant")
     return functools.partial(forward, **kwargs)
 
 
@@ -120,7 +120,8 @@ def _wrap_modules(model: nn.Module, mode: str, targets: list[str]) -> Checkpoint
         module.forward = functools.partial(_checkpointed_forward, module.forward, plan, name, module)
         plan.wrapped.append(name)
     if not plan.wrapped:
-        raise ValueError(f"gradient_checkpointing={mode}: no submodule matches checkpoint_modules={targets}")
+        raise ValueError(f"memory.activation_checkpointing={mode}: no submodule matches "
+                         f"memory.activation_checkpointing_modules={targets}")
     log.info("activation checkpointing (%s) on %d modules: %s", mode, len(plan.wrapped),
              ", ".join(plan.wrapped[:4]) + (" ..." if len(plan.wrapped) > 4 else ""))
     return plan

@@ -81,8 +81,9 @@ def hf_checkpointing_on(hf: nn.Module) -> bool:
 
 def _hf_enable(hf: nn.Module, use_reentrant: bool) -> None:
     if not getattr(hf, "supports_gradient_checkpointing", False):
-        raise ValueError(f"gradient_checkpointing: {type(hf).__name__} has no activation checkpointing of its own; "
-                         "name its layers in checkpoint_modules for the framework to wrap them")
+        raise ValueError(f"memory.activation_checkpointing: {type(hf).__name__} has no activation checkpointing of "
+                         "its own; name its layers in memory.activation_checkpointing_modules for the framework to "
+                         "wrap them")
     kwargs = {"use_reentrant": use_reentrant}
     if hasattr(hf, "activation_checkpointing_enable"):  # transformers 5: gradient_checkpointing_enable's new name
         hf.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
@@ -145,7 +146,8 @@ def keep_users(model: nn.Module, hf: nn.Module, mode: str) -> tuple[list[str], l
         _inputs_require_grad(hf)
     level = logging.INFO if mode in ("off", users_mode) else logging.WARNING
     log.log(level, "activation checkpointing: %s already checkpoints %d modules (%s), enabled by the user: kept "
-            "as it is; gradient_checkpointing=%s and checkpoint_modules are not applied",
+            "as it is; memory.activation_checkpointing=%s and memory.activation_checkpointing_modules are not "
+            "applied", 
             _describe(model, hf), len(names), users_mode, mode)
     return names, layers, users_mode
 

@@ -341,6 +341,39 @@ def read_samples(path: str | Path) -> list[dict]:
     return records
 
 
+CONSOLE_LINE = 240
+"""A console line's budget for a list: what does not fit is named by count and kept in the JSON file."""
+
+
+def changed_keys(changed: dict, budget: int = CONSOLE_LINE) -> str:
+    """``key=value, ...`` of the keys that differ from the defaults, cut to ``budget`` characters
+    with the number of keys left out."""
+    items = [f"{k}={v!r}" for k, v in changed.items()]
+    if not items:
+        return "the defaults"
+    shown: list[str] = []
+    for n, item in enumerate(items):
+        rest = len(items) - n - 1
+        if len(", ".join([*shown, item])) + (len(f" and {rest} more") if rest else 0) > budget:
+            break
+        shown.append(item)
+    left = len(items) - len(shown)
+    return ", ".join(shown) + (f" and {left} more" if left else "")
+
+
+def summary_line(summary: dict) -> str:
+    """The final summary in words (the whole of it is in summary.json)."""
+    def num(key: str, fmt: str) -> str | None:
+        value = summary.get(key)
+        return None if value is None else format(value, fmt)
+
+    parts = [f"step {summary.get('steps')}", f"epochs {num('epochs', '.2f')}",
+             f"train loss {num('final_train_loss', '.4f')}", f"val loss {num('final_val_loss', '.4f')}",
+             f"{num('tokens_per_sec', '.0f')} tok/s", f"{num('wall_s', '.1f')} s",
+             f"world size {summary.get('world_size')}", f"model_sha256 {str(summary.get('model_sha256'))[:12]}"]
+    return ", ".join(p for p in parts if "None" not in p)
+
+
 def log_run_start(cfg, env, sampler, *, model: torch.nn.Module, amp: bool, total_steps: int,
                   num_workers: int, builtin_model: bool = True, builtin_data: bool = True) -> None:
     """The run's opening lines: versions and config, model, effective batch, each rank's share,
@@ -351,8 +384,7 @@ def log_run_start(cfg, env, sampler, *, model: torch.nn.Module, amp: bool, total
     log.info("framework %s, torch %s, config: %s", __version__, torch.__version__,
              json.dumps(as_dict(cfg, **applies), sort_keys=True), extra=DETAIL)
     if env.is_main:
-        changed = non_default(cfg, **applies)
-        log.info("config: %s (saved as %s)", ", ".join(f"{k}={v!r}" for k, v in changed.items()) or "the defaults",
+        log.info("config: %s (saved as %s)", changed_keys(non_default(cfg, **applies)),
                  Path(cfg.logging.dir) / "config.json")
     log.info("model: %s, %.2fM parameters, amp=%s", type(model).__name__,
              sum(p.numel() for p in model.parameters()) / 1e6, f"on ({cfg.precision.dtype})" if amp else "off (fp32)")

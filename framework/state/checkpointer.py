@@ -12,6 +12,7 @@ import contextlib
 import copy
 import errno
 import logging
+import time
 from pathlib import Path
 from typing import Callable, Protocol
 
@@ -260,6 +261,7 @@ class Checkpointer:
         self.lineages: list[str] = []  # rank 0: the lineages this launch has written in, its current one last
         self.origin: str | None = None  # rank 0: the file in checkpoint_dir the launch started from
         self.resumed_lineage: str | None = None  # rank 0: that file's lineage
+        self._last_save = time.monotonic()  # checkpoint.every_minutes counts from here
 
     def attach(self, cfg: TrainConfig, components: dict[str, Stateful]) -> None:
         """The resolved configuration and the pieces to save (a manager is opened, and its lock
@@ -267,22 +269,24 @@ class Checkpointer:
         self.cfg = cfg
         self.components.update(components)
 
-    def should_save(self, step: int, epoch: int, epoch_ended: bool) -> bool:
+    def should_save(self, step: int, epoch: int, epoch_ended: bool, *, timed: bool = False) -> bool:
+        """Whether ``step`` (or the end of ``epoch``) is due; ``timed``: the ranks agreed that
+        checkpoint.every_minutes has passed since the last save (``time_due`` on rank 0)."""
         cfg = self.cfg
-        return bool((cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0)
+        return bool(timed or (cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0)
                     or (epoch_ended and cfg.checkpoint.every_epochs and (epoch + 1) % cfg.checkpoint.every_epochs == 0))
 
-    def maybe_save(self, step: int, epoch: int, epoch_ended: bool) -> bool:
-        """Save when ``step`` (or the end of ``epoch``) is due; every rank calls this."""
-        if not self.should_save(step, epoch, epoch_ended):
-            return False
-        self.save(step)
-        return True
+    def time_due(self) -> bool:
+        """Rank 0: checkpoint.every_minutes of training have passed since the start or the last save
+        (the other ranks say False; the step's agreement carries rank 0's answer to every rank)."""
+        minutes = self.cfg.checkpoint.every_minutes
+        return bool(minutes and self.env.is_main and time.monotonic() - self._last_save >= minutes * 60)
 
     def save(self, step: int, *, blocking: bool = False) -> None:
         """Every rank calls this at the same step (the RNG states are gathered); rank 0 writes."""
         with self._disk_errors_are_fatal():
             self.manager.save(self.state(), step, blocking=blocking)
+        self._last_save = time.monotonic()
         if self.on_save is not None:
             self.on_save(step)
 
@@ -312,7 +316,7 @@ class Checkpointer:
         except OSError as err:
             if err.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG):
                 raise
-            raise FatalError(f"checkpoint_dir={self.cfg.checkpoint.dir!r}: {err.strerror} while writing a "
+            raise FatalError(f"checkpoint.dir={self.cfg.checkpoint.dir!r}: {err.strerror} while writing a "
                              f"checkpoint; free space or use another checkpoint_dir, then resume") from err
 
     def state(self) -> dict:

@@ -45,7 +45,8 @@ def halve_micro_batch(sampler, reason: str) -> tuple[int, int]:
     b, a = sampler.batch_size, sampler.accumulation
     if b == 1 or b % 2:
         raise FatalError(f"{reason} at micro-batch {b}: cannot halve it further without changing the "
-                         f"effective batch; lower seq_len or the model size, or turn on gradient_checkpointing")
+                         f"effective batch; lower model.seq_len or the model size, or set "
+                         f"memory.activation_checkpointing")
     sampler.set_micro_batch(b // 2, a * 2)
     log.warning("%s: micro-batch %d -> %d, gradient accumulation %d -> %d (the effective batch stays %d)",
                 reason, b, b // 2, a, a * 2, sampler.global_batch)
@@ -61,8 +62,8 @@ def prepare_model(prepare: Callable[[], tuple], sampler, checkpoint_dir, *, oom_
             return prepare()
         except policy.PreflightOOM as err:
             if not oom_recovery:
-                raise FatalError(f"{err}: lower batch_size or seq_len, or turn on gradient_checkpointing or "
-                                 f"oom_recovery") from None
+                raise FatalError(f"{err}: lower data.batch_size or model.seq_len, or set "
+                                 f"memory.activation_checkpointing or recovery.oom=true") from None
             halve_micro_batch(sampler, str(err))
         except RuntimeError as err:
             if not is_oom(err):
@@ -270,8 +271,8 @@ class TrainStep:
         if self.env.device.type == "cuda":
             torch.cuda.empty_cache()
 
-    def optimizer_step(self, loss: torch.Tensor, step: int, *, stop: bool = False,
-                       preempt: bool = False) -> tuple[Agreement, float, torch.Tensor]:
+    def optimizer_step(self, loss: torch.Tensor, step: int, *, stop: bool = False, preempt: bool = False,
+                       save_due: bool = False) -> tuple[Agreement, float, torch.Tensor]:
         """Clip, agree with the other ranks, then step (or skip a non-finite step everywhere)."""
         lr = self.schedule.apply(self.optimizer, step)
         factor = self.lr_factor(step)
@@ -289,7 +290,7 @@ class TrainStep:
             nonfinite |= ~torch.isfinite(grad_norm)
         self.timer.lap("optimizer")
         agreed = agree(loss=loss, world_size=self.env.world_size, distributed=self.env.distributed,
-                       nonfinite=nonfinite, stop=stop, preempt=preempt)
+                       nonfinite=nonfinite, stop=stop, preempt=preempt, save_due=save_due)
         self.timer.lap(None)  # a collective: time spent waiting for the others
         skip = agreed.nonfinite if self.agree_nonfinite else bool(nonfinite)
         if not skip:
