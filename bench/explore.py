@@ -5,7 +5,8 @@ Each trial draws, from ``random.Random(seed + trial)``, a configuration (topolog
 mode, directory layout, another run's checkpoints in checkpoint_dir, data kind, spike guard,
 accumulation, activation checkpointing, tiled MLP, comm hook, save schedule, keep_last, stop
 rule, the save alone on a peer's loss, a world-size change at the relaunch, a node range,
-train.loss_average, the HF drop-in instead of ddp_training.py), a fault and a moment. It trains the
+train.loss_average, the HF drop-in instead of ddp_training.py, timed checkpoints), a fault and a
+moment. It trains the
 tiny built-in GPT (10 or 12 steps, 6 steps an epoch; an HF trial: a tiny Llama, bench/explore_hf.py)
 with that fault, relaunches once with ``resume=auto`` when the run stopped without a FATAL (as a
 user or a scheduler would; at the other world size of a world_change), and checks:
@@ -117,6 +118,9 @@ DIMS = {
     "nnodes": ["fixed", "range"],
     "loss_average": ["micro_batch", "tokens", "rank_tokens"],
     "trainer": ["builtin", "hf"],
+    # Timed checkpoints (checkpoint.every_minutes, 10 by default: never within a trial): 0.002 min
+    # saves every few steps, at steps that rank 0's clock chooses.
+    "save_every_minutes": [0, 0.002],
 }
 LAYOUTS = {
     "apart": "checkpoint_dir, log_dir and export_dir side by side",
@@ -225,6 +229,7 @@ def hf(cfg: dict) -> bool:
 # has no fault_inject.
 HF_FIXED = {"foreign": False, "resume": "none", "layout": "nested", "data": "map0", "spike_guard": "off", "accum": 1,
             "tiled_mlp": 0, "comm_hook": "none", "save_interval": 0, "stop": "max_steps", "save_on_peer_loss": True,
+            "save_every_minutes": 0,
             "world_change": "none", "nnodes": "fixed", "loss_average": "tokens"}
 HF_SHARE = 0.12
 HF_FAULTS = ("none", "kill9_worker", "kill9_agent", "kill9_node", "sigterm_worker")
@@ -430,6 +435,7 @@ def config_args(trial: dict, lay: Layout, *, resume: str | None = None, foreign_
                 checkpoint_dir=str(lay.ck), log_dir=str(lay.logs))
     args["checkpoint.save_on_peer_loss"] = cfg.get("save_on_peer_loss", True)  # absent from older results
     args["train.loss_average"] = cfg.get("loss_average", "micro_batch")
+    args["checkpoint.every_minutes"] = cfg.get("save_every_minutes", 0)
     if elastic(cfg):
         # The global batch named, as a user whose run may change its world size names it: a launch
         # at another size with no checkpoint to take it from (a fresh start) keeps it too.

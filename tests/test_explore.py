@@ -167,19 +167,20 @@ def test_the_checker_judges_issue_33s_dimensions_and_faults():
 
 def test_issue_33s_dimensions_and_faults_are_drawn_and_a_rerun_fills_them_with_their_simplest_values():
     drawn = [explore.draw(random.Random(5000 + i)) for i in range(400)]
-    for dim in ("world_change", "nnodes", "loss_average", "trainer"):
+    for dim in ("world_change", "nnodes", "loss_average", "trainer", "save_every_minutes"):
         assert {t["config"][dim] for t in drawn} == set(explore.DIMS[dim]), dim
     assert {"sigstop_worker", "crash_one_rank", "kill9_slow_save"} <= {t["fault"] for t in drawn}
     hf = [t for t in drawn if t["config"]["trainer"] == "hf"]
     assert 0.05 < len(hf) / len(drawn) < 0.2
     assert all(t["config"][k] == v for t in hf for k, v in explore.HF_FIXED.items())
     # a trial of before these dimensions: --rerun gives each its first value, what it ran with
-    old = {k: v for k, v in SIMPLEST.items() if k not in ("world_change", "nnodes", "loss_average", "trainer")}
+    old = {k: v for k, v in SIMPLEST.items()
+           if k not in ("world_change", "nnodes", "loss_average", "trainer", "save_every_minutes")}
     filled = {**SIMPLEST, **old}
     assert explore.applicable({"config": filled, "fault": "kill9_worker", "moment": "mid_step"}) is None
-    assert explore.config_args({"config": filled, "fault": "none", "moment": "startup"},
-                               explore.Layout(Path("w"), Path("ck"), Path("logs"), None))["train.loss_average"] == \
-        "micro_batch"
+    args = explore.config_args({"config": filled, "fault": "none", "moment": "startup"},
+                               explore.Layout(Path("w"), Path("ck"), Path("logs"), None))
+    assert args["train.loss_average"] == "micro_batch" and args["checkpoint.every_minutes"] == 0
 
 
 def test_a_failing_trial_is_shrunk_to_the_choice_that_fails_and_replayed_from_one_line():
@@ -219,13 +220,14 @@ def test_draws_are_seeded_and_applicable():
 # The slice, as drawn by seed 24283 before the explorer had the save_on_peer_loss dimension (one
 # process each): a kill -9 at a checkpoint write, restarted by torchrun (--max-restarts 2), and a
 # SIGTERM after a loss-spike rollback (a preemption), relaunched. Then the first one on 2 ranks,
-# killed mid-step: the survivor saves alone, under resume=PATH and keep_last=1. (The dimensions
-# added since take their first values, as --rerun gives them.)
+# killed mid-step: the survivor saves alone, under resume=PATH and keep_last=1; all three with timed
+# checkpoints every 0.12 s besides the schedule's. (The dimensions added since take their first
+# values, as --rerun gives them.)
 _SLICE_CONFIG = {"topology": "1", "max_restarts": 2, "resume": "path", "layout": "apart", "foreign": True,
                  "data": "map2", "spike_guard": "rollback", "accum": 1, "act_ckpt": "offload", "tiled_mlp": 2,
                  "comm_hook": "bf16", "save_every_steps": 4, "save_interval": 1, "keep_last": 1,
                  "stop": "num_epochs", "save_on_peer_loss": True, "world_change": "none", "nnodes": "fixed",
-                 "loss_average": "micro_batch", "trainer": "builtin"}
+                 "loss_average": "micro_batch", "trainer": "builtin", "save_every_minutes": 0.002}
 # Issue 33's, on the simplest configuration otherwise: a worker killed mid-step on 2 ranks with the
 # save alone off (steps redone) and the run relaunched on 1 rank, averaging over tokens; a worker
 # stopped (SIGSTOP) on 2 nodes, the other's watchdog ending the group; a deterministic error on
