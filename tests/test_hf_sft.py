@@ -322,12 +322,15 @@ def test_a_fraction_of_an_epoch_and_epoch_intervals_are_the_runs_epochs_at_anoth
     """num_train_epochs=2.5 with eval_strategy and logging_strategy "epoch", 1->2 ranks: the run's
     epochs have 16 steps (64 samples, its global batch of 4 kept), so it ends at step 40 and logs and
     evaluates at 16 and 32 (and the last step), not at this world size's 8-step epochs, where 2.5
-    epochs were 20 steps."""
+    epochs were 20 steps. The resumed script sets its epoch strategies on rank 0 only (an
+    ``if is_main_process`` switch): every rank counts with rank 0's arguments, or only rank 0 would
+    enter the evaluations' collectives."""
     out, length = str(tmp_path / "out"), ["--epochs", "2.5", "--epoch-intervals", "--samples", "64"]
     interrupted = launch(HF_SCRIPT, [out, *length, "--kill-rank", "0", "--kill-step", "12"], tmp_path / "first",
                          nproc=1, timeout=180)
     assert interrupted.returncode != 0
-    resumed = results(launch(HF_SCRIPT, [out, *length, "--resume"], tmp_path / "then", nproc=2, timeout=240))
+    resumed = results(launch(HF_SCRIPT, [out, *length, "--resume", "--on-rank-0-only"], tmp_path / "then", nproc=2,
+                             timeout=240))
     assert [r["steps"] for r in resumed] == [40, 40]
     history = resumed[0]["log_history"]
     rates = {e["step"]: e["learning_rate"] for e in history if "learning_rate" in e}
@@ -335,3 +338,4 @@ def test_a_fraction_of_an_epoch_and_epoch_intervals_are_the_runs_epochs_at_anoth
     for step, rate in rates.items():
         assert rate == pytest.approx(1e-2 * (40 - step + 1) / 40, rel=1e-6), (step, rate)
     assert [e["step"] for e in history if "eval_loss" in e] == [16, 32, 40]
+    assert [e["step"] for e in resumed[1]["log_history"] if "eval_loss" in e] == [16, 32, 40]

@@ -641,3 +641,61 @@ def test_resume_from_a_checkpoint_transformers_trainer_wrote(tmp_path, caplog):
     assert again.train(resume_from_checkpoint=True).global_step == 6
     for name, value in lora_weights(again_model).items():
         torch.testing.assert_close(value, hf[name], rtol=0, atol=0, msg=name)
+
+
+def test_a_callbacks_state_is_saved_as_plain_types_or_left_out_with_one_warning(tmp_path, caplog):
+    """transformers saves an ExportableState callback's state as JSON, which takes numpy scalars;
+    a framework checkpoint holds plain types only, so a state is saved as JSON has it, and one
+    that JSON cannot hold is left out with one warning rather than failing every save."""
+    import enum
+
+    import numpy as np
+    from transformers.trainer_callback import ExportableState
+
+    from framework.hf.callbacks import HFCallbacks
+    from framework.state.checkpoint_files import to_cpu
+
+    class Mode(enum.Enum):
+        FAST = "fast"
+
+    class Best(TrainerCallback, ExportableState):
+        def __init__(self):
+            self.best, self.mode, self.curve = np.float64(0.5), Mode.FAST, np.arange(3)
+
+        def state(self):
+            return {"args": {}, "attributes": {"best": self.best, "mode": self.mode, "curve": self.curve}}
+
+    class Odd(TrainerCallback, ExportableState):
+        def state(self):
+            return {"args": {}, "attributes": {"thing": object()}}
+
+    def bridge(*callbacks):
+        return HFCallbacks(list(callbacks), TrainingArguments(output_dir=str(tmp_path), report_to="none"),
+                           steps_per_epoch=4, max_steps=8, logging_interval=1, logging_first_step=False,
+                           components={})
+
+    with caplog.at_level(logging.WARNING, logger="framework.hf.callbacks"):
+        ours = bridge(Best(), Odd())
+        state = ours.state_dict()
+        ours.state_dict()
+    saved = state["stateful_callbacks"]
+    assert saved == {"Best": {"args": {}, "attributes": {"best": 0.5, "mode": "fast", "curve": [0, 1, 2]}}}
+    assert type(saved["Best"]["attributes"]["best"]) is float
+    to_cpu(state)  # what the checkpoint writer takes
+    assert caplog.text.count("the state of the callback Odd is not saved") == 1
+    other = Best()
+    other.best = None
+    with caplog.at_level(logging.WARNING, logger="framework.hf.callbacks"):
+        bridge(other).load_state_dict({**state, "stateful_callbacks": {**saved, "Gone": {"attributes": {}}}})
+    assert other.best == 0.5 and other.curve == [0, 1, 2]
+    assert "callbacks this run does not have: Gone" in caplog.text
+
+
+def test_a_damaged_rng_state_of_a_transformers_checkpoint_does_not_stop_the_resume(tmp_path, caplog):
+    from framework.hf.trainer import _note_rng_state
+
+    (tmp_path / "rng_state.pth").write_bytes(b"")  # truncated to nothing
+    with caplog.at_level(logging.INFO, logger="framework.hf.trainer"):
+        _note_rng_state(tmp_path)
+    assert "rng_state.pth: present (not readable as weights only: " in caplog.text
+    assert "superseded" in caplog.text

@@ -11,6 +11,8 @@ names them)."""
 
 from __future__ import annotations
 
+import enum
+import json
 import logging
 from pathlib import Path
 from typing import Any, Callable
@@ -20,6 +22,18 @@ import torch
 import torch.distributed as dist
 
 log = logging.getLogger(__name__)
+
+
+def _plain_scalar(value):
+    """JSON for what transformers' own json.dumps of a callback's state would also take: numpy
+    scalars and arrays, enums."""
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, enum.Enum):
+        return value.value
+    raise TypeError(f"{type(value).__name__} is not JSON")
 
 
 class HFCallbacks:
@@ -47,6 +61,7 @@ class HFCallbacks:
                                   train_batch_size=args.per_device_train_batch_size)
         self.control = TrainerControl()
         self._loss_sum, self._loss_steps = 0.0, 0  # since the last on_log
+        self._unsaved: set[str] = set()  # callbacks whose state cannot be saved (warned once)
         self.run_loss, self.run_steps = 0.0, 0  # this process's steps, for TrainOutput.training_loss
 
     def set_run_length(self, steps_per_epoch: int, max_steps: int) -> None:
@@ -166,20 +181,37 @@ class HFCallbacks:
         from transformers.trainer_callback import ExportableState, TrainerState
 
         exportable = [cb for cb in self.callbacks if isinstance(cb, ExportableState)]
-        return TrainerState(stateful_callbacks=exportable).stateful_callbacks if exportable else {}
+        if not exportable:
+            return {}
+        states = TrainerState(stateful_callbacks=exportable).stateful_callbacks
+        plain = {}
+        for name, state in states.items():
+            try:  # a checkpoint holds plain types only: numpy scalars, enums and the like as JSON has them
+                plain[name] = json.loads(json.dumps(state, default=_plain_scalar))
+            except (TypeError, ValueError) as err:
+                if name not in self._unsaved:
+                    log.warning("the state of the callback %s is not saved with the checkpoints (%s): it restarts "
+                                "afresh on a resume", name, err)
+                    self._unsaved.add(name)
+        return plain
 
     def restore_callbacks(self, saved: dict | None) -> None:
         """Set the saved attributes (``state()["attributes"]``) on this run's callbacks of the same
         class, in order (the callbacks keep their own constructor arguments)."""
-        restored = []
+        restored, unmatched = [], []
         for name, data in (saved or {}).items():
             same = [cb for cb in self.callbacks if type(cb).__name__ == name]
+            if not same and name != "TrainerControl":  # transformers saves its TrainerControl beside them
+                unmatched.append(name)
             for cb, state in zip(same, data if isinstance(data, list) else [data], strict=False):
                 for attribute, value in state.get("attributes", {}).items():
                     setattr(cb, attribute, value)
                 restored.append(name)
         if restored:
             log.info("restored the state of the callbacks %s", ", ".join(sorted(set(restored))))
+        if unmatched:
+            log.warning("the checkpoint holds the state of callbacks this run does not have: %s (not restored)",
+                        ", ".join(sorted(unmatched)))
 
     def state_dict(self) -> dict:
         return {"log_history": list(self.state.log_history), "loss_sum": self._loss_sum,

@@ -15,7 +15,6 @@ from __future__ import annotations
 import inspect
 import json
 import logging
-import pickle
 import shutil
 import time
 from pathlib import Path
@@ -272,8 +271,9 @@ def _note_rng_state(folder: Path) -> None:
         for path in files:
             torch.load(path, weights_only=True, map_location="cpu")
         how = "read"
-    except (pickle.UnpicklingError, RuntimeError):  # its numpy state: never unpickled beyond weights_only
-        how = "present (not readable as weights only)"
+    except Exception as err:  # noqa: BLE001  (its numpy state, never unpickled beyond weights_only; a damaged
+        # file: the framework does not use it, so it never stops the resume)
+        how = f"present (not readable as weights only: {type(err).__name__})"
     log.info("%s: %s, and superseded: the framework seeds every step's generators from (seed, rank, step), so "
              "the steps from here draw what an uninterrupted run draws, whatever RNG state was saved",
              ", ".join(p.name for p in files), how)
@@ -755,9 +755,15 @@ class Trainer:
     def _recount(self, engine: DDPTrainer, bridge: HFCallbacks, run_steps: int) -> None:
         """The run's length and intervals counted in its epochs of ``run_steps`` steps, as the
         checkpoint's world size counted them."""
-        every = arguments.intervals(self.args, run_steps, arguments.total_steps(self.args, run_steps))
-        engine.recount(max_steps=arguments.run_length(self.args, run_steps)["max_steps"],
-                       eval_interval=every["eval"])
+        def counts() -> tuple[int, dict[str, int]]:
+            every = arguments.intervals(self.args, run_steps, arguments.total_steps(self.args, run_steps))
+            return arguments.run_length(self.args, run_steps)["max_steps"], every
+
+        # Rank 0's arguments, as _agreed_config made them the run's: a script's per-rank
+        # save_strategy or eval_strategy must not give the ranks different schedules.
+        max_steps, every = from_rank0(counts, rank=engine.env.rank, distributed=engine.env.distributed,
+                                      what="counting the run's length")
+        engine.recount(max_steps=max_steps, eval_interval=every["eval"])
         logging_interval = every["logging"] or engine.total_steps or 1
         engine.config.logging.interval = bridge.logging_interval = bridge.state.logging_steps = logging_interval
         if engine.config.checkpoint.every_steps:  # save_strategy="steps"

@@ -4,7 +4,8 @@ that differs). A tiny Llama (random weights, nothing downloaded) learns byte seq
 constant stride, so the loss falls within tens of steps.
 
     torchrun --nproc-per-node 2 -m framework.testing.hf_script OUT [--plain] [--reentrant]
-        [--max-steps N | --epochs E] [--resume] [--epoch-intervals] [--kill-rank R --kill-step S]
+        [--max-steps N | --epochs E] [--resume] [--epoch-intervals [--on-rank-0-only]]
+        [--kill-rank R --kill-step S]
 
 ``--kill-*``: the rank sends itself SIGKILL after step S in the first incarnation (torchrun's
 restart count 0). Each rank writes result_rank{N}.json into TEST_OUT_DIR (default OUT): the
@@ -34,6 +35,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--epochs", type=float, default=0, help="num_train_epochs (max_steps -1) instead of max-steps")
     parser.add_argument("--resume", action="store_true", help="resume_from_checkpoint=True")
     parser.add_argument("--epoch-intervals", action="store_true", help='eval and logging_strategy="epoch"')
+    parser.add_argument("--on-rank-0-only", action="store_true",
+                        help="--epoch-intervals on rank 0 only (a script's `if is_main_process` switch)")
     return parser.parse_args(argv)
 
 
@@ -88,7 +91,8 @@ def main(argv: list[str] | None = None) -> None:
         output_dir=args.out, per_device_train_batch_size=4, learning_rate=1e-2,
         **({"max_steps": -1, "num_train_epochs": args.epochs} if args.epochs else {"max_steps": args.max_steps}),
         logging_steps=5, save_steps=5, gradient_checkpointing=True,
-        **({"eval_strategy": "epoch", "logging_strategy": "epoch"} if args.epoch_intervals else {}),
+        **({"eval_strategy": "epoch", "logging_strategy": "epoch"}
+           if args.epoch_intervals and (not args.on_rank_0_only or int(os.environ.get("RANK", 0)) == 0) else {}),
         gradient_checkpointing_kwargs={"use_reentrant": args.reentrant}, report_to="none", disable_tqdm=True,
         use_cpu=not torch.cuda.is_available())  # transformers 5 on CPU runs DDP under torchrun only with use_cpu
     model = build_model()
