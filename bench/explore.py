@@ -1179,11 +1179,23 @@ class Context:
         self.guard_stop = (self.cfg["spike_guard"] == "rollback"
                            and (self.fault in ("bad_data", "nan") or trial["moment"] == "rollback"
                                 or bool(self.cfg.get("save_every_minutes")) or bool(res.get("world_changes")))
-                           and "max_rollbacks" in (res.get("fatal") or ""))
+                           and "max_rollbacks" in (res.get("fatal") or "")) or self.as_uninterrupted(res, ref)
         self.transient = self.spec.transient and not res.get("unreadable_only") and not self.guard_stop
         self.summary = res.get("summary")
         self.finished = is_finished(self.cfg, self.summary)
         self.last = res["launches"][-1] if res.get("launches") else {"codes": [], "stderr": ""}
+
+
+    @staticmethod
+    def as_uninterrupted(res: dict, ref: dict | None) -> bool:
+        """The run stopped with the FATAL its uninterrupted reference stopped with: the guard's
+        max_rollbacks, the same spikes and samples (seed 7000's trial 16: a node stopped and
+        rejoined, and the run replayed the reference's rollbacks exactly)."""
+        def why(fatal: str | None) -> str:
+            return (fatal or "").split("FatalError: ", 1)[-1]
+
+        mine, theirs = why(res.get("fatal")), why((ref or {}).get("fatal"))
+        return "max_rollbacks" in mine and mine == theirs
 
 
 def joined(problems: list[str]) -> str | None:
@@ -1225,6 +1237,8 @@ def equivalence(c: Context) -> str | None:
         return "n/a"  # the relaunch's resume=auto picked the other run's newer checkpoint, as documented
     if not c.finished:
         return "n/a"  # judged by 'explained'
+    if c.cfg["spike_guard"] == "rollback" and c.cfg.get("save_every_minutes"):
+        return "n/a"  # a rollback goes back to the newest checkpoint, which rank 0's clock chose
     changes = c.res.get("world_changes")
     if changes:  # the same global batch, the gradients summed in another order: within a tolerance
         if c.cfg["comm_hook"] != "none":
@@ -1345,7 +1359,7 @@ def ref_key(trial: dict) -> str:
     """The choices that can change the final model (a save schedule only through a rollback)."""
     cfg, keys = trial["config"], list(MODEL_DIMS)
     if cfg["spike_guard"] == "rollback":
-        keys += ["save_every_steps", "save_interval"]
+        keys += ["save_every_steps", "save_interval", "save_every_minutes"]
     if hf(cfg):
         keys += ["save_every_steps", "keep_last"]  # the script's command line (not its model)
     return json.dumps({"world": world(cfg), "start": start_step(cfg), "spike": trial["moment"] == "rollback",
@@ -1368,6 +1382,7 @@ class References:
                 summary = res["summary"]
                 finished = is_finished(trial["config"], summary)
                 self.cache[key] = {"finished": finished, "model_sha256": (summary or {}).get("model_sha256"),
+                                   "fatal": res.get("fatal"),
                                    "samples": res["samples"], "dir": res["dir"], "weights": res["final_weights"],
                                    "checks": check({**trial, "fault": "none", "moment": "rollback" if
                                                     trial["moment"] == "rollback" else "startup"}, res, None)}

@@ -339,6 +339,7 @@ class DDPTrainer:
     def _train(self) -> dict:
         cfg, env = self.config, self.env
         self._say_where_the_run_starts(resumed=self._resumed)
+        self._checkpointer.start_clock()
         step_log = StepLog.open(cfg, env, total_steps=self._total_steps, initial_step=self.step)
         samples_log = SampleLog(Path(cfg.logging.dir) / f"samples_rank_{env.rank}.jsonl"
                                 if cfg.logging.record_samples else None)

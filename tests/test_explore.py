@@ -262,3 +262,27 @@ def test_a_fixed_seed_slice_of_real_trials_breaks_no_invariant(tmp_path):
     assert results[3]["world_changes"] == ["2 -> 1"] and results[3]["weight_diff"] <= 1e-5
     assert len(results[4]["codes"]) == 2  # the stopped worker's group ended, then relaunched
     assert results[5]["codes"] == [[1]]  # FATAL, no relaunch (and no 75)
+
+
+def test_a_guard_stop_is_judged_against_the_uninterrupted_run():
+    """Under the explorer's twitchy spike guard a run may end in the guard's FATAL: after a
+    transient fault that is the expected outcome when the uninterrupted reference ended with the
+    same FATAL (the same spikes and samples), and a failure when it did not; with timed
+    checkpoints, a rollback's target is the clock's, so the weights are not compared."""
+    trial = {"config": {**SIMPLEST, "spike_guard": "rollback"}, "fault": "sigstop_worker", "moment": "ckpt_write"}
+    fatal = "more than max_rollbacks=3 loss-spike rollbacks: step 5 (samples [37, 18]); step 8 (samples [6, 4])"
+    res = copy.deepcopy(clean_result(trial["config"]))
+    res.update(summary=None, fatal=f"rank 1: FatalError: {fatal}")
+    res["launches"][0]["codes"] = [1]
+    stopped_too = {**reference_of(clean_result(trial["config"])), "finished": False,
+                   "fatal": f"rank 0: FatalError: {fatal}"}
+    assert "explained" not in violations(explore.check(trial, res, stopped_too))
+    finished = reference_of(clean_result(trial["config"]))
+    assert "not survived" in violations(explore.check(trial, res, finished))["explained"]
+    other = {**stopped_too, "fatal": "rank 0: FatalError: " + fatal.replace("step 8", "step 9")}
+    assert "not survived" in violations(explore.check(trial, res, other))["explained"]
+    timed = {**trial, "config": {**trial["config"], "save_every_minutes": 0.002}, "fault": "kill9_worker"}
+    moved = copy.deepcopy(clean_result(timed["config"]))
+    moved["summary"]["model_sha256"] = "c" * 64
+    assert explore.check(timed, moved, reference_of(clean_result(timed["config"])))["equivalence"] == "n/a"
+    assert explore.ref_key(timed) != explore.ref_key({**timed, "config": {**timed["config"], "save_every_minutes": 0}})

@@ -88,6 +88,8 @@ def test_console_lists_are_cut_to_their_budget():
     shown = line.count("=")
     assert line.endswith(f" and {40 - shown} more") and 0 < shown < 40
     assert changed_keys({"a.b": 1}) == "a.b=1" and changed_keys({}) == "the defaults"
+    long = changed_keys({"recovery.fault_inject": "x" * 400, "a.b": 1})
+    assert long.startswith("recovery.fault_inject='xxx") and long.endswith("... and 1 more") and len(long) < 260
     words = summary_line({"steps": 7, "epochs": 0.5, "final_train_loss": 1.23456, "final_val_loss": None,
                           "tokens_per_sec": 10.4, "wall_s": 2.0, "world_size": 2, "model_sha256": "ab" * 32})
     assert words == "step 7, epochs 0.50, train loss 1.2346, 10 tok/s, 2.0 s, world size 2, model_sha256 abababababab"

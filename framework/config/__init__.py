@@ -11,7 +11,7 @@ from .checks import (EXPORT_RECORD, VAL_FRACTION_TEXT, builtin_data_problems, ch
                      data_file_problems, export_path, export_record, split_tokens, training_set_problems,
                      world_size_from)
 from .help import help_text, markdown_table
-from .schema import (ALIASES, AUTO, FIELDS, KEYS, RESUME, RESUME_CLASSES, SECTIONS, ActivationCheckpointing,
+from .schema import (ALIASES, AUTO, COMPACT, FIELDS, KEYS, RESUME, RESUME_CLASSES, SECTIONS, ActivationCheckpointing,
                      CheckpointSection, CompileSection, ConfigError, DataSection, DDPSection, EvalSection,
                      GradientCheckpointing, LoggingSection, MemorySection, ModelSection, OptimSection,
                      PrecisionSection, RecoverySection, SpikeSection, StragglerSection, Switch, TrainConfig,
@@ -20,7 +20,8 @@ from .sources import (ACTION_FLAGS, ENV_PREFIX, ENV_SHORTCUTS, as_dict, build_co
                       parse_command_line, resolve_config)
 
 __all__ = [
-    "ACTION_FLAGS", "ALIASES", "AUTO", "ENV_PREFIX", "ENV_SHORTCUTS", "EXPORT_RECORD", "FIELDS", "FIELD_DOCS", "KEYS",
+    "ACTION_FLAGS", "ALIASES", "AUTO", "COMPACT", "ENV_PREFIX", "ENV_SHORTCUTS", "EXPORT_RECORD", "FIELDS",
+    "FIELD_DOCS", "KEYS",
     "RESUME", "RESUME_CLASSES", "SECTIONS", "VAL_FRACTION_TEXT", "ActivationCheckpointing", "CheckpointSection",
     "CompileSection", "ConfigError", "DDPSection", "DataSection", "EvalSection", "GradientCheckpointing",
     "LoggingSection", "MemorySection", "ModelSection", "OptimSection", "PrecisionSection", "RecoverySection",

@@ -345,6 +345,15 @@ KEYS = list(FIELDS)
 TYPES = {f"{name}.{key}": tp for name, cls in SECTIONS.items() for key, tp in typing.get_type_hints(cls).items()}
 ALIASES = {f.metadata["was"]: key for key, f in FIELDS.items() if f.metadata["was"] is not None}
 """Flat key of the config before sections ('spike_threshold') -> its dotted key."""
+COMPACT = frozenset({
+    "batch_size", "learning_rate", "num_epochs", "use_amp", "vocab_size", "hidden_size", "num_layers", "num_heads",
+    "dropout", "weight_decay", "dataset_size", "seq_len", "num_workers", "pin_memory", "log_interval",
+    "save_interval", "memory_check_interval", "cleanup_interval", "max_errors_per_epoch", "max_memory_gb",
+    "target_loss",
+})
+"""The original Python API's keys (``{'batch_size': 32, 'learning_rate': 1e-4, 'num_epochs': 10,
+'use_amp': True}``): first-class, the compact form of their dotted keys, accepted without a note.
+The other flat keys are deprecated (accepted with one note each)."""
 RESUME = {key: f.metadata["resume"] for key, f in FIELDS.items()}
 
 

@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from .checks import builtin_data_problems, check_values, global_batch_problems, world_size_from
-from .schema import (AUTO, ALIASES, FIELDS, KEYS, SECTIONS, TYPES, ConfigError, TrainConfig, applicable_keys, dotted,
-                     from_dotted)
+from .schema import (AUTO, ALIASES, COMPACT, FIELDS, KEYS, SECTIONS, TYPES, ConfigError, TrainConfig,
+                     applicable_keys, dotted, from_dotted)
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ def _items(data: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
 
 
 def _note_deprecated(flat: str, key: str, source: str) -> None:
-    if flat not in _NOTED:
+    if flat not in _NOTED and flat not in COMPACT:
         _NOTED.add(flat)
         log.warning("%s: '%s' is deprecated, use '%s' (the flat key still works)", source, flat, key)
 

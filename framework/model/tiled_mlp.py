@@ -224,8 +224,9 @@ def tile_user_mlps(model: nn.Module, chunks: int, modules: str) -> list[str]:
     if not chunks:
         return []
     if not targets:
-        log.warning("tiled_mlp_chunks applies to the built-in model only; set tiled_mlp_modules to your model's "
-                    "SwiGLU MLP class (e.g. LlamaMLP) or use framework.model.tiled_mlp.tiled_mlp in your model's MLP")
+        log.warning("memory.tiled_mlp_chunks applies to the built-in model only; set memory.tiled_mlp_modules to "
+                    "your model's SwiGLU MLP class (e.g. LlamaMLP) or use framework.model.tiled_mlp.tiled_mlp in your "
+                    "model's MLP")
         return []
     tiled, untiled = [], []
     for name, module in model.named_modules():

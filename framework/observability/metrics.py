@@ -351,10 +351,12 @@ def changed_keys(changed: dict, budget: int = CONSOLE_LINE) -> str:
     items = [f"{k}={v!r}" for k, v in changed.items()]
     if not items:
         return "the defaults"
+    if len(items[0]) > budget:  # one long value (a path, a fault plan): shown cut rather than not at all
+        items[0] = items[0][:budget - 3] + "..."
     shown: list[str] = []
     for n, item in enumerate(items):
         rest = len(items) - n - 1
-        if len(", ".join([*shown, item])) + (len(f" and {rest} more") if rest else 0) > budget:
+        if shown and len(", ".join([*shown, item])) + (len(f" and {rest} more") if rest else 0) > budget:
             break
         shown.append(item)
     left = len(items) - len(shown)

@@ -276,6 +276,11 @@ class Checkpointer:
         return bool(timed or (cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0)
                     or (epoch_ended and cfg.checkpoint.every_epochs and (epoch + 1) % cfg.checkpoint.every_epochs == 0))
 
+    def start_clock(self) -> None:
+        """checkpoint.every_minutes counts training time from here (the start of the loop: building
+        the model, loading a checkpoint and the DDP preflight do not count)."""
+        self._last_save = time.monotonic()
+
     def time_due(self) -> bool:
         """Rank 0: checkpoint.every_minutes of training have passed since the start or the last save
         (the other ranks say False; the step's agreement carries rank 0's answer to every rank)."""
