@@ -46,6 +46,9 @@ def sft_args(tmp_path, **overrides) -> SFTConfig:
     ("text", {}),
     ("prompt_completion", {"packing": True, "packing_strategy": "bfd", "completion_only_loss": True}),
     ("conversational", {"assistant_only_loss": True}),
+    ("text", {"packing": True, "packing_strategy": "wrapped"}),
+    ("text", {"padding_free": True, "max_length": None}),
+    ("prompt_completion", {"max_length": 24, "completion_only_loss": True}),
 ])
 def test_each_steps_loss_is_trls_loss_on_the_same_batch(tmp_path, tokenizer, kind, extra):
     """learning_rate 0, so the model stays as built: every step's logged loss must equal TRL's
