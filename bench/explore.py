@@ -1176,8 +1176,9 @@ class Context:
         # checkpoint just before the spike, one step, and the window scores the redone step against
         # the same trend again: z = 20-31 on ordinary losses in seed 8000's trial 1). A bit-exact
         # run sees the reference's losses, and so its spikes: a guard stop there is still a failure.
+        # The uninterrupted run itself (fault none: the reference's own check) may end so too.
         self.guard_stop = (self.cfg["spike_guard"] == "rollback"
-                           and (self.fault in ("bad_data", "nan") or trial["moment"] == "rollback"
+                           and (self.fault in ("bad_data", "nan", "none") or trial["moment"] == "rollback"
                                 or bool(self.cfg.get("save_every_minutes")) or bool(res.get("world_changes")))
                            and "max_rollbacks" in (res.get("fatal") or "")) or self.as_uninterrupted(res, ref)
         self.transient = self.spec.transient and not res.get("unreadable_only") and not self.guard_stop
@@ -1232,6 +1233,10 @@ def equivalence(c: Context) -> str | None:
     if not c.spec.exact:
         return "n/a"
     if c.ref is None or not c.ref.get("finished"):
+        stopped = (c.ref or {}).get("fatal") or ""
+        if (c.finished and "max_rollbacks" in stopped and not c.res.get("world_changes")
+                and not c.cfg.get("save_every_minutes")):  # a bit-exact run makes the guard's decisions again
+            return f"finished, where the uninterrupted run stopped with the guard's FATAL: {stopped[:200]}"
         return "n/a" if not c.finished else None
     if c.res.get("resumed_foreign") and c.cfg["resume"] != "auto":
         return "n/a"  # the relaunch's resume=auto picked the other run's newer checkpoint, as documented

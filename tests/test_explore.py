@@ -281,6 +281,12 @@ def test_a_guard_stop_is_judged_against_the_uninterrupted_run():
     assert "not survived" in violations(explore.check(trial, res, finished))["explained"]
     other = {**stopped_too, "fatal": "rank 0: FatalError: " + fatal.replace("step 8", "step 9")}
     assert "not survived" in violations(explore.check(trial, res, other))["explained"]
+    # the uninterrupted run's own check (fault none) takes its guard stop as the configuration's outcome
+    alone = {**trial, "fault": "none", "moment": "startup"}
+    assert "explained" not in violations(explore.check(alone, res, None))
+    # a bit-exact run that finished where the uninterrupted one stopped has not made the guard's decisions
+    done = clean_result(trial["config"])
+    assert "the uninterrupted run stopped" in violations(explore.check(trial, done, stopped_too))["equivalence"]
     timed = {**trial, "config": {**trial["config"], "save_every_minutes": 0.002}, "fault": "kill9_worker"}
     moved = copy.deepcopy(clean_result(timed["config"]))
     moved["summary"]["model_sha256"] = "c" * 64
