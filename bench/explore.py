@@ -1242,8 +1242,8 @@ def equivalence(c: Context) -> str | None:
         return "n/a"  # the relaunch's resume=auto picked the other run's newer checkpoint, as documented
     if not c.finished:
         return "n/a"  # judged by 'explained'
-    if c.cfg["spike_guard"] == "rollback" and c.cfg.get("save_every_minutes"):
-        return "n/a"  # a rollback goes back to the newest checkpoint, which rank 0's clock chose
+    if clock_chosen_rollbacks(c.cfg):
+        return "n/a"
     changes = c.res.get("world_changes")
     if changes:  # the same global batch, the gradients summed in another order: within a tolerance
         if c.cfg["comm_hook"] != "none":
@@ -1335,13 +1335,21 @@ def accounting(c: Context) -> str | None:
         twice = sorted(int(i) for i, n in counts.items() if n > 1)
         if twice:
             problems.append(f"epoch {epoch}: samples seen twice {twice[:8]}")
-    if c.spec.exact and c.finished and c.ref and c.ref.get("finished"):
+    if c.spec.exact and c.finished and c.ref and c.ref.get("finished") and not clock_chosen_rollbacks(c.cfg):
         done_epochs = c.n // STEPS_PER_EPOCH if c.cfg["stop"] == "num_epochs" else MAX_STEPS // STEPS_PER_EPOCH
         for epoch in map(str, range(done_epochs)):
             got, want = set(res["samples"].get(epoch, {})), set(c.ref["samples"].get(epoch, {}))
             if got != want:
                 problems.append(f"epoch {epoch}: {len(want - got)} samples missing, {len(got - want)} extra")
     return joined(problems)
+
+
+def clock_chosen_rollbacks(cfg: dict) -> bool:
+    """A rollback goes back to the newest checkpoint, which rank 0's clock chose (timed checkpoints):
+    where it lands, and so how many spikes the twitchy guard sees after it and which samples each
+    epoch excludes, differ from the uninterrupted run's (seed 7000's trial 41: 8 samples more in an
+    epoch). The weights and the epochs' samples are not compared with it then."""
+    return cfg["spike_guard"] == "rollback" and bool(cfg.get("save_every_minutes"))
 
 
 def exit_ok(fault: str, res: dict) -> bool:

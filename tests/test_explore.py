@@ -290,5 +290,10 @@ def test_a_guard_stop_is_judged_against_the_uninterrupted_run():
     timed = {**trial, "config": {**trial["config"], "save_every_minutes": 0.002}, "fault": "kill9_worker"}
     moved = copy.deepcopy(clean_result(timed["config"]))
     moved["summary"]["model_sha256"] = "c" * 64
-    assert explore.check(timed, moved, reference_of(clean_result(timed["config"])))["equivalence"] == "n/a"
+    moved["samples"]["0"] = {str(i): 1 for i in range(16)}  # the exclusions after another rollback point
+    verdict = explore.check(timed, moved, reference_of(clean_result(timed["config"])))
+    assert verdict["equivalence"] == "n/a" and verdict["accounting"] is None, verdict
+    untimed = {**timed, "config": {**timed["config"], "save_every_minutes": 0}}
+    verdict = violations(explore.check(untimed, moved, reference_of(clean_result(untimed["config"]))))
+    assert "8 samples missing" in verdict["accounting"] and "model_sha256" in verdict["equivalence"]
     assert explore.ref_key(timed) != explore.ref_key({**timed, "config": {**timed["config"], "save_every_minutes": 0}})
