@@ -1242,7 +1242,7 @@ def equivalence(c: Context) -> str | None:
         return "n/a"  # the relaunch's resume=auto picked the other run's newer checkpoint, as documented
     if not c.finished:
         return "n/a"  # judged by 'explained'
-    if clock_chosen_rollbacks(c.cfg):
+    if guard_on_other_losses(c):
         return "n/a"
     changes = c.res.get("world_changes")
     if changes:  # the same global batch, the gradients summed in another order: within a tolerance
@@ -1335,7 +1335,7 @@ def accounting(c: Context) -> str | None:
         twice = sorted(int(i) for i, n in counts.items() if n > 1)
         if twice:
             problems.append(f"epoch {epoch}: samples seen twice {twice[:8]}")
-    if c.spec.exact and c.finished and c.ref and c.ref.get("finished") and not clock_chosen_rollbacks(c.cfg):
+    if c.spec.exact and c.finished and c.ref and c.ref.get("finished") and not guard_on_other_losses(c):
         done_epochs = c.n // STEPS_PER_EPOCH if c.cfg["stop"] == "num_epochs" else MAX_STEPS // STEPS_PER_EPOCH
         for epoch in map(str, range(done_epochs)):
             got, want = set(res["samples"].get(epoch, {})), set(c.ref["samples"].get(epoch, {}))
@@ -1344,12 +1344,14 @@ def accounting(c: Context) -> str | None:
     return joined(problems)
 
 
-def clock_chosen_rollbacks(cfg: dict) -> bool:
-    """A rollback goes back to the newest checkpoint, which rank 0's clock chose (timed checkpoints):
-    where it lands, and so how many spikes the twitchy guard sees after it and which samples each
-    epoch excludes, differ from the uninterrupted run's (seed 7000's trial 41: 8 samples more in an
-    epoch). The weights and the epochs' samples are not compared with it then."""
-    return cfg["spike_guard"] == "rollback" and bool(cfg.get("save_every_minutes"))
+def guard_on_other_losses(c: Context) -> bool:
+    """The twitchy rollback guard decides on losses or checkpoints other than the uninterrupted
+    run's: after a world-size change (the same global batch summed in another order; seed 7000's
+    trial 610), or with timed checkpoints, where a rollback goes back to the checkpoint rank 0's
+    clock chose (trial 40). How many spikes it then sees, and which samples each epoch excludes,
+    differ by design: the weights and the epochs' samples are not compared with it."""
+    return c.cfg["spike_guard"] == "rollback" and (bool(c.cfg.get("save_every_minutes"))
+                                                   or bool(c.res.get("world_changes")))
 
 
 def exit_ok(fault: str, res: dict) -> bool:

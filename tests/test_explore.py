@@ -296,4 +296,7 @@ def test_a_guard_stop_is_judged_against_the_uninterrupted_run():
     untimed = {**timed, "config": {**timed["config"], "save_every_minutes": 0}}
     verdict = violations(explore.check(untimed, moved, reference_of(clean_result(untimed["config"]))))
     assert "8 samples missing" in verdict["accounting"] and "model_sha256" in verdict["equivalence"]
+    moved["world_changes"] = ["2 -> 4"]  # the guard decides on other losses: not compared either
+    verdict = explore.check(untimed, moved, reference_of(clean_result(untimed["config"])))
+    assert verdict["equivalence"] == "n/a" and verdict["accounting"] is None, verdict
     assert explore.ref_key(timed) != explore.ref_key({**timed, "config": {**timed["config"], "save_every_minutes": 0}})
