@@ -1171,8 +1171,8 @@ class Context:
         # max_rollbacks=3 the guard stops the run with a FATAL that lists them. That is the guard
         # doing what it was configured to do (issue 33: seed 5000's trial 25), not a fault unsurvived.
         # So may a run whose losses differ from the reference's by design: one that changed its
-        # world size (the same global batch summed in another order: seed 7000's trial 15, a node
-        # lost under a node range), or saved by the clock (a rollback then goes back to the
+        # world size (the same global batch summed in another order: seed 7000's trial 610 took
+        # other rollbacks), or saved by the clock (a rollback then goes back to the
         # checkpoint just before the spike, one step, and the window scores the redone step against
         # the same trend again: z = 20-31 on ordinary losses in seed 8000's trial 1). A bit-exact
         # run sees the reference's losses, and so its spikes: a guard stop there is still a failure.
