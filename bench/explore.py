@@ -1177,9 +1177,15 @@ class Context:
         # the same trend again: z = 20-31 on ordinary losses in seed 8000's trial 1). A bit-exact
         # run sees the reference's losses, and so its spikes: a guard stop there is still a failure.
         # The uninterrupted run itself (fault none: the reference's own check) may end so too.
+        # guard_on_other_losses: the rollback guard decides on losses or checkpoints other than the
+        # uninterrupted run's, after a world-size change (seed 7000's trial 610) or with timed
+        # checkpoints (trial 40): how many spikes it sees, and which samples each epoch excludes,
+        # differ by design, so the weights and the epochs' samples are not compared either.
+        self.guard_on_other_losses = self.cfg["spike_guard"] == "rollback" and (
+            bool(self.cfg.get("save_every_minutes")) or bool(res.get("world_changes")))
         self.guard_stop = (self.cfg["spike_guard"] == "rollback"
                            and (self.fault in ("bad_data", "nan", "none") or trial["moment"] == "rollback"
-                                or bool(self.cfg.get("save_every_minutes")) or bool(res.get("world_changes")))
+                                or self.guard_on_other_losses)
                            and "max_rollbacks" in (res.get("fatal") or "")) or self.as_uninterrupted(res, ref)
         self.transient = self.spec.transient and not res.get("unreadable_only") and not self.guard_stop
         self.summary = res.get("summary")
@@ -1242,7 +1248,7 @@ def equivalence(c: Context) -> str | None:
         return "n/a"  # the relaunch's resume=auto picked the other run's newer checkpoint, as documented
     if not c.finished:
         return "n/a"  # judged by 'explained'
-    if guard_on_other_losses(c):
+    if c.guard_on_other_losses:  # the rollbacks land elsewhere (see the Context): not comparable
         return "n/a"
     changes = c.res.get("world_changes")
     if changes:  # the same global batch, the gradients summed in another order: within a tolerance
@@ -1335,23 +1341,13 @@ def accounting(c: Context) -> str | None:
         twice = sorted(int(i) for i, n in counts.items() if n > 1)
         if twice:
             problems.append(f"epoch {epoch}: samples seen twice {twice[:8]}")
-    if c.spec.exact and c.finished and c.ref and c.ref.get("finished") and not guard_on_other_losses(c):
+    if c.spec.exact and c.finished and c.ref and c.ref.get("finished") and not c.guard_on_other_losses:
         done_epochs = c.n // STEPS_PER_EPOCH if c.cfg["stop"] == "num_epochs" else MAX_STEPS // STEPS_PER_EPOCH
         for epoch in map(str, range(done_epochs)):
             got, want = set(res["samples"].get(epoch, {})), set(c.ref["samples"].get(epoch, {}))
             if got != want:
                 problems.append(f"epoch {epoch}: {len(want - got)} samples missing, {len(got - want)} extra")
     return joined(problems)
-
-
-def guard_on_other_losses(c: Context) -> bool:
-    """The twitchy rollback guard decides on losses or checkpoints other than the uninterrupted
-    run's: after a world-size change (the same global batch summed in another order; seed 7000's
-    trial 610), or with timed checkpoints, where a rollback goes back to the checkpoint rank 0's
-    clock chose (trial 40). How many spikes it then sees, and which samples each epoch excludes,
-    differ by design: the weights and the epochs' samples are not compared with it."""
-    return c.cfg["spike_guard"] == "rollback" and (bool(c.cfg.get("save_every_minutes"))
-                                                   or bool(c.res.get("world_changes")))
 
 
 def exit_ok(fault: str, res: dict) -> bool:

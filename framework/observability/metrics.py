@@ -365,15 +365,11 @@ def changed_keys(changed: dict, budget: int = CONSOLE_LINE) -> str:
 
 def summary_line(summary: dict) -> str:
     """The final summary in words (the whole of it is in summary.json)."""
-    def num(key: str, fmt: str) -> str | None:
-        value = summary.get(key)
-        return None if value is None else format(value, fmt)
-
-    parts = [f"step {summary.get('steps')}", f"epochs {num('epochs', '.2f')}",
-             f"train loss {num('final_train_loss', '.4f')}", f"val loss {num('final_val_loss', '.4f')}",
-             f"{num('tokens_per_sec', '.0f')} tok/s", f"{num('wall_s', '.1f')} s",
-             f"world size {summary.get('world_size')}", f"model_sha256 {str(summary.get('model_sha256'))[:12]}"]
-    return ", ".join(p for p in parts if "None" not in p)
+    shown = [("step {}", "steps", ""), ("epochs {}", "epochs", ".2f"), ("train loss {}", "final_train_loss", ".4f"),
+             ("val loss {}", "final_val_loss", ".4f"), ("{} tok/s", "tokens_per_sec", ".0f"), ("{} s", "wall_s", ".1f"),
+             ("world size {}", "world_size", ""), ("model_sha256 {:.12}", "model_sha256", "")]
+    return ", ".join(text.format(format(summary[key], fmt) if fmt else summary[key])
+                     for text, key, fmt in shown if summary.get(key) is not None)
 
 
 def log_run_start(cfg, env, sampler, *, model: torch.nn.Module, amp: bool, total_steps: int,
