@@ -50,10 +50,10 @@ def test_same_seed_same_model_and_log_appends(tmp_path):
 
 def test_resume_auto_says_what_it_found(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="framework.trainer"):
-        DDPTrainer(tiny_config(tmp_path, max_steps=4, save_every_steps=2)).train()
+        DDPTrainer(tiny_config(tmp_path, **{"train.max_steps": 4, "checkpoint.every_steps": 2})).train()
         assert f"resume=auto: no checkpoint in {tmp_path / 'ck'}; starting a new run at step 0" in caplog.text
         caplog.clear()
-        summary = DDPTrainer(tiny_config(tmp_path, max_steps=4, save_every_steps=2)).train()
+        summary = DDPTrainer(tiny_config(tmp_path, **{"train.max_steps": 4, "checkpoint.every_steps": 2})).train()
     assert summary["steps"] == 4
     assert f"the run in {tmp_path / 'ck'} finished at step 4: nothing to do" in caplog.text
     assert "starting a new run" not in caplog.text
@@ -68,15 +68,16 @@ def test_timed_checkpoints_are_saved_when_rank_0_says_the_minutes_have_passed(tm
         def on_step_end(self, trainer, step, metrics):  # 4 minutes of training a step
             clock[0] += 240.0
 
-    timed = {"checkpoint.every_epochs": 0, "checkpoint.every_minutes": 10}
-    DDPTrainer(tiny_config(tmp_path, max_steps=6, keep_last=10, **timed), callbacks=[Clock()]).train()
+    timed = {"train.max_steps": 6, "checkpoint.keep_last": 10, "checkpoint.every_epochs": 0,
+             "checkpoint.every_minutes": 10}
+    DDPTrainer(tiny_config(tmp_path, **timed), callbacks=[Clock()]).train()
     manifest = json.loads((tmp_path / "ck" / "manifest.json").read_text())
     # Rank 0 reads its clock at each step's agreement: at step 4's, 3 steps (12 minutes) have passed
     # since the start; then 8 minutes more by step 6, which is saved as the run's end.
     assert sorted({e["step"] for e in manifest}) == [4, 6], manifest
     clock[0] = 0.0
-    off = {"checkpoint.every_epochs": 0, "checkpoint.every_minutes": 0}
-    DDPTrainer(tiny_config(tmp_path / "off", max_steps=6, **off), callbacks=[Clock()]).train()
+    off = {"train.max_steps": 6, "checkpoint.every_epochs": 0, "checkpoint.every_minutes": 0}
+    DDPTrainer(tiny_config(tmp_path / "off", **off), callbacks=[Clock()]).train()
     manifest = json.loads((tmp_path / "off" / "ck" / "manifest.json").read_text())
     assert sorted({e["step"] for e in manifest}) == [6], manifest
 
