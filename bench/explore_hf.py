@@ -5,10 +5,13 @@ framework/testing/hf_script.py's stride bytes, fully fine-tuned (no adapters).
 
     python bench/explore_hf.py --out DIR [--max-steps N] [--samples N] [--save-steps N]
         [--save-total-limit N] [--checkpointing off|non_reentrant|reentrant] [--resume none|auto]
+        [--eval-steps N] [--save-model DIR]
 
 alone or under torchrun. ``--resume auto`` is ``train(resume_from_checkpoint=True)`` (a user's
 relaunch); ``none`` starts afresh (a torchrun restart of this launch still continues its own
 checkpoints). output_dir holds checkpoints/ and logs/ (summary.json, metrics.jsonl, rank_N.log).
+``--eval-steps N`` evaluates every N steps (and at the end); ``--save-model DIR`` ends the script
+with ``trainer.save_model(DIR)``, as a fine-tuner's script ends.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--checkpointing", choices=("off", "non_reentrant", "reentrant"), default="off")
     parser.add_argument("--resume", choices=("none", "auto"), default="none")
     parser.add_argument("--seed", type=int, default=5)
+    parser.add_argument("--eval-steps", type=int, default=0, help="0: no evaluation")
+    parser.add_argument("--save-model", default="", help="a folder for trainer.save_model at the end")
     return parser.parse_args(argv)
 
 
@@ -55,10 +60,14 @@ def main(argv: list[str]) -> int:
         logging_steps=1, save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500,
         save_total_limit=args.save_total_limit, seed=args.seed, gradient_checkpointing=checkpointing,
         gradient_checkpointing_kwargs={"use_reentrant": args.checkpointing == "reentrant"} if checkpointing else None,
-        report_to="none", disable_tqdm=True, use_cpu=not torch.cuda.is_available())
-    trainer = Trainer(model=model, args=training_args, train_dataset=StrideBytes(args.samples, seq_len=16))
+        report_to="none", disable_tqdm=True, use_cpu=not torch.cuda.is_available(),
+        eval_strategy="steps" if args.eval_steps else "no", eval_steps=args.eval_steps or None)
+    trainer = Trainer(model=model, args=training_args, train_dataset=StrideBytes(args.samples, seq_len=16),
+                      eval_dataset=StrideBytes(8, seq_len=16, seed=1) if args.eval_steps else None)
     try:
-        trainer.train(resume_from_checkpoint=True if args.resume == "auto" else None)
+        output = trainer.train(resume_from_checkpoint=True if args.resume == "auto" else None)
+        if args.save_model and output.global_step == args.max_steps:  # not after a preemption
+            trainer.save_model(args.save_model)
     except FatalError as err:
         print(f"fatal: {err}", file=sys.stderr)
         return 1

@@ -87,6 +87,9 @@ class DDPTrainer:
     _stop_requested = False
     _eval_owed = -1  # the step whose evaluation a preemption request stopped: a run resumed there runs it first
     _evaluated_step = -1  # the step of the last evaluation recorded (the final one is not run twice)
+    _evaluated_loss: float | None = None  # its validation loss (the summary's, when a resumed run does not rerun it)
+    _stopped_at = -1  # the step of an early stop: a run resumed there ends (see _stopped_here)
+    _stopped_by = ""  # "a stop requested", or "train.target_loss=T reached"
 
     def __init__(self, config: TrainConfig | dict | None = None, *, rank: int | None = None,
                  world_size: int | None = None, model: torch.nn.Module | None = None,
@@ -236,7 +239,13 @@ class DDPTrainer:
             if ckpt.resume == "auto":
                 log.info("resume=auto: no checkpoint in %s; starting a new run at step 0", ckpt.dir)
             return
-        if self.step >= self._total_steps or self.sampler.epoch >= self.config.train.num_epochs:
+        if self._stopped_here():
+            log.info("the run in %s stopped early at step %d (%s): nothing to do but its final save (set "
+                     "checkpoint.resume=none to start afresh)", ckpt.dir, self.step, self._stopped_by)
+        elif self._stopped_at == self.step:
+            log.info("the run in %s stopped early at step %d (%s); train.target_loss is now %r: training on",
+                     ckpt.dir, self.step, self._stopped_by, self.config.train.target_loss)
+        elif self.step >= self._total_steps or self.sampler.epoch >= self.config.train.num_epochs:
             log.info("the run in %s finished at step %d: nothing to do (raise train.max_steps or train.num_epochs "
                      "to go on, or set checkpoint.resume=none to start afresh)", ckpt.dir, self.step)
 
@@ -295,11 +304,16 @@ class DDPTrainer:
         return torch.autocast(self.env.device.type, dtype=self._amp_dtype, enabled=self._amp)
 
     def _state_dict(self) -> dict:
-        return {"step": self.step, "tokens_total": self._tokens_total, "eval_owed": self._eval_owed}
+        return {"step": self.step, "tokens_total": self._tokens_total, "eval_owed": self._eval_owed,
+                "evaluated_step": self._evaluated_step, "evaluated_loss": self._evaluated_loss,
+                "stopped_at": self._stopped_at, "stopped_by": self._stopped_by}
 
     def _load_state_dict(self, state: dict) -> None:
         self.step, self._tokens_total = int(state["step"]), int(state["tokens_total"])
         self._eval_owed = int(state.get("eval_owed", -1))
+        self._evaluated_step = int(state.get("evaluated_step", -1))
+        self._evaluated_loss = state.get("evaluated_loss")
+        self._stopped_at, self._stopped_by = int(state.get("stopped_at", -1)), str(state.get("stopped_by", ""))
 
     # --- the public steps --------------------------------------------------------------------
 
@@ -341,6 +355,8 @@ class DDPTrainer:
         self._say_where_the_run_starts(resumed=self._resumed)
         self._checkpointer.start_clock()
         step_log = StepLog.open(cfg, env, total_steps=self._total_steps, initial_step=self.step)
+        if self._evaluated_step == self.step:  # this step's evaluation is in the checkpoint: not run again
+            step_log.val_loss = self._evaluated_loss
         samples_log = SampleLog(Path(cfg.logging.dir) / f"samples_rank_{env.rank}.jsonl"
                                 if cfg.logging.record_samples else None)
         if cfg.logging.record_samples and env.is_main:
@@ -354,8 +370,8 @@ class DDPTrainer:
         self._moments.train_start()
         try:
             with GcPolicy(cfg.memory.cleanup_interval, env.device) as gc_policy:
-                preempted = (self._eval_owed == self.step and self._evaluate_mid_run(step_log)) or self._loop(
-                    step_log, gc_policy, samples_log)
+                preempted = (self._eval_owed == self.step and self._evaluate_mid_run(step_log)) or (
+                    not self._stopped_here() and self._loop(step_log, gc_policy, samples_log))
             if not preempted:
                 preempted = self._final_evaluation_and_save(step_log)
             self._checkpointer.close()
@@ -385,11 +401,16 @@ class DDPTrainer:
                     self._save_preempted()
                     return True
                 if self._should_stop(agreed):
+                    self._record_stop(agreed)
                     return False
-                self._save(epoch_ended=self.sampler.steps_remaining() == 0, timed=agreed.save_due)
+                # The evaluation first, as transformers.Trainer does: the step's checkpoint holds what it
+                # changed (an EarlyStoppingCallback's counter, the best metric, a stop it asked for).
                 if self._evaluator.should_run(self.step) and self._evaluate_mid_run(step_log):
                     return True
                 if self._stop_requested:  # asked at the evaluation (transformers' EarlyStoppingCallback)
+                    self._record_stop(agreed)
+                self._save(epoch_ended=self.sampler.steps_remaining() == 0, timed=agreed.save_due)
+                if self._stop_requested:
                     return False
             self.sampler.set_epoch(self.sampler.epoch + 1)
             self._skips.new_epoch()
@@ -504,6 +525,24 @@ class DDPTrainer:
         return (self.step >= self._total_steps or agreed.stop or self._stop_requested
                 or (target > 0 and agreed.loss <= target))
 
+    def _record_stop(self, agreed: Agreement) -> None:
+        """An early stop (before max_steps) goes into the trainer's state, so into this step's
+        checkpoint: a preemption or a lost node before the run's end leaves a checkpoint whose
+        resumed run ends there too, rather than training past the stop."""
+        if self.step >= self._total_steps:
+            return
+        target = self.config.train.target_loss
+        self._stopped_at = self.step
+        self._stopped_by = ("a stop requested" if agreed.stop or self._stop_requested
+                            else f"train.target_loss={target!r} reached")
+
+    def _stopped_here(self) -> bool:
+        """The checkpoint's run stopped early at this step: a stop requested (by the user's code, a
+        callback), or train.target_loss met while the target is still the same (a changed target
+        trains on, and decides again at the next step)."""
+        return self._stopped_at == self.step < self._total_steps and self._stopped_by in (
+            "a stop requested", f"train.target_loss={self.config.train.target_loss!r} reached")
+
     # --- the ending --------------------------------------------------------------------------
 
     def _final_evaluation_and_save(self, step_log: StepLog) -> bool:
@@ -532,7 +571,7 @@ class DDPTrainer:
         if self._evaluator.interrupted:
             return False
         step_log.record_val(self.step, val_loss)
-        self._evaluated_step = self.step
+        self._evaluated_step, self._evaluated_loss = self.step, val_loss
         self._moments.evaluated(self.step, val_loss)
         return True
 

@@ -173,6 +173,9 @@ def test_issue_33s_dimensions_and_faults_are_drawn_and_a_rerun_fills_them_with_t
     hf = [t for t in drawn if t["config"]["trainer"] == "hf"]
     assert 0.05 < len(hf) / len(drawn) < 0.2
     assert all(t["config"][k] == v for t in hf for k, v in explore.HF_FIXED.items())
+    # the drop-in's script meets its faults at its evaluations, final save and own save_model too, on 2 nodes
+    assert {"eval", "final_save", "export"} <= {t["moment"] for t in hf}
+    assert "2x1" in {t["config"]["topology"] for t in hf}
     # a trial of before these dimensions: --rerun gives each its first value, what it ran with
     old = {k: v for k, v in SIMPLEST.items()
            if k not in ("world_change", "nnodes", "loss_average", "trainer", "save_every_minutes")}

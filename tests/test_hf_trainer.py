@@ -11,6 +11,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
+import signal
+import time
 
 import pytest
 import torch
@@ -18,7 +21,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-from transformers import TrainerCallback, TrainingArguments  # noqa: E402
+from transformers import EarlyStoppingCallback, TrainerCallback, TrainingArguments  # noqa: E402
 
 from framework.config.schema import ConfigError  # noqa: E402
 from framework.hf import Trainer  # noqa: E402
@@ -503,41 +506,68 @@ def test_early_stopping_stops_and_the_best_model_is_loaded_at_the_end(tmp_path):
 
 
 @pytest.mark.slow
-def test_early_stoppings_patience_counter_is_saved_and_continues_after_a_resume(tmp_path):
-    """EarlyStoppingCallback's counter (its exported state) is saved in the framework's checkpoint:
-    stopped after the evaluation of step 4, which raised it to 1, a resumed run's new callback starts
-    at 1, so patience 3 stops it at step 8, as the uninterrupted run stops (a reset counter: step 10)."""
-    from transformers import EarlyStoppingCallback
-
-    calls = []
+def early_stopping_run(tmp_path, early, *extra) -> Trainer:
+    """Evaluated every 2 steps with a metric that worsens at every evaluation (1, 2, 3, ... over
+    the test, resumed runs included), checkpointed every 2 steps: patience 3 stops at step 8."""
+    calls = early.calls = getattr(early, "calls", [])
 
     def worsening(prediction):
         calls.append(1)
         return {"worse": float(len(calls))}
 
-    class StopAt4(TrainerCallback):
-        def on_evaluate(self, args, state, control, **kw):
-            control.should_training_stop = state.global_step == 4
+    args = targs(tmp_path, max_steps=20, eval_strategy="steps", eval_steps=2, save_steps=2,
+                 metric_for_best_model="worse", greater_is_better=False)
+    return Trainer(model=build_model(), args=args, train_dataset=StrideBytes(128),
+                   eval_dataset=StrideBytes(8, seed=1), compute_metrics=worsening, callbacks=[early, *extra])
 
+
+def test_early_stoppings_patience_counter_is_saved_and_continues_after_a_resume(tmp_path):
+    """EarlyStoppingCallback's counter (its exported state) is in the checkpoint of the step it was
+    evaluated at: a crash after step 5 resumes from step 4's checkpoint, whose evaluation raised the
+    counter to 1, so patience 3 stops the resumed run at step 8, as the uninterrupted run stops.
+    (Saved before step 4's evaluation, the checkpoint held 0, and the run stopped at step 10.)"""
     counters = []
 
     class Probe(TrainerCallback):
         def on_train_begin(self, args, state, control, **kw):
             counters.append(early.early_stopping_patience_counter)
 
-    def run(*extra):
-        args = targs(tmp_path, max_steps=20, eval_strategy="steps", eval_steps=2, save_steps=2,
-                     metric_for_best_model="worse", greater_is_better=False)
-        return Trainer(model=build_model(), args=args, train_dataset=StrideBytes(128),
-                       eval_dataset=StrideBytes(8, seed=1), compute_metrics=worsening,
-                       callbacks=[early, Probe(), *extra])
+    class CrashAfter5(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            if state.global_step == 5:
+                raise RuntimeError("a crash at step 5")
 
     early = EarlyStoppingCallback(early_stopping_patience=3)
-    assert run(StopAt4()).train().global_step == 4 and early.early_stopping_patience_counter == 1
+    with pytest.raises(RuntimeError, match="a crash at step 5"):
+        early_stopping_run(tmp_path, early, Probe(), CrashAfter5()).train()
     early = EarlyStoppingCallback(early_stopping_patience=3)
-    out = run().train(resume_from_checkpoint=True)
-    assert counters == [0, 1], "the resumed run's callback starts at the saved counter"
+    out = early_stopping_run(tmp_path, early, Probe()).train(resume_from_checkpoint=True)
+    assert counters == [0, 1], "the resumed run's callback starts at the counter of step 4's evaluation"
     assert out.global_step == 8
+
+
+def test_an_early_stop_is_in_the_checkpoint_and_a_run_resumed_there_ends(tmp_path, caplog):
+    """A callback's stop at the evaluation of step 4, then a preemption request before the run
+    ends: the preemption's checkpoint of step 4 records the stop, and the resumed run ends there
+    with no step trained and no evaluation run again (it trained on to max_steps 20 before)."""
+    class StopAt4AndPreempt(TrainerCallback):
+        def on_evaluate(self, args, state, control, **kw):
+            if state.global_step == 4:
+                control.should_training_stop = True
+                os.kill(os.getpid(), signal.SIGUSR1)
+
+    early = EarlyStoppingCallback(early_stopping_patience=100)
+    with caplog.at_level(logging.INFO):
+        assert early_stopping_run(tmp_path, early, StopAt4AndPreempt()).train().global_step == 4
+        assert "preempted: checkpoint of step 4 saved" in caplog.text
+        caplog.clear()
+        resumed = early_stopping_run(tmp_path, early)
+        out = resumed.train(resume_from_checkpoint=True)
+    assert out.global_step == 4
+    assert "stopped early at step 4" in caplog.text
+    evaluated = [entry["step"] for entry in resumed.state.log_history if "eval_loss" in entry]
+    assert evaluated == [2, 4], evaluated
+    assert len(early.calls) == 2, "the resumed run evaluated again"
 
 
 # --- report_to -------------------------------------------------------------------------------------
@@ -578,6 +608,11 @@ def test_report_to_wandb_offline_records_the_run(tmp_path, monkeypatch):
         wandb.finish()
     runs = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(runs) == 1, list(tmp_path.rglob("*"))
+    # wandb's own service process writes the file: on a loaded machine its records land after finish()
+    # returns (CI once read the header alone), so they are waited for, 30 s at most
+    deadline = time.monotonic() + 30
+    while b"train/loss" not in runs[0].read_bytes() and time.monotonic() < deadline:
+        time.sleep(0.2)
     assert b"train/loss" in runs[0].read_bytes()
 
 

@@ -59,6 +59,38 @@ def test_resume_auto_says_what_it_found(tmp_path, caplog):
     assert "starting a new run" not in caplog.text
 
 
+def test_a_run_stopped_by_target_loss_and_preempted_before_its_end_ends_there_on_resume(tmp_path, caplog):
+    """train.target_loss (100: met by the first step's loss) stops the run at step 1 of 8, and a
+    preemption request comes before its final save: the preemption's checkpoint records the stop,
+    so the resumed run ends at step 1 with the uninterrupted run's weights (it trained step 2)."""
+    import os
+    import signal
+
+    class PreemptAt1:
+        def on_step_end(self, trainer, step, metrics):
+            if step == 1:
+                os.kill(os.getpid(), signal.SIGUSR1)
+
+    keys = {"train.max_steps": 8, "target_loss": 100.0}  # tiny() spells it by its original name
+    reference = DDPTrainer(tiny_config(tmp_path / "ref", **keys)).train()
+    assert reference["steps"] == 1 and not reference["preempted"]
+    first = DDPTrainer(tiny_config(tmp_path, **keys), callbacks=[PreemptAt1()]).train()
+    assert first["steps"] == 1 and first["preempted"]
+    with caplog.at_level(logging.INFO, logger="framework.trainer"):
+        resumed = DDPTrainer(tiny_config(tmp_path, **keys)).train()
+    assert resumed["steps"] == 1 and not resumed["preempted"]
+    assert resumed["model_sha256"] == reference["model_sha256"]
+    assert f"the run in {tmp_path / 'ck'} stopped early at step 1 (train.target_loss=100.0 reached)" in caplog.text
+    assert resumed["final_val_loss"] == reference["final_val_loss"]
+    # a changed target is the user's decision to train on: the next step decides again
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="framework.trainer"):
+        DDPTrainer(tiny_config(tmp_path / "again", **keys), callbacks=[PreemptAt1()]).train()
+        on = DDPTrainer(tiny_config(tmp_path / "again", **{**keys, "target_loss": 0.0})).train()
+    assert "train.target_loss is now 0.0: training on" in caplog.text
+    assert on["steps"] == 8
+
+
 def test_timed_checkpoints_are_saved_when_rank_0_says_the_minutes_have_passed(tmp_path, monkeypatch):
     import framework.state.checkpointer as checkpointer
     clock = [0.0]
