@@ -170,7 +170,7 @@ def test_a_worker_whose_agent_died_before_it_armed_the_death_signal_ends():
 def test_two_nodes_stop_a_crash_after_every_restart_after_max_no_progress_restarts(tmp_path):
     args = args_for(tmp_path, max_steps=40, fault_inject="crash@step=20,restart=*", max_no_progress_restarts=1)
     nodes = start_nodes(ROOT / "ddp_training.py", args, tmp_path, nnodes=2, rdzv_id=tmp_path.name,
-                        torchrun_extra=["--max-restarts", "3"])
+                        torchrun_extra=["--max-restarts", "2"])
     nodes = finish_nodes(nodes, TIMEOUT)
     outputs = "\n".join(node.output[-3000:] for node in nodes)
     assert all(node.returncode != 0 for node in nodes), outputs

@@ -233,8 +233,9 @@ _SLICE_CONFIG = {"topology": "1", "max_restarts": 2, "resume": "path", "layout":
                  "loss_average": "micro_batch", "trainer": "builtin", "save_every_minutes": 0.002}
 # Issue 33's, on the simplest configuration otherwise: a worker killed mid-step on 2 ranks with the
 # save alone off (steps redone) and the run relaunched on 1 rank, averaging over tokens; a worker
-# stopped (SIGSTOP) on 2 nodes, the other's watchdog ending the group; a deterministic error on
-# rank 1 under launch_training.sh, which the restart-loop guard stops with a FATAL.
+# stopped (SIGSTOP) on 2 nodes, the other's watchdog ending the group. (A deterministic error on
+# rank 1 under launch_training.sh, crash_one_rank, is tests/test_launch.py's
+# test_a_launch_whose_last_incarnation_lost_no_node_does_not_exit_75: the same launch, 20 s less.)
 _ISSUE33 = {k: v[0] for k, v in explore.DIMS.items()}
 SLICE = [
     {"config": _SLICE_CONFIG, "fault": "kill9_worker", "moment": "ckpt_write"},
@@ -244,7 +245,6 @@ SLICE = [
     {"config": {**_ISSUE33, "topology": "1x2", "world_change": "2to1", "loss_average": "tokens",
                 "save_on_peer_loss": False}, "fault": "kill9_worker", "moment": "mid_step"},
     {"config": {**_ISSUE33, "topology": "2x1"}, "fault": "sigstop_worker", "moment": "eval"},
-    {"config": {**_ISSUE33, "topology": "1x2"}, "fault": "crash_one_rank", "moment": "mid_step"},
 ]
 
 
@@ -264,7 +264,6 @@ def test_a_fixed_seed_slice_of_real_trials_breaks_no_invariant(tmp_path):
     # relaunched on 1 rank, within 1e-5 of the uninterrupted 2-rank run
     assert results[3]["world_changes"] == ["2 -> 1"] and results[3]["weight_diff"] <= 1e-5
     assert len(results[4]["codes"]) == 2  # the stopped worker's group ended, then relaunched
-    assert results[5]["codes"] == [[1]]  # FATAL, no relaunch (and no 75)
 
 
 def test_a_guard_stop_is_judged_against_the_uninterrupted_run():

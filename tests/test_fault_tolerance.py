@@ -80,59 +80,65 @@ def assert_each_sample_once_per_epoch(run_dir: Path):
         assert consumed == expected, f"epoch {epoch}: samples skipped or repeated"
 
 
-# Rank 1 is killed in step kill_at + 1. Rank 0, its peer gone, saves step kill_at alone (the last
-# step both finished) and the restart resumes there, bit-exact although rank 1's generators were
-# never saved (each rank's are seeded from (seed, rank, step)). With the save alone off, the
-# restart resumes from the last periodic checkpoint (every 8 steps; the last trial's is the one
-# written at the end of epoch 0, step 32). Rank 0 is the victim once: rank 1 writes then.
-@pytest.mark.parametrize(("trial", "victim", "kill_at", "resume_at", "save_alone"), [
-    (0, 1, 21, 21, True), (1, 0, 21, 21, True), (2, 1, 34, 34, True),
-    (3, 1, 21, 16, False), (4, 1, 34, 32, False)])
-def test_kill_9_then_elastic_restart_resumes_bit_exact(reference, tmp_path, trial, victim, kill_at, resume_at,
-                                                       save_alone):
-    run = train(tmp_path, torchrun_extra=["--max-restarts", "1"], fault_inject=f"sigkill@step={kill_at},rank={victim}",
+# A rank is killed in step kill_at + 1, twice in one launch (--max-restarts 2): in epoch 0, and in
+# epoch 1 by the restart. Its peer, gone, saves step kill_at alone (the last step both finished) and
+# the restart resumes there, bit-exact although the killed rank's generators were never saved (each
+# rank's are seeded from (seed, rank, step)); rank 0 is the victim once, and rank 1 writes then.
+# With the save alone off, a restart resumes from the last periodic checkpoint (every 8 steps; the
+# second one's is the one written at the end of epoch 0, step 32).
+@pytest.mark.parametrize(("kills", "resumed_at", "save_alone"), [
+    (((1, 21), (0, 34)), (21, 34), True),
+    (((1, 21), (1, 34)), (16, 32), False)])
+def test_kill_9_then_elastic_restart_resumes_bit_exact(reference, tmp_path, kills, resumed_at, save_alone):
+    faults = "; ".join(f"sigkill@step={step},rank={victim},restart={i}" for i, (victim, step) in enumerate(kills))
+    run = train(tmp_path, torchrun_extra=["--max-restarts", "2"], fault_inject=faults,
                 **{"checkpoint.save_on_peer_loss": save_alone})
     assert run.returncode == 0, run.output[-4000:]
-    log0, survivor = rank_log(tmp_path), 1 - victim
-    assert f"fault injection: sigkill at step {kill_at} on rank {victim}" in rank_log(tmp_path, victim)
-    assert f"resumed from step {resume_at}" in log0
-    saved_alone = f"this rank saved step {kill_at}, the last step every rank finished, alone"
-    assert (saved_alone in rank_log(tmp_path, survivor)) == save_alone
+    log0 = rank_log(tmp_path)
+    for (victim, kill_at), resume_at in zip(kills, resumed_at, strict=True):
+        assert f"fault injection: sigkill at step {kill_at} on rank {victim}" in rank_log(tmp_path, victim)
+        assert f"resumed from step {resume_at}" in log0
+        saved_alone = f"this rank saved step {kill_at}, the last step every rank finished, alone"
+        assert (saved_alone in rank_log(tmp_path, 1 - victim)) == save_alone, (victim, kill_at)
     result = summary(tmp_path)
     assert result["steps"] == 48
     assert result["model_sha256"] == reference
     assert_each_sample_once_per_epoch(tmp_path)
-    # The metrics stream survived the kill: appended, and with its purge the steps run 1..48 once.
+    # The metrics stream survived the kills: appended, and with its purges the steps run 1..48 once.
     rows = read_metrics(tmp_path / "logs" / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(1, 49))
-    assert rows[-1]["train/loss"] == result["final_train_loss"] and result["restarts"] == 1
+    assert rows[-1]["train/loss"] == result["final_train_loss"] and result["restarts"] == 2
     assert not run.leftovers
 
 
-@pytest.mark.parametrize(("fault", "resumed"), [
-    # Rank 1 raises at the start of the evaluation after step 32; rank 0 waits in its all-reduce.
-    ("crash@step=32,rank=1,at=eval", (24, 32)),
-    # Rank 0 hangs, holding the GIL, in the final evaluation: the watchdog's evaluation deadline ends
-    # it; the final save comes after that evaluation, so the restart resumes from step 40.
-    ("hang@step=48,rank=0,at=eval", (40,)),
-    # Rank 0 raises while the background writer holds its checkpoint of step 32.
-    ("crash@step=32,rank=0,at=save", (24, 32)),
-    # Rank 1 is killed with -9 at the start of the final save.
-    ("sigkill@step=48,rank=1,at=save", (40,)),
+@pytest.mark.parametrize(("faults", "resumed"), [
+    # Rank 1 raises at the start of the evaluation after step 32, which comes before that step's save:
+    # the restart resumes from step 24 and evaluates step 32 (saved first, its evaluation was lost).
+    # Then rank 0 hangs, holding the GIL, in the final evaluation: the watchdog's evaluation deadline
+    # ends it; the final save comes after that evaluation, so the restart resumes from step 40.
+    (("crash@step=32,rank=1,at=eval", "hang@step=48,rank=0,at=eval,restart=1"), ((24,), (40,))),
+    # Rank 0 raises while the background writer holds its checkpoint of step 32; then rank 1 is
+    # killed with -9 at the start of the final save.
+    (("crash@step=32,rank=0,at=save", "sigkill@step=48,rank=1,at=save,restart=1"), ((24, 32), (40,))),
 ])
-def test_a_fault_during_evaluation_or_save_restarts_and_ends_as_uninterrupted(reference, tmp_path, fault, resumed):
-    run = train(tmp_path, torchrun_extra=["--max-restarts", "1"], fault_inject=fault, eval_interval=16,
+def test_a_fault_during_evaluation_or_save_restarts_and_ends_as_uninterrupted(reference, tmp_path, faults, resumed):
+    run = train(tmp_path, torchrun_extra=["--max-restarts", "2"], fault_inject="; ".join(faults), eval_interval=16,
                 step_timeout_s=5)
     assert run.returncode == 0, run.output[-4000:]
-    kind, rank = fault.split("@")[0], int(fault.split("rank=")[1][0])
-    step = int(fault.split("step=")[1].split(",")[0])
-    moment = "the evaluation" if fault.endswith("eval") else "the checkpoint save"
-    assert f"fault injection: {kind} at step {step} on rank {rank} (during {moment})" in rank_log(tmp_path, rank)
-    assert any(f"resumed from step {s}" in rank_log(tmp_path) for s in resumed), rank_log(tmp_path)[-3000:]
-    if kind == "hang":  # the watchdog's faulthandler dump, naming where the evaluation hung
+    incarnations = rank_log(tmp_path).split("resumed from step ")
+    for fault, steps, after in zip(faults, resumed, incarnations[1:], strict=True):
+        kind, rank = fault.split("@")[0], int(fault.split("rank=")[1][0])
+        step = int(fault.split("step=")[1].split(",")[0])
+        moment = "the evaluation" if ",at=eval" in fault else "the checkpoint save"
+        assert f"fault injection: {kind} at step {step} on rank {rank} (during {moment})" in rank_log(tmp_path, rank)
+        assert int(after.split(" ")[0]) in steps, (fault, rank_log(tmp_path)[-3000:])
+    if "hang@" in faults[1]:  # the watchdog's faulthandler dump, naming where the evaluation hung
         assert "Timeout (0:00:" in rank_log(tmp_path, 0) and "in fire_process_faults" in rank_log(tmp_path, 0)
+    # every evaluation is in the metrics once: none lost to a fault, none run twice
+    rows = read_metrics(tmp_path / "logs" / "metrics.jsonl")
+    assert [r["step"] for r in rows if "val/loss" in r] == [16, 32, 48]
     result = summary(tmp_path)
-    assert result["steps"] == 48 and result["restarts"] == 1
+    assert result["steps"] == 48 and result["restarts"] == 2
     assert result["model_sha256"] == reference  # evaluation draws no randomness: the same weights
     assert not run.leftovers
 
@@ -203,15 +209,15 @@ def test_fatal_marker_stops_a_restarted_group_at_once(tmp_path):
 
 
 def test_a_crash_after_every_restart_stops_after_max_no_progress_restarts(tmp_path):
-    run = train(tmp_path, torchrun_extra=["--max-restarts", "5"], fault_inject="crash@step=10,restart=*",
-                max_no_progress_restarts=2)
+    run = train(tmp_path, torchrun_extra=["--max-restarts", "3"], fault_inject="crash@step=10,restart=*",
+                max_no_progress_restarts=1)
     assert run.returncode != 0
     marker = (tmp_path / "ck" / "FATAL").read_text()
-    assert "3 restarts in a row resumed from step 8 with no progress in between (max_no_progress_restarts=2)" in marker
+    assert "2 restarts in a row resumed from step 8 with no progress in between (max_no_progress_restarts=1)" in marker
     assert "the last error: rank " in marker and "RuntimeError: fault injection: crash at step 10" in marker
-    # The first launch and 2 restarts trained; the third restart stopped; the last two stopped at once.
-    assert rank_log(tmp_path).count("fault injection: crash at step 10 on rank 0") == 3
-    assert run.output.count("an earlier incarnation of this run failed and a restart cannot help") >= 2
+    # The first launch and 1 restart trained; the second restart stopped; the last one stopped at once.
+    assert rank_log(tmp_path).count("fault injection: crash at step 10 on rank 0") == 2
+    assert run.output.count("an earlier incarnation of this run failed and a restart cannot help") >= 1
     assert not run.leftovers
 
 

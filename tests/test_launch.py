@@ -276,7 +276,7 @@ def test_a_fatal_marker_of_the_launch_comes_before_node_lost(shim, tmp_path):
 
 @pytest.mark.parametrize("faults, max_restarts, fatal", [
     # rank 1 fails the same way in every incarnation; the restart-loop guard stops it with FATAL
-    ("crash@step=10,rank=1,restart=*", 3, True),
+    ("crash@step=10,rank=1,restart=*", 2, True),
     # a transient kill of rank 1 (survived), then an unrelated failure of every rank later on
     ("sigkill@step=3,rank=1; crash@step=10,restart=1", 1, False),
 ])
