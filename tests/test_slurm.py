@@ -196,7 +196,7 @@ def test_a_deterministic_error_on_one_rank_fails_the_job_without_a_requeue(slurm
     """Issue 33, bug 1: rank 1 fails at step 10 in every incarnation; rank 0 sees it vanish
     (NODE_LOST) and the restart-loop guard stops the launch with FATAL. The job fails once; it
     was requeued until its time limit, each requeue clearing FATAL as a new launch does."""
-    job = submit({**slurm, "MAX_RESTARTS": "3"}, tmp_path, train=(
+    job = submit({**slurm, "MAX_RESTARTS": "2"}, tmp_path, train=(
         "--recovery.fault_inject", "crash@step=10,rank=1,restart=*", "--recovery.max_no_progress_restarts", "1",
         "--checkpoint.every_steps", "8"))
     assert wait_done(slurm, job, 180) == "FAILED"
