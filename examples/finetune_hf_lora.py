@@ -4,6 +4,9 @@
     torchrun --nproc-per-node 2 examples/finetune_hf_lora.py       # 2 processes (gloo on CPU, NCCL on GPUs)
     python examples/finetune_hf_lora.py --max-steps 20             # one process
 
+The framework's settings are the recipe configs/hf_lora.toml (``--config`` names another); the
+flags --max-steps, --seq-len, --batch-size, --learning-rate and --out override it.
+
 The base model is a tiny LlamaConfig with random weights (nothing is downloaded), the data
 data/tinyshakespeare.txt as bytes (token ids 0..255). Training uses non-reentrant activation
 checkpointing of every decoder layer and the tiled MLP. At the end rank 0 writes the adapters with
@@ -31,6 +34,7 @@ from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from framework import DDPTrainer  # noqa: E402
+from framework.config import load_config_file  # noqa: E402
 from framework.data.datasets import TokenWindows  # noqa: E402
 from framework.model.gpt import lm_loss  # noqa: E402
 
@@ -67,44 +71,54 @@ def causal_lm_loss(output, targets: torch.Tensor) -> torch.Tensor:
 
 
 def train_config(args: argparse.Namespace) -> dict:
-    out = Path(args.out)
-    return {
-        "model": {"seq_len": args.seq_len},
-        "data": {"batch_size": args.batch_size, "num_workers": 0},
-        "optim": {"lr": args.learning_rate, "warmup_steps": min(10, args.max_steps // 10), "weight_decay": 0.0},
-        "train": {"max_steps": args.max_steps, "num_epochs": 1, "target_loss": 0.0},
-        "memory": {"activation_checkpointing": "non_reentrant", "activation_checkpointing_modules": "LlamaDecoderLayer",
-                   "tiled_mlp_chunks": 2, "tiled_mlp_modules": "LlamaMLP"},
-        "eval": {"interval": 0, "steps": 8},
-        "logging": {"interval": 10, "dir": str(out / "logs")},
-        "checkpoint": {"dir": str(out / "checkpoints"), "export_dir": str(out / "adapters")},
-    }
+    """The recipe's sections, with the flags given on the command line set over them."""
+    config = load_config_file(args.config)
+    section = config.setdefault
+    if args.max_steps is not None:
+        section("train", {})["max_steps"] = args.max_steps
+        optim = section("optim", {})
+        optim["warmup_steps"] = min(optim.get("warmup_steps", 0), args.max_steps // 10)
+    if args.seq_len is not None:
+        section("model", {})["seq_len"] = args.seq_len
+    if args.batch_size is not None:
+        section("data", {})["batch_size"] = args.batch_size
+    if args.learning_rate is not None:
+        section("optim", {})["lr"] = args.learning_rate
+    if args.out is not None:
+        out = Path(args.out)
+        section("logging", {})["dir"] = str(out / "logs")
+        section("checkpoint", {}).update(dir=str(out / "checkpoints"), export_dir=str(out / "adapters"))
+    return config
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--max-steps", type=int, default=200)
-    parser.add_argument("--seq-len", type=int, default=64)
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--learning-rate", type=float, default=3e-3)
+    parser.add_argument("--config", default=str(ROOT / "configs" / "hf_lora.toml"),
+                        help="the framework's settings (default: configs/hf_lora.toml)")
+    parser.add_argument("--max-steps", type=int, help="default: the recipe's train.max_steps (200)")
+    parser.add_argument("--seq-len", type=int, help="default: the recipe's model.seq_len (64)")
+    parser.add_argument("--batch-size", type=int, help="default: the recipe's data.batch_size (8)")
+    parser.add_argument("--learning-rate", type=float, help="default: the recipe's optim.lr (3e-3)")
     parser.add_argument("--data", default=str(ROOT / "data" / "tinyshakespeare.txt"))
-    parser.add_argument("--out", default="runs/finetune_hf_lora", help="logs, checkpoints and the adapters")
+    parser.add_argument("--out", help="logs, checkpoints and the adapters (default: the recipe's, under "
+                                      "runs/finetune_hf_lora)")
     return parser.parse_args(argv)
 
 
 def run(argv: list[str] | None = None) -> tuple[PeftModel, dict]:
     """Train; returns the trained model and the run's summary."""
     args = parse_args(argv)
-    model = build_model(args.seq_len)
-    train, val = byte_datasets(args.data, args.seq_len)
-    summary = DDPTrainer(train_config(args), model=model, train_dataset=train, val_dataset=val,
-                         loss_fn=causal_lm_loss).train()
+    config = train_config(args)
+    seq_len = config.get("model", {}).get("seq_len", 64)
+    model = build_model(seq_len)
+    train, val = byte_datasets(args.data, seq_len)
+    summary = DDPTrainer(config, model=model, train_dataset=train, val_dataset=val, loss_fn=causal_lm_loss).train()
     return model, summary
 
 
 if __name__ == "__main__":
     _, summary = run()
     if int(os.environ.get("RANK", "0")) == 0:
-        adapters = Path(parse_args(None).out) / "adapters"
+        adapters = train_config(parse_args(None))["checkpoint"]["export_dir"]
         print("preempted: run the same command to resume" if summary["preempted"] else
               f"val loss {summary['final_val_loss']:.4f} after {summary['steps']} steps; adapters in {adapters}")
