@@ -62,3 +62,23 @@ def _teardown_process_group_and_logging():
     from framework.observability.logs import close_logging
     close_logging()
     logging.getLogger().setLevel(logging.WARNING)
+
+
+def cuda_gpus() -> int:
+    import torch
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """``@pytest.mark.requires(gpus=N)``: the test needs N CUDA GPUs, and is skipped with one line
+    saying how many this host has (litgpt's ``_RunIf``, for the one resource we test)."""
+    marker = item.get_closest_marker("requires")
+    if marker is None:
+        return
+    unknown = set(marker.kwargs) - {"gpus"}
+    if marker.args or unknown:
+        raise pytest.UsageError(f"{item.nodeid}: requires() takes gpus=N only, not {marker.args or sorted(unknown)}")
+    needed, have = marker.kwargs.get("gpus", 0), cuda_gpus()
+    if have < needed:
+        pytest.skip(f"needs {needed} CUDA GPU(s); this host has {have}")

@@ -78,6 +78,20 @@ def leftovers(marker: str) -> list[int]:
             if p.info["cmdline"] and any(marker in part for part in p.info["cmdline"])]
 
 
+@pytest.mark.requires(gpus=2)
+def test_two_gpus_train_over_nccl_with_the_same_model_on_each_rank(tmp_path):
+    """--gpus 0,1: one process per GPU over NCCL, the --test run to its end, and the ranks'
+    consistency check (identical parameters) passes."""
+    proc = run_script(["--gpus", "0,1", "--test", "-l", str(tmp_path / "logs"), "-c", str(tmp_path / "ck"), "--",
+                       "--recovery.consistency_check_interval", "10"], timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "logs" / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["first_train_loss"] > summary["final_train_loss"]
+    log0 = (tmp_path / "logs" / "rank_0.log").read_text()
+    assert "process group up: backend=nccl rank=0/2 local_rank=0 device=cuda:0" in log0
+    assert not leftovers(str(tmp_path))
+
+
 def test_cpu_test_mode_trains_in_under_30s(tmp_path):
     start = time.monotonic()
     proc = run_script(["--cpu", "--test", "-l", str(tmp_path / "logs"), "-c", str(tmp_path / "ck")])

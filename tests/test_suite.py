@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import conftest
 from tests.conftest import NotMarkedDist, dist_command
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,3 +59,22 @@ def test_a_dist_test_may_start_torchrun():
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--help"], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0 and "--nproc-per-node" in out.stdout
+
+
+def test_requires_gpus_skips_with_how_many_the_host_has_and_runs_where_there_are_enough(monkeypatch):
+    class Item:
+        nodeid = "tests/x.py::test_x"
+
+        def __init__(self, mark):
+            self.mark = mark
+
+        def get_closest_marker(self, name):
+            return self.mark if name == "requires" else None
+
+    monkeypatch.setattr(conftest, "cuda_gpus", lambda: 1)
+    with pytest.raises(pytest.skip.Exception, match=r"needs 2 CUDA GPU\(s\); this host has 1"):
+        conftest.pytest_runtest_setup(Item(pytest.mark.requires(gpus=2).mark))
+    conftest.pytest_runtest_setup(Item(pytest.mark.requires(gpus=1).mark))  # enough: runs
+    conftest.pytest_runtest_setup(Item(None))  # unmarked: runs
+    with pytest.raises(pytest.UsageError, match="gpus=N only"):
+        conftest.pytest_runtest_setup(Item(pytest.mark.requires(cpus=4).mark))

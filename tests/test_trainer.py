@@ -315,3 +315,16 @@ def test_a_user_model_and_dataset_log_and_save_only_the_keys_that_apply(tmp_path
         trainer = run(max_steps=4, hidden_size=64, num_heads=4, dataset_size=99)
     assert trainer.step == 2 and "changed configuration" not in caplog.text
     trainer.close()
+
+
+@pytest.mark.requires(gpus=1)
+def test_one_gpu_trains_in_bf16_and_its_checkpoint_loads_on_cpu(tmp_path):
+    """The CUDA path of the CPU tests above: the model on the GPU, bf16 autocast, a finite loss
+    that falls, and a final model that loads on a CPU with weights_only=True."""
+    trainer = DDPTrainer(tiny_config(tmp_path, **{"train.max_steps": 20, "precision.autocast": True,
+                                                   "precision.dtype": "bf16"}))
+    assert trainer.env.device.type == "cuda" and next(trainer.raw_model.parameters()).is_cuda
+    summary = trainer.train()
+    assert summary["steps"] == 20 and summary["final_train_loss"] < summary["first_train_loss"]
+    state = torch.load(tmp_path / "ck" / "final_model.pt", weights_only=True, map_location="cpu")
+    assert all(t.device.type == "cpu" and torch.isfinite(t).all() for t in state.values())
