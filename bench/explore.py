@@ -1104,6 +1104,10 @@ def verdict_inputs(trial: dict, lay: Layout, sentinels: dict, foreign_files: dic
     # The first launch's size leads: a launch killed before it logged one (kill -9 at start-up)
     # left the relaunch's as the only line, which hid its change of size.
     sizes = [world(cfg)] + [int(n) for n in re.findall(r"effective batch: \d+ per rank x (\d+) ranks", log0)]
+    # Whether the rollback moment's injected spike (bad_data@step=7, first launch only) fired: a
+    # fault delivered at an earlier, natural rollback can end that launch before step 7.
+    injected_spike = any("fault injection: bad_data" in p.read_text(errors="replace")
+                         for p in lay.logs.glob("rank_*.log")) if lay.logs.is_dir() else False
     return {"world_changes": [f"{a} -> {b}" for a, b in zip(sizes, sizes[1:], strict=False) if a != b],
             "final_weights": final_weights(lay) if elastic(cfg) else None,
             "node_lost_marker": marker_text(lay, "NODE_LOST") is not None,
@@ -1114,7 +1118,7 @@ def verdict_inputs(trial: dict, lay: Layout, sentinels: dict, foreign_files: dic
             "written_steps": sorted(written_steps(lay)),
             "logs_present": {n: (lay.logs / n).is_file() for n in ("rank_0.log", "metrics.jsonl", "summary.json")},
             "export_present": (export / "model.safetensors").is_file(),
-            "resumed_foreign": adopted}
+            "resumed_foreign": adopted, "injected_spike": injected_spike}
 
 
 def final_weights(lay: Layout) -> dict | None:
@@ -1180,8 +1184,12 @@ class Context:
         # uninterrupted run's, after a world-size change (seed 7000's trial 610) or with timed
         # checkpoints (trial 40): how many spikes it sees, and which samples each epoch excludes,
         # differ by design, so the weights and the epochs' samples are not compared either.
+        # So do they when the rollback moment came at a natural spike before the injected one, and
+        # the launch that would have injected it ended first (seed 9000's trial 240): the reference
+        # keeps that spike, the trial never saw it.
         self.guard_on_other_losses = self.cfg["spike_guard"] == "rollback" and (
-            bool(self.cfg.get("save_every_minutes")) or bool(res.get("world_changes")))
+            bool(self.cfg.get("save_every_minutes")) or bool(res.get("world_changes"))
+            or (trial["moment"] == "rollback" and not res.get("injected_spike", True)))
         self.guard_stop = (self.cfg["spike_guard"] == "rollback"
                            and (self.fault in ("bad_data", "nan", "none") or trial["moment"] == "rollback"
                                 or self.guard_on_other_losses)
@@ -1239,10 +1247,10 @@ def equivalence(c: Context) -> str | None:
         return "n/a"
     if c.ref is None or not c.ref.get("finished"):
         stopped = (c.ref or {}).get("fatal") or ""
-        if (c.finished and "max_rollbacks" in stopped and not c.res.get("world_changes")
-                and not c.cfg.get("save_every_minutes")):  # a bit-exact run makes the guard's decisions again
+        if c.finished and "max_rollbacks" in stopped and not c.guard_on_other_losses:
+            # a run on the reference's losses (bit-exact) makes the guard's decisions again
             return f"finished, where the uninterrupted run stopped with the guard's FATAL: {stopped[:200]}"
-        return "n/a" if not c.finished else None
+        return "n/a" if not c.finished or c.guard_on_other_losses else None
     if c.res.get("resumed_foreign") and c.cfg["resume"] != "auto":
         return "n/a"  # the relaunch's resume=auto picked the other run's newer checkpoint, as documented
     if not c.finished:

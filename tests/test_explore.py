@@ -302,3 +302,12 @@ def test_a_guard_stop_is_judged_against_the_uninterrupted_run():
     verdict = explore.check(untimed, moved, reference_of(clean_result(untimed["config"])))
     assert verdict["equivalence"] == "n/a" and verdict["accounting"] is None, verdict
     assert explore.ref_key(timed) != explore.ref_key({**timed, "config": {**timed["config"], "save_every_minutes": 0}})
+    # The rollback moment reached at a natural spike, before the injected one: the preempted launch
+    # ended before step 7, the relaunch injects nothing, and the run finished where the reference
+    # (which kept the injected spike) stopped with the guard's FATAL (seed 9000's trial 240).
+    early = {**trial, "fault": "sigterm_worker", "moment": "rollback"}
+    relaunched = copy.deepcopy(clean_result(early["config"]))
+    relaunched["injected_spike"] = False
+    assert explore.check(early, relaunched, stopped_too)["equivalence"] == "n/a"
+    relaunched["injected_spike"] = True  # it fired: the trial's losses are the reference's
+    assert "the uninterrupted run stopped" in violations(explore.check(early, relaunched, stopped_too))["equivalence"]
