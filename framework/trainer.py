@@ -90,6 +90,7 @@ class DDPTrainer:
     _evaluated_loss: float | None = None  # its validation loss (the summary's, when a resumed run does not rerun it)
     _stopped_at = -1  # the step of an early stop: a run resumed there ends (see _stopped_here)
     _stopped_by = ""  # "a stop requested", or "train.target_loss=T reached"
+    _stopped_total = 0  # the run's length (steps) when it stopped: a longer one trains on
 
     def __init__(self, config: TrainConfig | dict | None = None, *, rank: int | None = None,
                  world_size: int | None = None, model: torch.nn.Module | None = None,
@@ -240,11 +241,14 @@ class DDPTrainer:
                 log.info("resume=auto: no checkpoint in %s; starting a new run at step 0", ckpt.dir)
             return
         if self._stopped_here():
-            log.info("the run in %s stopped early at step %d (%s): nothing to do but its final save (set "
-                     "checkpoint.resume=none to start afresh)", ckpt.dir, self.step, self._stopped_by)
-        elif self._stopped_at == self.step:
-            log.info("the run in %s stopped early at step %d (%s); train.target_loss is now %r: training on",
-                     ckpt.dir, self.step, self._stopped_by, self.config.train.target_loss)
+            log.info("the run in %s stopped early at step %d (%s): nothing to do but its final save (raise "
+                     "train.max_steps to go on, or set checkpoint.resume=none to start afresh)", ckpt.dir, self.step,
+                     self._stopped_by)
+        elif self._stopped_at == self.step < self._total_steps:
+            changed = (f"the run is now {self._total_steps} steps long" if self._total_steps != self._stopped_total
+                       else f"train.target_loss is now {self.config.train.target_loss!r}")
+            log.info("the run in %s stopped early at step %d (%s); %s: training on", ckpt.dir, self.step,
+                     self._stopped_by, changed)
         elif self.step >= self._total_steps or self.sampler.epoch >= self.config.train.num_epochs:
             log.info("the run in %s finished at step %d: nothing to do (raise train.max_steps or train.num_epochs "
                      "to go on, or set checkpoint.resume=none to start afresh)", ckpt.dir, self.step)
@@ -306,7 +310,7 @@ class DDPTrainer:
     def _state_dict(self) -> dict:
         return {"step": self.step, "tokens_total": self._tokens_total, "eval_owed": self._eval_owed,
                 "evaluated_step": self._evaluated_step, "evaluated_loss": self._evaluated_loss,
-                "stopped_at": self._stopped_at, "stopped_by": self._stopped_by}
+                "stopped_at": self._stopped_at, "stopped_by": self._stopped_by, "stopped_total": self._stopped_total}
 
     def _load_state_dict(self, state: dict) -> None:
         self.step, self._tokens_total = int(state["step"]), int(state["tokens_total"])
@@ -314,6 +318,7 @@ class DDPTrainer:
         self._evaluated_step = int(state.get("evaluated_step", -1))
         self._evaluated_loss = state.get("evaluated_loss")
         self._stopped_at, self._stopped_by = int(state.get("stopped_at", -1)), str(state.get("stopped_by", ""))
+        self._stopped_total = int(state.get("stopped_total", 0))
 
     # --- the public steps --------------------------------------------------------------------
 
@@ -334,6 +339,7 @@ class DDPTrainer:
         """End the run after the current step, with the final evaluation and save. Every rank must
         call it at the same step (a callback that decides on one rank agrees with the others first)."""
         self._stop_requested = True
+        self._record_stop(requested=True)  # in any checkpoint of this step from now on
 
     # --- the loop ----------------------------------------------------------------------------
 
@@ -370,6 +376,8 @@ class DDPTrainer:
         self._moments.train_start()
         try:
             with GcPolicy(cfg.memory.cleanup_interval, env.device) as gc_policy:
+                # An owed evaluation may ask for a stop (transformers' EarlyStoppingCallback): then
+                # the run ends at this step, as it would have without the preemption.
                 preempted = (self._eval_owed == self.step and self._evaluate_mid_run(step_log)) or (
                     not self._stopped_here() and self._loop(step_log, gc_policy, samples_log))
             if not preempted:
@@ -401,16 +409,14 @@ class DDPTrainer:
                     self._save_preempted()
                     return True
                 if self._should_stop(agreed):
-                    self._record_stop(agreed)
+                    self._record_stop(requested=agreed.stop or self._stop_requested)
                     return False
                 # The evaluation first, as transformers.Trainer does: the step's checkpoint holds what it
                 # changed (an EarlyStoppingCallback's counter, the best metric, a stop it asked for).
                 if self._evaluator.should_run(self.step) and self._evaluate_mid_run(step_log):
                     return True
-                if self._stop_requested:  # asked at the evaluation (transformers' EarlyStoppingCallback)
-                    self._record_stop(agreed)
                 self._save(epoch_ended=self.sampler.steps_remaining() == 0, timed=agreed.save_due)
-                if self._stop_requested:
+                if self._stop_requested:  # asked at the evaluation (transformers' EarlyStoppingCallback)
                     return False
             self.sampler.set_epoch(self.sampler.epoch + 1)
             self._skips.new_epoch()
@@ -525,23 +531,24 @@ class DDPTrainer:
         return (self.step >= self._total_steps or agreed.stop or self._stop_requested
                 or (target > 0 and agreed.loss <= target))
 
-    def _record_stop(self, agreed: Agreement) -> None:
-        """An early stop (before max_steps) goes into the trainer's state, so into this step's
-        checkpoint: a preemption or a lost node before the run's end leaves a checkpoint whose
-        resumed run ends there too, rather than training past the stop."""
+    def _record_stop(self, *, requested: bool) -> None:
+        """An early stop (before the run's last step) goes into the trainer's state, so into any
+        checkpoint of this step: a preemption before the run's end leaves a checkpoint whose resumed
+        run ends there too, rather than training past the stop."""
         if self.step >= self._total_steps:
             return
-        target = self.config.train.target_loss
-        self._stopped_at = self.step
-        self._stopped_by = ("a stop requested" if agreed.stop or self._stop_requested
-                            else f"train.target_loss={target!r} reached")
+        self._stopped_at, self._stopped_total = self.step, self._total_steps
+        self._stopped_by = ("a stop requested" if requested
+                            else f"train.target_loss={self.config.train.target_loss!r} reached")
 
     def _stopped_here(self) -> bool:
         """The checkpoint's run stopped early at this step: a stop requested (by the user's code, a
-        callback), or train.target_loss met while the target is still the same (a changed target
-        trains on, and decides again at the next step)."""
-        return self._stopped_at == self.step < self._total_steps and self._stopped_by in (
-            "a stop requested", f"train.target_loss={self.config.train.target_loss!r} reached")
+        callback), or train.target_loss met while the target is still the same. A run made longer
+        (train.max_steps, train.num_epochs), or with another target, trains on: the next step's
+        loss, and the callbacks, decide again."""
+        return (self._stopped_at == self.step < self._total_steps == self._stopped_total
+                and self._stopped_by in ("a stop requested",
+                                         f"train.target_loss={self.config.train.target_loss!r} reached"))
 
     # --- the ending --------------------------------------------------------------------------
 

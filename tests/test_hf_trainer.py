@@ -570,6 +570,49 @@ def test_an_early_stop_is_in_the_checkpoint_and_a_run_resumed_there_ends(tmp_pat
     assert len(early.calls) == 2, "the resumed run evaluated again"
 
 
+def test_a_stop_asked_at_an_evaluation_a_preemption_interrupted_ends_the_resumed_run_there(tmp_path):
+    """A preemption request stops step 4's evaluation (its first batch), and the relaunch runs
+    that owed evaluation first, where the callback asks for a stop: the run ends at step 4, as it
+    would have without the preemption (the resumed run trained step 5 before)."""
+    class PreemptAfter4(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            if state.global_step == 4:
+                os.kill(os.getpid(), signal.SIGUSR1)
+
+    class StopAt4(TrainerCallback):
+        def on_evaluate(self, args, state, control, **kw):
+            control.should_training_stop = state.global_step == 4
+
+    early = EarlyStoppingCallback(early_stopping_patience=100)
+    assert early_stopping_run(tmp_path, early, StopAt4(), PreemptAfter4()).train().global_step == 4
+    assert len(early.calls) == 1, "step 4's evaluation was not stopped"
+    resumed = early_stopping_run(tmp_path, early, StopAt4())
+    assert resumed.train(resume_from_checkpoint=True).global_step == 4
+    assert [e["step"] for e in resumed.state.log_history if "eval_loss" in e] == [2, 4]
+
+
+def test_a_checkpoint_a_callback_asks_for_with_its_stop_records_the_stop(tmp_path):
+    """A callback sets should_save and should_training_stop at step 5; the final evaluation then
+    crashes. The checkpoint of step 5 records the stop, so the resumed run ends at step 5 (saved
+    before the stop was taken, it trained on to step 20)."""
+    class SaveAndStopAt5(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            if state.global_step == 5:
+                control.should_save = control.should_training_stop = True
+
+    class CrashAtTheFinalEvaluation(TrainerCallback):
+        def on_evaluate(self, args, state, control, **kw):
+            if state.global_step == 5:
+                raise RuntimeError("a crash in the final evaluation")
+
+    early = EarlyStoppingCallback(early_stopping_patience=100)
+    with pytest.raises(RuntimeError, match="a crash in the final evaluation"):
+        early_stopping_run(tmp_path, early, SaveAndStopAt5(), CrashAtTheFinalEvaluation()).train()
+    resumed = early_stopping_run(tmp_path, early)
+    assert resumed.train(resume_from_checkpoint=True).global_step == 5
+    assert [e["step"] for e in resumed.state.log_history if "eval_loss" in e] == [2, 4, 5]
+
+
 # --- report_to -------------------------------------------------------------------------------------
 
 @pytest.mark.slow

@@ -91,6 +91,25 @@ def test_a_run_stopped_by_target_loss_and_preempted_before_its_end_ends_there_on
     assert on["steps"] == 8
 
 
+def test_a_stopped_run_relaunched_longer_trains_on(tmp_path, caplog):
+    """A stop requested at step 2 (here by a callback) ends the run there, and a relaunch of the
+    same run ends at once; a relaunch with a larger train.max_steps is the user's decision to go
+    on: it trains to its new end."""
+    class StopAt2:
+        def on_step_end(self, trainer, step, metrics):
+            if step == 2:
+                trainer.request_stop()
+
+    keys = {"train.max_steps": 8}
+    assert DDPTrainer(tiny_config(tmp_path, **keys), callbacks=[StopAt2()]).train()["steps"] == 2
+    with caplog.at_level(logging.INFO, logger="framework.trainer"):
+        assert DDPTrainer(tiny_config(tmp_path, **keys)).train()["steps"] == 2
+        assert "stopped early at step 2 (a stop requested): nothing to do but its final save" in caplog.text
+        caplog.clear()
+        assert DDPTrainer(tiny_config(tmp_path, **{"train.max_steps": 12})).train()["steps"] == 12
+    assert "stopped early at step 2 (a stop requested); the run is now 12 steps long: training on" in caplog.text
+
+
 def test_timed_checkpoints_are_saved_when_rank_0_says_the_minutes_have_passed(tmp_path, monkeypatch):
     import framework.state.checkpointer as checkpointer
     clock = [0.0]

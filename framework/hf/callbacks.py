@@ -103,11 +103,11 @@ class HFCallbacks:
             self.log(trainer, logs)
         stop, save = self._agreed(trainer, self.control.should_training_stop, self.control.should_save)
         self.control.should_save = False
-        if save:
-            trainer.save_checkpoint()
-        if stop:
+        if stop:  # first: a checkpoint of this step records the stop
             log.info("a callback set control.should_training_stop at step %d: stopping", step)
             trainer.request_stop()
+        if save:
+            trainer.save_checkpoint()
 
     def log(self, trainer, logs: dict) -> None:
         self.state.log_history.append({**logs, "step": self.state.global_step})
