@@ -1073,6 +1073,9 @@ def injected_fully(trial: dict) -> bool:
             and not hf(trial["config"]))
 
 
+ROLLED_BACK = r"rolled back to the checkpoint of step (\d+)"
+
+
 def verdict_inputs(trial: dict, lay: Layout, sentinels: dict, foreign_files: dict) -> dict:
     cfg = trial["config"]
     changed = []
@@ -1118,7 +1121,8 @@ def verdict_inputs(trial: dict, lay: Layout, sentinels: dict, foreign_files: dic
             "written_steps": sorted(written_steps(lay)),
             "logs_present": {n: (lay.logs / n).is_file() for n in ("rank_0.log", "metrics.jsonl", "summary.json")},
             "export_present": (export / "model.safetensors").is_file(),
-            "resumed_foreign": adopted, "injected_spike": injected_spike}
+            "resumed_foreign": adopted, "injected_spike": injected_spike,
+            "rollback_targets": sorted({int(n) for n in re.findall(ROLLED_BACK, log0)})}
 
 
 def final_weights(lay: Layout) -> dict | None:
@@ -1187,9 +1191,14 @@ class Context:
         # So do they when the rollback moment came at a natural spike before the injected one, and
         # the launch that would have injected it ended first (seed 9000's trial 240): the reference
         # keeps that spike, the trial never saw it.
+        # And when a checkpoint the fault added (a save alone, a preemption's) became a rollback's
+        # target: the guard goes back to the newest checkpoint before the spike (seed 9000's trial
+        # 751 rolled back to its save alone of step 4, the reference to step 3).
+        mine, theirs = res.get("rollback_targets"), (ref or {}).get("rollback_targets")
         self.guard_on_other_losses = self.cfg["spike_guard"] == "rollback" and (
             bool(self.cfg.get("save_every_minutes")) or bool(res.get("world_changes"))
-            or (trial["moment"] == "rollback" and not res.get("injected_spike", True)))
+            or (trial["moment"] == "rollback" and not res.get("injected_spike", True))
+            or (mine is not None and theirs is not None and mine != theirs))
         self.guard_stop = (self.cfg["spike_guard"] == "rollback"
                            and (self.fault in ("bad_data", "nan", "none") or trial["moment"] == "rollback"
                                 or self.guard_on_other_losses)
@@ -1305,7 +1314,8 @@ def explained(c: Context) -> str | None:
             problems.append(f"stopped (exit {codes}) without a FATAL or one-line reason: {tail_error(stderr)}")
         if c.transient and not res.get("timed_out"):
             problems.append(f"a transient fault ({c.fault}) was not survived: {(why or '')[:300]}")
-        if res.get("unreadable_only") and res["unreadable_only"] not in (res.get("fatal") or ""):
+        if (res.get("unreadable_only") and res["unreadable_only"] not in (res.get("fatal") or "")
+                and not c.guard_stop):  # a relaunch afresh that the guard stopped (seed 9000's trial 792)
             problems.append(f"the run's only checkpoint {res['unreadable_only']} was made unreadable, and the run "
                             f"stopped without a FATAL naming it (exit {codes})")
     if c.transient and res.get("fatal"):
@@ -1400,7 +1410,7 @@ class References:
                 summary = res["summary"]
                 finished = is_finished(trial["config"], summary)
                 self.cache[key] = {"finished": finished, "model_sha256": (summary or {}).get("model_sha256"),
-                                   "fatal": res.get("fatal"),
+                                   "fatal": res.get("fatal"), "rollback_targets": res.get("rollback_targets"),
                                    "samples": res["samples"], "dir": res["dir"], "weights": res["final_weights"],
                                    "checks": check({**trial, "fault": "none", "moment": "rollback" if
                                                     trial["moment"] == "rollback" else "startup"}, res, None)}

@@ -312,3 +312,17 @@ def test_a_guard_stop_is_judged_against_the_uninterrupted_run():
     assert explore.check(early, relaunched, stopped_too)["equivalence"] == "n/a"
     relaunched["injected_spike"] = True  # it fired: the trial's losses are the reference's
     assert "the uninterrupted run stopped" in violations(explore.check(early, relaunched, stopped_too))["equivalence"]
+    # A save alone of step 4 became the rollback's target, where the reference went back to step 3
+    # (seed 9000's trial 751): other checkpoints, so other weights; the same targets are compared.
+    alone = {**trial, "fault": "kill9_worker", "moment": "eval"}
+    other = copy.deepcopy(clean_result(alone["config"]))
+    other["summary"]["model_sha256"], other["rollback_targets"] = "d" * 64, [4]
+    ref = {**reference_of(clean_result(alone["config"])), "rollback_targets": [3]}
+    assert explore.check(alone, other, ref)["equivalence"] == "n/a"
+    assert "model_sha256" in violations(explore.check(alone, other, {**ref, "rollback_targets": [4]}))["equivalence"]
+    # The only checkpoint made unreadable, a relaunch afresh, then the guard's accepted stop (trial 792)
+    unread = {"config": {**trial["config"], "save_every_minutes": 0.002}, "fault": "unreadable_newest",
+              "moment": "eval"}
+    stopped = copy.deepcopy(res)
+    stopped["unreadable_only"] = "step_00000003.pt"
+    assert "explained" not in violations(explore.check(unread, stopped, reference_of(clean_result(unread["config"]))))
