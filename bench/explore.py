@@ -1013,6 +1013,7 @@ def run_job(trial, job: Job, lay: Layout, foreign: set[str], marker: str, res: d
         second.kill(marker + "__none__")
     if timed_out:
         res["notes"].append(f"launch still running after {bound:.0f} s; killed")
+        res["stacks"] = dump_stacks(marker, lay.logs / "hang_stacks.txt")
         job.kill(marker)
     else:
         # Workers whose agent was killed save and exit on their own (PR_SET_PDEATHSIG): they may
@@ -1029,6 +1030,24 @@ def run_job(trial, job: Job, lay: Layout, foreign: set[str], marker: str, res: d
         codes = codes[:-1]
     return {"codes": codes, "timed_out": timed_out, "wall_s": round(time.monotonic() - start, 1),
             "stderr": job.stderr()[-6000:], "left_behind": len(processes_matching(marker))}
+
+
+def dump_stacks(marker: str, path: Path) -> str | None:
+    """Every live process of a hung trial, its threads' Python and native stacks (py-spy, where it is
+    installed), written to ``path`` before the kill: a hang found once must show where it waited."""
+    if shutil.which("py-spy") is None:
+        return None
+    dumps = []
+    for proc in processes_matching(marker):
+        try:
+            out = subprocess.run(["py-spy", "dump", "--native", "--pid", str(proc.pid)], capture_output=True,
+                                 text=True, timeout=30)
+            dumps.append(f"=== pid {proc.pid}: {' '.join(proc.cmdline())[:300]}\n{out.stdout}{out.stderr}")
+        except (subprocess.TimeoutExpired, psutil.NoSuchProcess, OSError) as e:
+            dumps.append(f"=== pid {proc.pid}: no dump ({e})")
+    with contextlib.suppress(OSError):
+        path.write_text("\n".join(dumps))
+    return str(path)
 
 
 def freeze_in_save(trial: dict, job: Job, lay: Layout, res: dict, done: threading.Event) -> None:
