@@ -83,12 +83,12 @@ HANG_TIMEOUTS = dict(step_timeout_s=3, step_timeout_factor=2)
 # sigstop_worker: the collective timeout too (600 s by default), which alone ends a start-up whose
 # peer is stopped (the hang watchdog is armed from the first step on).
 STOPPED_PEER_TIMEOUT_S = 20
-# A node range on loopback, as tests/test_elastic.py runs it: a round with its minimum waits 2 s for
+# A node range on loopback, as tests/integration/test_elastic.py runs it: a round with its minimum waits 2 s for
 # more nodes; each step slowed to >= 600 ms (every incarnation) so that a lost node can rejoin mid-run.
 RDZV_CONF = "join_timeout=30,last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3"
 REJOIN_SLOW = "slow@step=0,ms=600,restart=*"
 # A world-size change sums the same gradients in another order: the final weights within this of
-# the uninterrupted run's (tests/test_elastic.py's bound; the attention key biases left out).
+# the uninterrupted run's (tests/integration/test_elastic.py's bound; the attention key biases left out).
 WORLD_CHANGE_TOLERANCE = 1e-5
 SLOW_SAVE_S = 6.0  # kill9_slow_save: how long the survivor is frozen while it holds the lock to save alone
 REJOIN_AFTER_S = 20.0  # the lost node's agent starts again once the survivor trains alone, or this long after
@@ -185,7 +185,7 @@ NOT_COVERED = [
     "SIGHUP / SIGUSR1 to the launcher, a double SIGTERM (the fault campaign has the latter)",
     "an OOM (fault_inject oom needs CUDA to matter), a straggler (slow), a one-ulp divergence",
     "EIO/ESTALE from a network file system (an unreadable file is simulated by a directory)",
-    "torch.compile, fp16/bf16 autocast, user models (tests/test_user_pieces.py and others); HF trials are one "
+    "torch.compile, fp16/bf16 autocast, user models (tests/integration/test_user_pieces.py and others); HF trials are one "
     "tiny Llama script with signal faults only",
     "more than 2 ranks but at a 2->4 relaunch, multi-process nodes on 2 nodes (2x2), etcd, GPUs",
     "resume=PATH to a checkpoint of this run's own lineage (PATH is always another run's checkpoint here)",
@@ -1156,7 +1156,7 @@ def final_weights(lay: Layout) -> dict | None:
 def max_weight_diff(a: dict, b: dict) -> float:
     """The largest absolute difference of two state dicts, the attention key biases left out: their
     gradient is 0 exactly (the softmax cancels them), and AdamW turns fp32's summation-order noise
-    there into a walk of up to lr a step that says nothing about the training (tests/test_elastic.py)."""
+    there into a walk of up to lr a step that says nothing about the training (tests/integration/test_elastic.py)."""
     def part(name, t):
         if name.endswith("attn.qkv.bias"):
             n = t.numel() // 3

@@ -119,9 +119,9 @@ APPLICABLE = {
 }
 SKIPPED = {
     ("hang", "eval"): ("the campaign hangs a rank at the start of a step; a hang in the evaluation "
-                       "(hang@step=K,at=eval) is tested in tests/test_fault_tolerance.py"),
+                       "(hang@step=K,at=eval) is tested in tests/integration/test_fault_tolerance.py"),
     ("hang", "final_save"): ("the campaign hangs a rank at the start of a step; a kill -9 at the final save "
-                             "(sigkill@step=K,at=save) is tested in tests/test_fault_tolerance.py"),
+                             "(sigkill@step=K,at=save) is tested in tests/integration/test_fault_tolerance.py"),
     ("nan", "eval"): "a NaN is injected into a step's gradients; an evaluation computes none",
     ("nan", "ckpt_write"): "a NaN is injected into a step's gradients; a checkpoint write computes none",
     ("nan", "final_save"): "a NaN is injected into a step's gradients; the final save computes none",

@@ -65,7 +65,7 @@ MOMENTS = {"mid_step": "after rank 0 logs step 12", "ckpt_write": "a checkpoint 
 BOUND_S = 30.0
 # The weights of a run that changed its world size differ from the uninterrupted run's only by the
 # order of the gradient summation, which Adam amplifies over the steps: about 1e-5 after 40 steps
-# here (tests/test_elastic.py holds 1e-5 on shorter runs). A run that trained other samples, or
+# here (tests/integration/test_elastic.py holds 1e-5 on shorter runs). A run that trained other samples, or
 # another global batch, differs by 1e-2 and more.
 WEIGHTS_TOLERANCE = 1e-4
 TMP = re.compile(r"\.step_\d{8}\.pt\.tmp")

@@ -53,6 +53,17 @@ def pytest_runtest_protocol(item, nextitem):
         os.environ.pop(NOT_DIST, None)
 
 
+@pytest.fixture(scope="module")
+def two_ranks(request, tmp_path_factory):
+    """Every case of the test module's ``WORKER`` (a script under tests/workers/) run in one torchrun
+    launch on 2 gloo ranks, once per module: ``{rank: results}`` (``tests.dist_helper.case`` reads
+    one). The module's ``WORKER_TIMEOUT`` bounds the launch (seconds, default 300)."""
+    from tests.dist_helper import launch_cases
+    worker = request.module.WORKER
+    return launch_cases(worker, tmp_path_factory.mktemp(Path(worker).stem),
+                        timeout=getattr(request.module, "WORKER_TIMEOUT", 300))
+
+
 @pytest.fixture(autouse=True)
 def _teardown_process_group_and_logging():
     yield

@@ -11,7 +11,7 @@ def _without_key_bias(name: str, t: torch.Tensor) -> torch.Tensor:
     gradient is 0 exactly. fp32 leaves ~1e-10 there instead, and AdamW divides that by
     sqrt(v) + eps (eps 1e-8): the key bias walks by up to lr x noise / (noise + eps) a step, a walk
     that differs with the summation order and says nothing about the training. In
-    tests/test_run_health.py's synced-backward OOM test (16 steps, lr 2e-3) it made the whole
+    tests/unit/resilience/test_run_health.py's synced-backward OOM test (16 steps, lr 2e-3) it made the whole
     difference: 1.01e-05 in blocks.0.attn.qkv.bias[96:192] (CI's failure, reproduced here), where
     the reference's key bias itself was 6e-6; every other weight was within 6.5e-7."""
     if name.endswith("attn.qkv.bias"):

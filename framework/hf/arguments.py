@@ -1,6 +1,6 @@
 """transformers.TrainingArguments translated into the framework's configuration.
 
-Every field of TrainingArguments is in exactly one table below (tests/test_hf_trainer.py checks
+Every field of TrainingArguments is in exactly one table below (tests/unit/hf/test_hf_trainer.py checks
 this against the installed transformers, so a field a new release adds fails the test):
 
 - ``MAPPED``: translated by ``to_config`` or applied by the drop-in Trainer itself;

@@ -2,7 +2,7 @@
 gradients against fp32 ones after one step (and torch's own bf16 hook on gloo), PowerSGD's loss
 after N steps against plain all-reduce, PowerSGD saved and resumed (with and without its state),
 a non-finite step under PowerSGD, and the log line naming the hook. Every case's result goes
-into result_rank{r}.json for tests/test_comm_hooks.py."""
+into result_rank{r}.json for tests/unit/ddp/test_comm_hooks.py."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Run under torchrun with 2 ranks: the DDP step under torch.compile (backend aot_eager, which
 traces like inductor but runs aten ops, so it is fast to compile) against one eager process on
 the global batch, for each memory mode; and a compiled run's checkpoint resumed uncompiled.
-Every case's result goes into result_rank{r}.json for tests/test_compile.py."""
+Every case's result goes into result_rank{r}.json for tests/unit/ddp/test_compile.py."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Run under torchrun with 2 ranks: gradient equivalence of the trainer's DDP step against one
 process on the global batch, parameters after several steps, and the sharded validation loss.
-Every case's result goes into result_rank{r}.json for tests/test_ddp_equivalence.py."""
+Every case's result goes into result_rank{r}.json for tests/unit/ddp/test_ddp_equivalence.py."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ between iterations and the optimizer never steps, so every iteration uses the in
 Each plain-torch run gets its own process group, so a reducer that an error left mid-iteration
 cannot stall the next case. The ranks then exchange their batches, gradients and errors once per
 run on the default group, whatever happened, so they stay in lockstep. Results go to
-result_rank{r}.json for tests/test_failure_matrix.py.
+result_rank{r}.json for tests/integration/test_failure_matrix.py.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ Two kinds of case, all in this one launch:
          the global batch (both ranks' batches concatenated in rank order, the model without any
          checkpointing or tiling), and after one optimizer step every rank holds the same parameters.
 
-The models and data are importable: tests/test_hf_models.py uses them in one process. Results go
+The models and data are importable: tests/unit/model/test_hf_models.py uses them in one process. Results go
 to result_rank{r}.json.
 """
 

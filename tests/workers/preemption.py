@@ -1,6 +1,6 @@
 """Run under torchrun with 2 ranks: a preemption request on rank 1 only, at the start of the final
 evaluation and of a mid-run one (fault_inject sigterm ... at=eval), each followed by its relaunch.
-Each case's outcome goes into result_rank{r}.json for tests/test_preemption.py."""
+Each case's outcome goes into result_rank{r}.json for tests/unit/resilience/test_preemption.py."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Run under torchrun with 2 ranks: the run-health cases that need no restart, one after another
 in the same process group. Each case's outcome goes into result_rank{r}.json for
-tests/test_run_health.py."""
+tests/unit/resilience/test_run_health.py."""
 
 from __future__ import annotations
 

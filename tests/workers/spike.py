@@ -1,5 +1,5 @@
 """Run under torchrun with 2 ranks: the loss-spike guard's cases, one after another in the same
-process group. Each case's outcome goes into result_rank{r}.json for tests/test_spike.py."""
+process group. Each case's outcome goes into result_rank{r}.json for tests/unit/resilience/test_spike.py."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Run under torchrun with 2 ranks: the straggler scores' cases, one after another in the same
-process group. Each case's outcome goes into result_rank{r}.json for tests/test_straggler.py."""
+process group. Each case's outcome goes into result_rank{r}.json for tests/unit/resilience/test_straggler.py."""
 
 from __future__ import annotations
 
