@@ -185,8 +185,8 @@ NOT_COVERED = [
     "SIGHUP / SIGUSR1 to the launcher, a double SIGTERM (the fault campaign has the latter)",
     "an OOM (fault_inject oom needs CUDA to matter), a straggler (slow), a one-ulp divergence",
     "EIO/ESTALE from a network file system (an unreadable file is simulated by a directory)",
-    "torch.compile, fp16/bf16 autocast, user models (tests/integration/test_user_pieces.py and others); HF trials are one "
-    "tiny Llama script with signal faults only",
+    "torch.compile, fp16/bf16 autocast, user models (tests/integration/test_user_pieces.py and others); HF trials "
+    "are one tiny Llama script",
     "more than 2 ranks but at a 2->4 relaunch, multi-process nodes on 2 nodes (2x2), etcd, GPUs",
     "resume=PATH to a checkpoint of this run's own lineage (PATH is always another run's checkpoint here)",
     "the SLURM batch script (crash_one_rank runs launch_training.sh, which the batch script runs per node)",

@@ -18,15 +18,18 @@ def case(results: dict, rank: int, name: str, harness_error: str = "error") -> d
 
 # A 2-rank launch of ddp_training.py for fault tests: 32 steps per epoch (256 samples, 2 ranks x
 # batch 4); its 48 steps cross an epoch boundary.
-FAULT_RUN = dict(vocab_size=64, hidden_size=96, num_heads=2, num_layers=2, seq_len=48, dataset_size=256,
-                 batch_size=4, dropout=0.1, max_steps=48, save_every_steps=8, keep_last=3, log_interval=1,
-                 eval_interval=0, eval_steps=4, num_workers=0, deterministic=True, record_samples=True,
-                 tensorboard=True, target_loss=0.0, learning_rate=2e-3, warmup_steps=4, seed=5)
+FAULT_RUN = {"vocab_size": 64, "hidden_size": 96, "num_heads": 2, "num_layers": 2, "seq_len": 48, "dataset_size": 256,
+             "batch_size": 4, "dropout": 0.1, "train.max_steps": 48, "checkpoint.every_steps": 8,
+             "checkpoint.keep_last": 3, "log_interval": 1, "eval.interval": 0, "eval.steps": 4, "num_workers": 0,
+             "train.deterministic": True, "logging.record_samples": True, "logging.tensorboard": True,
+             "target_loss": 0.0, "learning_rate": 2e-3, "optim.warmup_steps": 4, "train.seed": 5}
 
 
-def args_for(run_dir: Path, **extra) -> list[str]:
-    """ddp_training.py's arguments for FAULT_RUN with ``extra``, its logs and checkpoints under ``run_dir``."""
-    return cli_args({**FAULT_RUN, "log_dir": str(run_dir / "logs"), "checkpoint_dir": str(run_dir / "ck"), **extra})
+def args_for(run_dir: Path, overrides: dict | None = None, /, **compact) -> list[str]:
+    """ddp_training.py's arguments for FAULT_RUN with ``overrides`` (dotted keys) and ``compact`` keys, its
+    logs and checkpoints under ``run_dir``."""
+    return cli_args({**FAULT_RUN, "logging.dir": str(run_dir / "logs"), "checkpoint.dir": str(run_dir / "ck"),
+                     **(overrides or {}), **compact})
 
 
 def summary(run_dir: Path) -> dict:

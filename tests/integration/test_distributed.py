@@ -31,20 +31,24 @@ pytestmark = pytest.mark.dist
 # A tiny model: 20 steps per epoch (160 samples, 2 ranks x batch 4), a checkpoint every 16 steps.
 # timeout_s bounds process-group setup: a group that cannot form fails instead of hanging.
 CONFIG = {"vocab_size": 32, "hidden_size": 32, "num_heads": 2, "num_layers": 1, "seq_len": 16, "dataset_size": 160,
-          "batch_size": 4, "dropout": 0.1, "max_steps": 160, "save_every_steps": 16, "keep_last": 2,
-          "log_interval": 1, "eval_interval": 0, "num_workers": 0, "deterministic": True, "tensorboard": False,
-          "target_loss": 0.0, "learning_rate": 2e-3, "warmup_steps": 4, "seed": 7, "timeout_s": 40}
+          "batch_size": 4, "dropout": 0.1, "train.max_steps": 160, "checkpoint.every_steps": 16,
+          "checkpoint.keep_last": 2,
+          "log_interval": 1, "eval.interval": 0, "num_workers": 0, "train.deterministic": True,
+          "logging.tensorboard": False,
+          "target_loss": 0.0, "learning_rate": 2e-3, "optim.warmup_steps": 4, "train.seed": 7, "ddp.timeout_s": 40}
 TIMEOUT = 150  # for a whole 2-node launch, restart included
 
 
-def args_for(run_dir: Path, **extra) -> list[str]:
-    return cli_args({**CONFIG, "log_dir": str(run_dir / "logs"), "checkpoint_dir": str(run_dir / "ck"), **extra})
+def args_for(run_dir: Path, overrides: dict | None = None, /, **compact) -> list[str]:
+    return cli_args({**CONFIG, "logging.dir": str(run_dir / "logs"), "checkpoint.dir": str(run_dir / "ck"),
+                     **(overrides or {}), **compact})
 
 
 
 
-def start_two_nodes(run_dir: Path, **extra):
-    return start_nodes(ROOT / "ddp_training.py", args_for(run_dir, **extra), run_dir, nnodes=2, rdzv_id=run_dir.name,
+def start_two_nodes(run_dir: Path, overrides: dict | None = None, /, **compact):
+    return start_nodes(ROOT / "ddp_training.py", args_for(run_dir, overrides, **compact), run_dir, nnodes=2,
+                       rdzv_id=run_dir.name,
                        env={"LOGLEVEL": "INFO"}, torchrun_extra=["--max-restarts", "1"])
 
 
@@ -69,7 +73,7 @@ def reference(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("uninterrupted")
     assert_finished(finish_nodes(start_two_nodes(run_dir), TIMEOUT))
     result = summary(run_dir)
-    assert result["steps"] == CONFIG["max_steps"] and result["world_size"] == 2
+    assert result["steps"] == CONFIG["train.max_steps"] and result["world_size"] == 2
     return result
 
 
@@ -108,7 +112,7 @@ def test_two_node_restart_forms_its_group_when_only_one_agent_counts_it(referenc
     alone = re.search(r"this rank saved step (\d+), the last step every rank finished, alone", log0)
     assert f"resumed from step {alone[1] if alone else 16}" in log0, log0[-3000:]
     result = summary(tmp_path)
-    assert result["steps"] == CONFIG["max_steps"] and result["world_size"] == 2
+    assert result["steps"] == CONFIG["train.max_steps"] and result["world_size"] == 2
     assert result["model_sha256"] == reference["model_sha256"]
 
 
@@ -116,21 +120,21 @@ def test_two_node_kill_9_of_rank_1_then_elastic_restart_resumes_bit_exact(refere
     """The reported case: rank 1 (the second node's only worker) is killed after the first
     checkpoint. Whether rank 0's agent counts the restart depends on timing; the run must end
     bit-exact with an uninterrupted one either way."""
-    runs = finish_nodes(start_two_nodes(tmp_path, fault_inject="sigkill@step=21,rank=1"), TIMEOUT)
+    runs = finish_nodes(start_two_nodes(tmp_path, {"recovery.fault_inject": "sigkill@step=21,rank=1"}), TIMEOUT)
     assert_finished(runs)
     assert "fault injection: sigkill at step 21 on rank 1" in rank_log(tmp_path, 1)
     assert rank_log(tmp_path, 0).count("process group up") == rank_log(tmp_path, 1).count("process group up") == 2
     assert "this rank saved step 21, the last step every rank finished, alone" in rank_log(tmp_path, 0)
     assert "resumed from step 21" in rank_log(tmp_path, 0)
     result = summary(tmp_path)
-    assert result["steps"] == CONFIG["max_steps"] and result["world_size"] == 2
+    assert result["steps"] == CONFIG["train.max_steps"] and result["world_size"] == 2
     assert result["model_sha256"] == reference["model_sha256"]
 
 
 def test_workers_die_with_their_agent(tmp_path):
     """kill -9 of the torchrun agent: its workers save (a preemption) and end within seconds
     instead of training on as orphans."""
-    endless = args_for(tmp_path, max_steps=10**6, num_epochs=10**6, save_every_steps=0)
+    endless = args_for(tmp_path, {"train.max_steps": 10**6, "checkpoint.every_steps": 0}, num_epochs=10**6)
     cmd = torchrun_cmd(ROOT / "ddp_training.py", endless, nproc=2)
     agent = subprocess.Popen(cmd, cwd=ROOT, env=worker_env(), stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL, start_new_session=True)
@@ -162,7 +166,8 @@ def test_a_worker_whose_agent_died_before_it_armed_the_death_signal_ends():
 
 
 def test_two_nodes_stop_a_crash_after_every_restart_after_max_no_progress_restarts(tmp_path):
-    args = args_for(tmp_path, max_steps=40, fault_inject="crash@step=20,restart=*", max_no_progress_restarts=1)
+    args = args_for(tmp_path, {"train.max_steps": 40, "recovery.fault_inject": "crash@step=20,restart=*",
+                               "recovery.max_no_progress_restarts": 1})
     nodes = start_nodes(ROOT / "ddp_training.py", args, tmp_path, nnodes=2, rdzv_id=tmp_path.name,
                         torchrun_extra=["--max-restarts", "2"])
     nodes = finish_nodes(nodes, TIMEOUT)
@@ -180,15 +185,16 @@ def test_two_nodes_roll_back_a_spike_and_name_a_slow_rank(tmp_path):
     as a 2-node run that excluded the same samples from the start."""
     from tests.workers.spike import BASE as SPIKE
 
-    def run(name: str, **extra) -> Path:
+    def run(name: str, overrides: dict, /, **compact) -> Path:
         run_dir = tmp_path / name
-        cfg = {**SPIKE, "straggler_interval": 5, "timeout_s": 40, "log_dir": str(run_dir / "logs"),
-               "checkpoint_dir": str(run_dir / "ck"), **extra}
+        cfg = {**SPIKE, "straggler.interval": 5, "ddp.timeout_s": 40, "logging.dir": str(run_dir / "logs"),
+               "checkpoint.dir": str(run_dir / "ck"), **overrides, **compact}
         assert_finished(finish_nodes(start_nodes(ROOT / "ddp_training.py", cli_args(cfg), run_dir, nnodes=2,
                                                  rdzv_id=name, env={"LOGLEVEL": "INFO"}), TIMEOUT))
         return run_dir
 
-    faulty = run("rollback", spike_guard="rollback", fault_inject="bad_data@step=30,rank=1;slow@step=5,rank=1,ms=40")
+    faulty = run("rollback", {"spike.guard": "rollback",
+                              "recovery.fault_inject": "bad_data@step=30,rank=1;slow@step=5,rank=1,ms=40"})
     got = summary(faulty)
     assert (got["loss_spikes"], got["rollbacks"], got["excluded_samples"], got["steps"]) == (1, 1, 8, 50)
     for rank in (0, 1):
@@ -196,7 +202,8 @@ def test_two_nodes_roll_back_a_spike_and_name_a_slow_rank(tmp_path):
         assert "loss spike at step 31" in log and "rolled back to the checkpoint of step 30" in log, log[-3000:]
         assert "straggler: rank 1 on host" in log and "the fastest rank in forward_backward" in log, log[-3000:]
         assert "straggler: rank 0" not in log
-    clean = run("reference", spike_guard="rollback", exclude_samples=str(faulty / "ck" / "EXCLUDED_SAMPLES.json"))
+    clean = run("reference", {"spike.guard": "rollback",
+                              "data.exclude_samples": str(faulty / "ck" / "EXCLUDED_SAMPLES.json")})
     assert summary(clean)["loss_spikes"] == 0
     assert summary(clean)["model_sha256"] == got["model_sha256"]
 

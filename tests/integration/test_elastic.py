@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from framework.observability.metrics import read_metrics, read_samples
-from framework.testing.tiny import tiny
+from tests.tiny import tiny
 from tests.dist_helper import (ROOT, cli_args, free_port, kill_matching, launch, torchrun_cmd, wait_for, wait_gone,
                                worker_env, workers_by_rank)
 from tests.equivalence import max_weight_diff
@@ -25,12 +25,13 @@ from tests.equivalence import max_weight_diff
 pytestmark = pytest.mark.dist
 
 # 64 samples, 2 ranks x micro-batch 4: 8 samples a step, 8 steps an epoch, 16 in all.
-ELASTIC = tiny(dataset_size=64, batch_size=4, num_epochs=2, deterministic=True, record_samples=True, eval_interval=0,
-               save_every_steps=0, save_interval=1, keep_last=10, seed=11, log_interval=1)
+ELASTIC = tiny(None, {"train.deterministic": True, "logging.record_samples": True, "eval.interval": 0,
+                      "checkpoint.every_steps": 0, "checkpoint.keep_last": 10,
+                      "train.seed": 11}, dataset_size=64, batch_size=4, num_epochs=2, save_interval=1, log_interval=1)
 
 
 def run(run_dir: Path, nproc: int, **extra):
-    cfg = {**ELASTIC, "log_dir": str(run_dir / "logs"), "checkpoint_dir": str(run_dir / "ck"), **extra}
+    cfg = {**ELASTIC, "logging.dir": str(run_dir / "logs"), "checkpoint.dir": str(run_dir / "ck"), **extra}
     result = launch(ROOT / "ddp_training.py", cli_args(cfg), run_dir / f"out{len(list(run_dir.glob('out*')))}",
                     nproc=nproc, timeout=120)
     assert result.returncode == 0, result.output[-4000:]
@@ -54,7 +55,7 @@ def test_a_run_resumed_on_4_2_1_and_2_ranks_keeps_its_global_batch_its_samples_a
     # (ranks, preempted after step): 2 -> 4 -> 2 -> 1 -> 2 ranks, one epoch boundary crossed at 2 ranks.
     stages = [(2, 2), (4, 6), (2, 9), (1, 12), (2, None)]
     for nproc, stop in stages:
-        run(chain, nproc, **({"fault_inject": f"sigterm@step={stop},rank=0"} if stop is not None else {}))
+        run(chain, nproc, **({"recovery.fault_inject": f"sigterm@step={stop},rank=0"} if stop is not None else {}))
     rank0 = (chain / "logs" / "rank_0.log").read_text()
     for before, after, micro, accum in ((2, 4, 2, 1), (4, 2, 4, 1), (2, 1, 4, 2), (1, 2, 4, 1)):
         assert (f"resuming a world-size-{before} checkpoint on {after} ranks" in rank0
@@ -82,8 +83,8 @@ def test_a_run_resumed_on_4_2_1_and_2_ranks_keeps_its_global_batch_its_samples_a
 
 # 256 samples, 2 ranks x 4: 32 steps an epoch, 64 in all; each step slowed to >= 60 ms (in every
 # incarnation) so that a node can be lost, and can rejoin, mid-run.
-NODES = {**ELASTIC, "dataset_size": 256, "data.global_batch_size": 8, "save_every_steps": 8, "save_interval": 0,
-         "timeout_s": 30, "fault_inject": "slow@step=0,ms=60,restart=*"}
+NODES = {**ELASTIC, "dataset_size": 256, "data.global_batch_size": 8, "checkpoint.every_steps": 8, "save_interval": 0,
+         "ddp.timeout_s": 30, "recovery.fault_inject": "slow@step=0,ms=60,restart=*"}
 RDZV_CONF = "join_timeout=30,last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3"
 
 
@@ -91,7 +92,7 @@ def start_agent(run_dir: Path, port: int, name: str, nnodes: str, restarts: int 
                 backend: str = "c10d") -> subprocess.Popen:
     """One node: a torchrun agent with one worker, joining the rendezvous on ``port`` (c10d: the
     store of the first agent; etcd-v2: an etcd server)."""
-    cfg = {**NODES, "log_dir": str(run_dir / "logs"), "checkpoint_dir": str(run_dir / "ck")}
+    cfg = {**NODES, "logging.dir": str(run_dir / "logs"), "checkpoint.dir": str(run_dir / "ck")}
     cmd = torchrun_cmd(ROOT / "ddp_training.py", cli_args(cfg), nproc=1, port=port,
                        extra=["--rdzv-id", run_dir.name, "--max-restarts", str(restarts), "--rdzv-conf", RDZV_CONF])
     cmd[cmd.index("--nnodes") + 1] = nnodes
@@ -233,8 +234,10 @@ def etcd_server(tmp_path):
     with (tmp_path / "etcd.log").open("w") as log:
         server = subprocess.Popen(
             ["etcd", "--enable-v2", "--data-dir", str(data), "--name", "test",
-             "--listen-client-urls", f"http://127.0.0.1:{client}", "--advertise-client-urls", f"http://127.0.0.1:{client}",
-             "--listen-peer-urls", f"http://127.0.0.1:{peer}", "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+             "--listen-client-urls", f"http://127.0.0.1:{client}", "--advertise-client-urls",
+             f"http://127.0.0.1:{client}",
+             "--listen-peer-urls", f"http://127.0.0.1:{peer}", "--initial-advertise-peer-urls",
+             f"http://127.0.0.1:{peer}",
              "--initial-cluster", f"test=http://127.0.0.1:{peer}"], stdout=log, stderr=subprocess.STDOUT)
     try:
         import etcd
@@ -288,7 +291,7 @@ def test_with_etcd_losing_the_node_of_rank_0_leaves_the_other_node_training(etcd
 
 def start_launcher(run_dir: Path, port: int, name: str, nnodes: str, *extra: str) -> subprocess.Popen:
     """One node through launch_training.sh (one CPU process), as a user starts it on each node."""
-    cfg = {**NODES, "log_dir": str(run_dir / "logs"), "checkpoint_dir": str(run_dir / "ck")}
+    cfg = {**NODES, "logging.dir": str(run_dir / "logs"), "checkpoint.dir": str(run_dir / "ck")}
     out = (run_dir / f"{name}.out").open("a")
     try:
         return subprocess.Popen([str(ROOT / "launch_training.sh"), "--cpu", "--nproc", "1", "--nnodes", nnodes,

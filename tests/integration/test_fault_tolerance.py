@@ -21,8 +21,8 @@ pytestmark = pytest.mark.dist
 STEPS_PER_EPOCH = 32  # FAULT_RUN: 256 samples, 2 ranks x batch 4
 
 
-def train(run_dir: Path, nproc=2, torchrun_extra=None, timeout=180, **extra):
-    return launch(ROOT / "ddp_training.py", args_for(run_dir, **extra), run_dir, nproc=nproc,
+def train(run_dir: Path, overrides: dict | None = None, /, nproc=2, torchrun_extra=None, timeout=180, **compact):
+    return launch(ROOT / "ddp_training.py", args_for(run_dir, overrides, **compact), run_dir, nproc=nproc,
                   torchrun_extra=torchrun_extra, timeout=timeout)
 
 
@@ -54,7 +54,7 @@ def committed_samples(run_dir: Path) -> dict[int, dict[int, list[int]]]:
 
 def assert_each_sample_once_per_epoch(run_dir: Path):
     by_epoch = committed_samples(run_dir)
-    sampler = ResumableDistributedSampler(CONFIG["dataset_size"], 2, 0, CONFIG["batch_size"], 1, CONFIG["seed"])
+    sampler = ResumableDistributedSampler(CONFIG["dataset_size"], 2, 0, CONFIG["batch_size"], 1, CONFIG["train.seed"])
     assert sorted(by_epoch) == [0, 1]
     for epoch, steps in by_epoch.items():
         n_steps = STEPS_PER_EPOCH if epoch == 0 else 48 - STEPS_PER_EPOCH
@@ -75,7 +75,7 @@ def assert_each_sample_once_per_epoch(run_dir: Path):
     (((1, 21), (1, 34)), (16, 32), False)])
 def test_kill_9_then_elastic_restart_resumes_bit_exact(reference, tmp_path, kills, resumed_at, save_alone):
     faults = "; ".join(f"sigkill@step={step},rank={victim},restart={i}" for i, (victim, step) in enumerate(kills))
-    run = train(tmp_path, torchrun_extra=["--max-restarts", "2"], fault_inject=faults,
+    run = train(tmp_path, {"recovery.fault_inject": faults}, torchrun_extra=["--max-restarts", "2"],
                 **{"checkpoint.save_on_peer_loss": save_alone})
     assert run.returncode == 0, run.output[-4000:]
     log0 = rank_log(tmp_path)
@@ -106,8 +106,8 @@ def test_kill_9_then_elastic_restart_resumes_bit_exact(reference, tmp_path, kill
     (("crash@step=32,rank=0,at=save", "sigkill@step=48,rank=1,at=save,restart=1"), ((24, 32), (40,))),
 ])
 def test_a_fault_during_evaluation_or_save_restarts_and_ends_as_uninterrupted(reference, tmp_path, faults, resumed):
-    run = train(tmp_path, torchrun_extra=["--max-restarts", "2"], fault_inject="; ".join(faults), eval_interval=16,
-                step_timeout_s=5)
+    run = train(tmp_path, {"recovery.fault_inject": "; ".join(faults), "eval.interval": 16,
+                           "recovery.step_timeout_s": 5}, torchrun_extra=["--max-restarts", "2"])
     assert run.returncode == 0, run.output[-4000:]
     incarnations = rank_log(tmp_path).split("resumed from step ")
     for fault, steps, after in zip(faults, resumed, incarnations[1:], strict=True):
@@ -128,7 +128,7 @@ def test_a_fault_during_evaluation_or_save_restarts_and_ends_as_uninterrupted(re
 
 
 def test_sigterm_to_one_worker_saves_within_a_step_and_resumes(reference, tmp_path):
-    run = train(tmp_path, fault_inject="sigterm@step=20,rank=1")
+    run = train(tmp_path, {"recovery.fault_inject": "sigterm@step=20,rank=1"})
     assert run.returncode == 0, run.output[-4000:]
     assert (tmp_path / "ck" / "PREEMPTED").read_text() == "preempted at step 21"
     assert (tmp_path / "ck" / "step_00000021.pt").is_file()
@@ -167,7 +167,7 @@ def test_sigterm_to_launch_script_exits_0_and_resumes(reference, tmp_path):
 
 
 def test_truncated_newest_checkpoint_falls_back(reference, tmp_path):
-    run = train(tmp_path, fault_inject="sigterm@step=29")
+    run = train(tmp_path, {"recovery.fault_inject": "sigterm@step=29"})
     assert run.returncode == 0, run.output[-4000:]
     newest = tmp_path / "ck" / "step_00000030.pt"
     os.truncate(newest, newest.stat().st_size // 2)
@@ -181,7 +181,7 @@ def test_truncated_newest_checkpoint_falls_back(reference, tmp_path):
 
 def test_fatal_marker_stops_a_restarted_group_at_once(tmp_path):
     start = time.monotonic()
-    run = train(tmp_path, torchrun_extra=["--max-restarts", "2"], fault_inject="nan@step=3",
+    run = train(tmp_path, {"recovery.fault_inject": "nan@step=3"}, torchrun_extra=["--max-restarts", "2"],
                 max_errors_per_epoch=0)
     assert run.returncode != 0
     marker = (tmp_path / "ck" / "FATAL").read_text()
@@ -193,8 +193,8 @@ def test_fatal_marker_stops_a_restarted_group_at_once(tmp_path):
 
 
 def test_a_crash_after_every_restart_stops_after_max_no_progress_restarts(tmp_path):
-    run = train(tmp_path, torchrun_extra=["--max-restarts", "3"], fault_inject="crash@step=10,restart=*",
-                max_no_progress_restarts=1)
+    run = train(tmp_path, {"recovery.fault_inject": "crash@step=10,restart=*", "recovery.max_no_progress_restarts": 1},
+                torchrun_extra=["--max-restarts", "3"])
     assert run.returncode != 0
     marker = (tmp_path / "ck" / "FATAL").read_text()
     assert "2 restarts in a row resumed from step 8 with no progress in between (max_no_progress_restarts=1)" in marker
@@ -206,9 +206,9 @@ def test_a_crash_after_every_restart_stops_after_max_no_progress_restarts(tmp_pa
 
 
 def test_a_kill_after_a_rollback_keeps_its_exclusions_and_the_run_equals_the_excluding_one(tmp_path):
-    spike = dict(spike_guard="rollback", spike_warmup=8, spike_window=16, spike_threshold=8)
-    run = train(tmp_path / "rolled", torchrun_extra=["--max-restarts", "1"],
-                fault_inject="bad_data@step=20,rank=1; sigkill@step=22,rank=0", **spike)
+    spike = {"spike.guard": "rollback", "spike.warmup": 8, "spike.window": 16, "spike.threshold": 8}
+    run = train(tmp_path / "rolled", {"recovery.fault_inject": "bad_data@step=20,rank=1; sigkill@step=22,rank=0"},
+                torchrun_extra=["--max-restarts", "1"], **spike)
     assert run.returncode == 0, run.output[-3000:]
     log = rank_log(tmp_path / "rolled")
     assert "rolled back to the checkpoint of step 16" in log
@@ -217,7 +217,7 @@ def test_a_kill_after_a_rollback_keeps_its_exclusions_and_the_run_equals_the_exc
     assert "resumed from step 22" in log
     excluded = tmp_path / "rolled" / "ck" / "EXCLUDED_SAMPLES.json"
     assert len(json.loads(excluded.read_text())["samples"]) == 8
-    ref = train(tmp_path / "excluding", exclude_samples=str(excluded), **spike)
+    ref = train(tmp_path / "excluding", {"data.exclude_samples": str(excluded)}, **spike)
     assert ref.returncode == 0, ref.output[-3000:]
     assert summary(tmp_path / "rolled")["model_sha256"] == summary(tmp_path / "excluding")["model_sha256"]
     assert summary(tmp_path / "rolled")["excluded_samples"] == 8 and summary(tmp_path / "excluding")["loss_spikes"] == 0
@@ -243,14 +243,14 @@ def test_damaged_or_malicious_checkpoint_in_one_process(tmp_path):
     from framework import DDPTrainer
     from framework.state.checkpoint_files import CheckpointError
 
-    cfg = dict(CONFIG, max_steps=12, save_every_steps=4, record_samples=False, tensorboard=False,
-               log_dir=str(tmp_path / "logs"), checkpoint_dir=str(tmp_path / "ck"))
+    cfg = {**CONFIG, "train.max_steps": 12, "checkpoint.every_steps": 4, "logging.record_samples": False,
+           "logging.tensorboard": False, "logging.dir": str(tmp_path / "logs"), "checkpoint.dir": str(tmp_path / "ck")}
     DDPTrainer(cfg).train()
     newest = tmp_path / "ck" / "step_00000012.pt"
     data = bytearray(newest.read_bytes())
     data[len(data) // 2] ^= 0x01
     newest.write_bytes(bytes(data))
-    trainer = DDPTrainer({**cfg, "max_steps": 16})
+    trainer = DDPTrainer({**cfg, "train.max_steps": 16})
     assert trainer.step == 8
     assert "checksum mismatch" in rank_log(tmp_path)
     trainer.close()  # it holds checkpoint_dir's lock
@@ -262,17 +262,17 @@ def test_damaged_or_malicious_checkpoint_in_one_process(tmp_path):
     evil = tmp_path / "evil.pt"
     torch.save({"model": Evil()}, evil)
     with pytest.raises(CheckpointError, match="refused"):
-        DDPTrainer({**cfg, "resume": str(evil)})
+        DDPTrainer({**cfg, "checkpoint.resume": str(evil)})
     assert not (tmp_path / "pwned").exists()
 
 
 def test_resume_on_a_different_world_size_continues_at_the_global_offset(tmp_path):
     from framework import DDPTrainer
 
-    run = train(tmp_path, fault_inject="sigterm@step=20,rank=0")
+    run = train(tmp_path, {"recovery.fault_inject": "sigterm@step=20,rank=0"})
     assert run.returncode == 0, run.output[-3000:]
-    cfg = dict(CONFIG, record_samples=False, log_dir=str(tmp_path / "one" / "logs"),
-               checkpoint_dir=str(tmp_path / "ck"))
+    cfg = {**CONFIG, "logging.record_samples": False, "logging.dir": str(tmp_path / "one" / "logs"),
+           "checkpoint.dir": str(tmp_path / "ck")}
     trainer = DDPTrainer(cfg)  # one process, resuming the 2-rank checkpoint of step 21
     assert trainer.step == 21 and trainer.sampler.consumed == 21 * 8
     # The global batch is the checkpoint's: 1 rank x micro-batch 4 x accumulation 2 (tests/integration/test_elastic.py).
@@ -285,11 +285,11 @@ def test_a_restart_under_resume_none_or_path_continues_its_own_lineage(reference
     """resume= describes the launch: rank 1 killed at step 25 (checkpoints every 10), a restart
     resumes its own step 25 (which rank 0 saved alone), not step 0 (none) or PATH (a checkpoint of
     step 10), in one lineage."""
-    kill = dict(save_every_steps=10, keep_last=10, fault_inject="sigkill@step=25,rank=1")
+    kill = {"checkpoint.every_steps": 10, "checkpoint.keep_last": 10, "recovery.fault_inject": "sigkill@step=25,rank=1"}
     origin = tmp_path / "none" / "ck" / "step_00000010.pt"  # written by the first run
     for name, resume, first in (("none", "none", 1), ("path", str(origin), 11)):
         run_dir = tmp_path / name
-        run = train(run_dir, torchrun_extra=["--max-restarts", "1"], resume=resume, **kill)
+        run = train(run_dir, {"checkpoint.resume": resume}, torchrun_extra=["--max-restarts", "1"], **kill)
         assert run.returncode == 0, run.output[-4000:]
         log0 = rank_log(run_dir)
         assert "fault injection: sigkill at step 25 on rank 1" in rank_log(run_dir, 1)

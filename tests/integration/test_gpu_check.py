@@ -60,7 +60,7 @@ def test_a_failing_row_is_a_failed_row_and_the_others_still_run(gpu_check, tmp_p
 @pytest.mark.dist
 def test_the_bf16_row_trains_on_cpu_through_torchrun(gpu_check, tmp_path, monkeypatch):
     monkeypatch.setattr(gpu_check, "TINY", {**gpu_check.TINY, "hidden_size": 32, "num_layers": 1, "num_heads": 2,
-                                            "seq_len": 32, "dataset_size": 512, "batch_size": 8, "max_steps": 40})
+                                            "seq_len": 32, "dataset_size": 512, "batch_size": 8, "train.max_steps": 40})
     row = gpu_check.check_amp(tmp_path, "bf16")
     assert row["ok"], row["detail"]
     assert "amp=on (bf16)" in (tmp_path / "bf16" / "logs" / "rank_0.log").read_text()
@@ -169,13 +169,13 @@ def test_the_scaler_overflow_row_on_cpu_with_an_enabled_grad_scaler(gpu_check, t
     monkeypatch.setattr(trainer_module, "precision",
                         lambda cfg, device: (False, torch.float32, torch.amp.GradScaler("cpu", enabled=True)))
     small = {**gpu_check.TINY, "hidden_size": 32, "num_layers": 1, "num_heads": 2, "seq_len": 32,
-             "dataset_size": 512, "batch_size": 8, "max_steps": 30, "save_interval": 10}
+             "dataset_size": 512, "batch_size": 8, "train.max_steps": 30, "save_interval": 10}
 
     def in_process(tmp, name, nproc=1, **overrides):
         overrides = {k: v for k, v in overrides.items() if k not in ("use_amp", "amp_dtype")}
         run = tmp / name
-        summary = trainer_module.DDPTrainer({**small, **overrides, "log_dir": str(run / "logs"),
-                                             "checkpoint_dir": str(run / "ck")}).train()
+        summary = trainer_module.DDPTrainer({**small, **overrides, "logging.dir": str(run / "logs"),
+                                             "checkpoint.dir": str(run / "ck")}).train()
         return {**summary, "log": (run / "logs" / "rank_0.log").read_text()}
     monkeypatch.setattr(gpu_check, "TINY", small)
     monkeypatch.setattr(gpu_check, "train", in_process)

@@ -156,7 +156,8 @@ def test_shellcheck_passes():
 @pytest.mark.parametrize("mode", ["off", "non_reentrant", "reentrant", "offload"])
 def test_debug_runs_with_every_memory_mode(tmp_path, mode):
     proc = run_script(["--cpu", "--test", "--debug", "-l", str(tmp_path / "logs"), "-c", str(tmp_path / "ck"),
-                       "--", "--gradient-checkpointing", mode, "--tiled-mlp-chunks", "4", "--max-steps", "6"])
+                       "--", "--memory.activation_checkpointing", mode, "--memory.tiled_mlp_chunks", "4",
+                       "--train.max_steps", "6"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     log = (tmp_path / "logs" / "rank_0.log").read_text()
     assert "DEBUG framework.observability.metrics: step 6: loss" in log
@@ -370,11 +371,13 @@ def test_under_kubeflow_torchrun_reads_pet_and_the_launcher_overrides_none_of_it
 def test_relative_config_data_and_resume_are_the_callers(shim, tmp_path):
     work = tmp_path / "work"
     (work / "in").mkdir(parents=True)
-    (work / "in" / "run.toml").write_text('data = "in/corpus.txt"\nmax_steps = 3\n')
+    (work / "in" / "run.toml").write_text('data.source = "in/corpus.txt"\ntrain.max_steps = 3\n')
     (work / "in" / "corpus.txt").write_text("to be or not to be\n" * 300)
     (work / "in" / "step.pt").write_bytes(b"")  # --check-config only checks that it is a file
-    for args in (["--cpu", "--config", "in/run.toml", "--data", "in/corpus.txt", "--", "--resume", "in/step.pt"],
-                 ["--cpu", "--", "--config=in/run.toml", "--data", "in/corpus.txt", "--resume=in/step.pt"]):
+    for args in (["--cpu", "--config", "in/run.toml", "--data", "in/corpus.txt", "--",
+                  "--checkpoint.resume", "in/step.pt"],
+                 ["--cpu", "--", "--config=in/run.toml", "--data.source", "in/corpus.txt",
+                  "--checkpoint.resume=in/step.pt"]):
         proc, torchrun = shim(args, cwd=work)
         assert proc.returncode == 0, proc.stderr
         assert torchrun["cwd"] == str(work)
@@ -382,7 +385,7 @@ def test_relative_config_data_and_resume_are_the_callers(shim, tmp_path):
 
 def test_relative_dirs_and_test_outputs_land_in_the_callers_directory(tmp_path):
     logs = f"logs-{tmp_path.name}"  # unique, so it also finds this run's processes
-    proc = run_script(["--cpu", "--test", "-l", logs, "--", "--max-steps", "5"], cwd=tmp_path)
+    proc = run_script(["--cpu", "--test", "-l", logs, "--", "--train.max_steps", "5"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads((tmp_path / logs / "summary.json").read_text())["steps"] == 5
     assert (tmp_path / "runs" / "test" / "checkpoints" / "final_model.pt").is_file()
@@ -394,7 +397,7 @@ def test_sigterm_from_another_directory_preempts_and_exits_0(tmp_path):
     logs = f"logs-{tmp_path.name}"
     env = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCHER_ENV)}
     proc = subprocess.Popen([str(SCRIPT), "--cpu", "--test", "-l", logs, "-c", "ck", "--",
-                             "--max-steps", "100000", "--log-interval", "1"],
+                             "--train.max_steps", "100000", "--log-interval", "1"],
                             cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     log = tmp_path / logs / "rank_0.log"
     deadline = time.monotonic() + 60
@@ -418,9 +421,9 @@ def test_sigterm_during_the_final_evaluation_preempts_it_and_the_relaunch_finish
     # A final evaluation of about 2 s (2,000 validation sequences of 128 tokens).
     command = [str(SCRIPT), "--cpu", "--nproc", "1", "-l", "logs", "-c", "ck", "--",
                "--vocab-size", "64", "--hidden-size", "128", "--num-layers", "2", "--num-heads", "2",
-               "--seq-len", "128", "--dataset-size", "20000", "--batch-size", "16", "--eval-steps", "125",
-               "--eval-interval", "0", "--max-steps", "6", "--log-interval", "1", "--num-workers", "0",
-               "--tensorboard", "false", "--target-loss", "0"]
+               "--seq-len", "128", "--dataset-size", "20000", "--batch-size", "16", "--eval.steps", "125",
+               "--eval.interval", "0", "--train.max_steps", "6", "--log-interval", "1", "--num-workers", "0",
+               "--logging.tensorboard", "false", "--target-loss", "0"]
     proc = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     log = tmp_path / "logs" / "rank_0.log"
     deadline = time.monotonic() + 60
@@ -452,8 +455,8 @@ def test_sigusr1_an_ssh_drop_and_a_killed_launcher_save_and_leave_no_process(tmp
         # As a login shell starts its jobs: SIGHUP at its default, even where this test runs under
         # nohup (a shell cannot trap a signal ignored on entry, so the hangup would be lost).
         proc = subprocess.Popen([str(SCRIPT), "--cpu", "--nproc", "1", "--test", "-l", logs, "-c", "ck", "--",
-                                 "--max-steps", "100000", "--num-epochs", "1000", "--log-interval", "1",
-                                 "--save-every-steps", "1000"],
+                                 "--train.max_steps", "100000", "--num-epochs", "1000", "--log-interval", "1",
+                                 "--checkpoint.every_steps", "1000"],
                                 cwd=tmp_path / name, env=env, stdout=subprocess.DEVNULL,
                                 stderr=(tmp_path / name / "stderr").open("w"), start_new_session=True,
                                 preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))

@@ -41,8 +41,8 @@ def test_the_console_script_runs_the_entry_point(tmp_path):
     assert setuptools["py-modules"] == ["ddp_training"]
     module, function = PYPROJECT["project"]["scripts"]["ddp-train"].split(":")
     call = f"import {module}; {module}.{function}()"  # what the generated script does
-    ok = subprocess.run([sys.executable, "-c", call, "--check-config", "--log-dir", str(tmp_path / "logs"),
-                         "--checkpoint-dir", str(tmp_path / "ck")], capture_output=True, text=True, cwd=ROOT,
+    ok = subprocess.run([sys.executable, "-c", call, "--check-config", "--logging.dir", str(tmp_path / "logs"),
+                         "--checkpoint.dir", str(tmp_path / "ck")], capture_output=True, text=True, cwd=ROOT,
                         timeout=60)
     assert ok.returncode == 0 and ok.stdout.strip() == str(tmp_path / "ck"), ok.stderr
     bad = subprocess.run([sys.executable, "-c", call, "--no-such-key", "1"], capture_output=True, text=True,

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from framework.testing.tiny import tiny
+from tests.tiny import tiny
 from tests.dist_helper import ROOT, cli_args, free_port, kill_matching, summary, wait_for
 
 pytestmark = [pytest.mark.dist, pytest.mark.slurm]
@@ -22,9 +22,9 @@ pytestmark = [pytest.mark.dist, pytest.mark.slurm]
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "scancel", "sinfo")
 # 256 samples, 2 ranks x 4 (one process per allocated CPU): 30 steps, each slowed to >= 150 ms so
 # that a signal lands mid-run.
-JOB = tiny(vocab_size=32, hidden_size=32, num_layers=1, dataset_size=256, batch_size=4, max_steps=30,
-           deterministic=True, eval_interval=0, save_every_steps=5, log_interval=1,
-           fault_inject="slow@step=0,ms=150,restart=*")
+JOB = tiny(None, {"train.max_steps": 30, "train.deterministic": True, "eval.interval": 0, "checkpoint.every_steps": 5,
+                  "recovery.fault_inject": "slow@step=0,ms=150,restart=*"}, vocab_size=32, hidden_size=32,
+           num_layers=1, dataset_size=256, batch_size=4, log_interval=1)
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +106,7 @@ PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP
 
 def submit(env, run_dir: Path, *extra: str, train: tuple[str, ...] = ()) -> str:
     run_dir.mkdir(parents=True, exist_ok=True)
-    flags = cli_args({**JOB, "log_dir": str(run_dir / "logs"), "checkpoint_dir": str(run_dir / "ck")})
+    flags = cli_args({**JOB, "logging.dir": str(run_dir / "logs"), "checkpoint.dir": str(run_dir / "ck")})
     proc = subprocess.run(["sbatch", "--parsable", f"--output={run_dir / 'job.out'}", *extra,
                            str(ROOT / "examples" / "slurm" / "train.sbatch"), *flags, *train],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)

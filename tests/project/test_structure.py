@@ -123,7 +123,7 @@ def test_no_import_cycle():
 
 def test_check_config_imports_no_torch(tmp_path):
     out = subprocess.run([sys.executable, "-X", "importtime", str(ROOT / "ddp_training.py"), "--check-config",
-                          "--log-dir", str(tmp_path)], capture_output=True, text=True, cwd=ROOT, timeout=60)
+                          "--logging.dir", str(tmp_path)], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert out.returncode == 0, out.stderr[-2000:]
     imported = [line.split("|")[-1].strip() for line in out.stderr.splitlines() if line.startswith("import time:")]
     assert "framework.config" in imported

@@ -1,6 +1,5 @@
 """DDPTrainer in one process: the Python API, outputs on disk, stopping rules, user models."""
 
-import functools
 import json
 import logging
 
@@ -12,16 +11,17 @@ from framework.config import resolve_config
 from framework.observability.metrics import CONSOLE_LINE, changed_keys, summary_line
 from framework.resilience.consistency import model_sha256
 from framework.resilience.markers import FatalError
-from framework.testing.tiny import tiny as tiny_config
+from tests.tiny import tiny as tiny_config
+from tests.tiny import variant
 from tests.equivalence import max_weight_diff
 
-# tiny(run_dir, **overrides): this module's variant of the tiny configuration, its dirs under run_dir
-tiny = functools.partial(tiny_config, tensorboard=True)
+# tiny(run_dir, overrides): this module's variant of the tiny configuration, its dirs under run_dir
+tiny = variant({"logging.tensorboard": True})
 TINY = tiny()
 
 
 def test_spec_signature_and_outputs(tmp_path):
-    summary = DDPTrainer(rank=0, world_size=1, config=tiny(tmp_path, max_steps=5)).train()
+    summary = DDPTrainer(rank=0, world_size=1, config=tiny(tmp_path, {"train.max_steps": 5})).train()
     for key in ("final_train_loss", "final_val_loss", "steps", "epochs", "tokens_per_sec", "wall_s",
                 "world_size", "model_sha256"):
         assert key in summary
@@ -37,10 +37,10 @@ def test_spec_signature_and_outputs(tmp_path):
 
 
 def test_same_seed_same_model_and_log_appends(tmp_path):
-    a = DDPTrainer(tiny(tmp_path, max_steps=3, resume="none")).train()
-    b = DDPTrainer(resolve_config(tiny(tmp_path, max_steps=3, resume="none"))).train()
+    a = DDPTrainer(tiny(tmp_path, {"train.max_steps": 3, "checkpoint.resume": "none"})).train()
+    b = DDPTrainer(resolve_config(tiny(tmp_path, {"train.max_steps": 3, "checkpoint.resume": "none"}))).train()
     assert a["model_sha256"] == b["model_sha256"] and b["steps"] == 3
-    c = DDPTrainer(tiny(tmp_path, max_steps=3, seed=2, resume="none")).train()
+    c = DDPTrainer(tiny(tmp_path, {"train.max_steps": 3, "train.seed": 2, "checkpoint.resume": "none"})).train()
     assert c["model_sha256"] != a["model_sha256"]
     log = (tmp_path / "logs" / "rank_0.log").read_text()
     assert log.count("done: ") == 3
@@ -147,9 +147,9 @@ def test_console_lists_are_cut_to_their_budget():
 
 
 def test_stops_at_epochs_and_target_loss(tmp_path):
-    summary = DDPTrainer(tiny(tmp_path, num_epochs=2, gradient_accumulation_steps=2, batch_size=4)).train()
+    summary = DDPTrainer(tiny(tmp_path, {"data.gradient_accumulation_steps": 2}, num_epochs=2, batch_size=4)).train()
     assert summary["steps"] == 2 * (128 // 8) and summary["epochs"] == 2
-    summary = DDPTrainer(tiny(tmp_path, target_loss=3.0, max_steps=500, resume="none")).train()
+    summary = DDPTrainer(tiny(tmp_path, {"train.max_steps": 500, "checkpoint.resume": "none"}, target_loss=3.0)).train()
     assert summary["final_train_loss"] <= 3.0 and summary["steps"] < 500
 
 
@@ -159,8 +159,8 @@ def test_user_model_dataset_and_loss(tmp_path):
     w = torch.randn(5, 1, generator=g)
     data = torch.utils.data.TensorDataset(x, x @ w)
     model = torch.nn.Linear(5, 1)
-    trainer = DDPTrainer(tiny(tmp_path, max_steps=300, num_epochs=100, learning_rate=0.05, weight_decay=0.0,
-                              grad_clip=0.0),
+    trainer = DDPTrainer(tiny(tmp_path, {"train.max_steps": 300, "optim.grad_clip": 0.0}, num_epochs=100,
+                              learning_rate=0.05, weight_decay=0.0),
                          model=model, train_dataset=data, val_dataset=data, loss_fn=torch.nn.functional.mse_loss)
     summary = trainer.train()
     assert summary["final_val_loss"] < 0.01 < summary["first_train_loss"]
@@ -168,7 +168,7 @@ def test_user_model_dataset_and_loss(tmp_path):
 
 
 def test_nonfinite_step_is_skipped(tmp_path):
-    trainer = DDPTrainer(tiny(tmp_path, max_steps=4))
+    trainer = DDPTrainer(tiny(tmp_path, {"train.max_steps": 4}))
     before = {k: v.clone() for k, v in trainer.raw_model.state_dict().items()}
     batches = iter(trainer._stream.loader)
     loss = trainer.forward_backward([next(batches)])
@@ -192,9 +192,10 @@ def test_dataset_smaller_than_global_batch(tmp_path):
 
 
 def test_preempt_and_resume_in_one_process_is_bit_exact(tmp_path):
-    base = tiny(tmp_path, max_steps=12, save_every_steps=4, dropout=0.1, deterministic=True)
-    whole = DDPTrainer({**base, "checkpoint_dir": str(tmp_path / "whole"), "resume": "none"}).train()
-    first = DDPTrainer({**base, "fault_inject": "sigterm@step=5"}).train()
+    base = tiny(tmp_path, {"train.max_steps": 12, "checkpoint.every_steps": 4, "train.deterministic": True},
+                dropout=0.1)
+    whole = DDPTrainer({**base, "checkpoint.dir": str(tmp_path / "whole"), "checkpoint.resume": "none"}).train()
+    first = DDPTrainer({**base, "recovery.fault_inject": "sigterm@step=5"}).train()
     assert first["preempted"] and first["steps"] == 6
     second = DDPTrainer(base).train()
     assert second["steps"] == 12 and not second["preempted"]
@@ -204,15 +205,17 @@ def test_preempt_and_resume_in_one_process_is_bit_exact(tmp_path):
 def test_oom_at_micro_batch_1_is_a_clear_error(tmp_path):
     from framework.trainer import FatalError
     with pytest.raises(FatalError, match="cannot halve it further"):
-        DDPTrainer(tiny(tmp_path, batch_size=1, max_steps=3, oom_recovery="true", fault_inject="oom@step=1")).train()
+        DDPTrainer(tiny(tmp_path, {"train.max_steps": 3, "recovery.oom": "true",
+                                   "recovery.fault_inject": "oom@step=1"}, batch_size=1)).train()
     assert "FatalError" in (tmp_path / "ck" / "FATAL").read_text()
 
 
 def test_oom_in_one_process_retries_with_half_the_micro_batch(tmp_path):
-    got = DDPTrainer(tiny(tmp_path, max_steps=4, oom_recovery="true", fault_inject="oom@step=1",
-                          checkpoint_dir=str(tmp_path / "a"))).train()
-    want = DDPTrainer(tiny(tmp_path, max_steps=4, batch_size=4, gradient_accumulation_steps=2,
-                           checkpoint_dir=str(tmp_path / "b"))).train()
+    got = DDPTrainer(tiny(tmp_path, {"train.max_steps": 4, "recovery.oom": "true",
+                                     "recovery.fault_inject": "oom@step=1",
+                                     "checkpoint.dir": str(tmp_path / "a")})).train()
+    want = DDPTrainer(tiny(tmp_path, {"train.max_steps": 4, "data.gradient_accumulation_steps": 2,
+                                      "checkpoint.dir": str(tmp_path / "b")}, batch_size=4)).train()
     a = torch.load(tmp_path / "a" / "final_model.pt", weights_only=True)
     b = torch.load(tmp_path / "b" / "final_model.pt", weights_only=True)
     # Measured: 2.3e-7 without the attention key biases (2.3e-6 with them); see tests/equivalence.py.
@@ -235,10 +238,10 @@ def test_unwrap_finds_the_module_inside_nested_wrappers():
 def test_tensorboard_curves_do_not_double_back_after_resume(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    cfg = tiny(tmp_path, max_steps=12, save_every_steps=4, log_interval=1)
+    cfg = tiny(tmp_path, {"train.max_steps": 12, "checkpoint.every_steps": 4}, log_interval=1)
     DDPTrainer(cfg).train()
     # As after a crash at step 12: resume from the checkpoint of step 4 and redo steps 5..12.
-    resumed = DDPTrainer({**cfg, "resume": str(tmp_path / "ck" / "step_00000004.pt")})
+    resumed = DDPTrainer({**cfg, "checkpoint.resume": str(tmp_path / "ck" / "step_00000004.pt")})
     assert resumed.step == 4
     resumed.train()
     events = EventAccumulator(str(tmp_path / "logs" / "tensorboard"))
@@ -261,7 +264,7 @@ def test_doctor_through_the_launcher(tmp_path):
 
 def test_eval_steps_zero_evaluates_the_whole_validation_split(tmp_path):
     def val_loss(eval_steps):
-        trainer = DDPTrainer(tiny(tmp_path, eval_steps=eval_steps))
+        trainer = DDPTrainer(tiny(tmp_path, {"eval.steps": eval_steps}))
         try:
             return trainer.evaluate(), trainer._evaluator.batches, len(trainer._val_dataset)
         finally:
@@ -300,8 +303,8 @@ def test_loader_workers_default_to_what_the_cores_can_feed(tmp_path, monkeypatch
 
 def test_a_checkpoint_of_num_workers_4_resumes_with_auto(tmp_path, caplog):
     import logging
-    DDPTrainer(tiny(tmp_path, max_steps=2, save_every_steps=2, num_workers=4)).train()
-    auto = {k: v for k, v in tiny(tmp_path, max_steps=4).items() if k != "num_workers"}
+    DDPTrainer(tiny(tmp_path, {"train.max_steps": 2, "checkpoint.every_steps": 2}, num_workers=4)).train()
+    auto = {k: v for k, v in tiny(tmp_path, {"train.max_steps": 4}).items() if k != "num_workers"}
     with caplog.at_level(logging.WARNING, logger="framework.state.checkpointer"):
         trainer = DDPTrainer(auto)
     assert trainer.step == 2 and "changed configuration" not in caplog.text
@@ -314,12 +317,12 @@ def test_a_user_model_and_dataset_log_and_save_only_the_keys_that_apply(tmp_path
     import logging
     data = torch.utils.data.TensorDataset(torch.randn(64, 5), torch.randn(64, 1))
 
-    def run(**over):
-        return DDPTrainer(tiny(tmp_path, **over), model=torch.nn.Linear(5, 1), train_dataset=data,
+    def run(overrides: dict, /, **compact):
+        return DDPTrainer(tiny(tmp_path, overrides, **compact), model=torch.nn.Linear(5, 1), train_dataset=data,
                           loss_fn=torch.nn.functional.mse_loss)
 
     with caplog.at_level(logging.INFO, logger="framework.observability.metrics"):
-        run(max_steps=2, save_every_steps=2).train()
+        run({"train.max_steps": 2, "checkpoint.every_steps": 2}).train()
     saved = json.loads((tmp_path / "logs" / "config.json").read_text())
     assert "model" not in saved and "source" not in saved["data"] and "synthetic_size" not in saved["data"], saved
     assert saved["data"]["batch_size"] == 8 and saved["memory"]["activation_checkpointing"] == "off"
@@ -330,7 +333,7 @@ def test_a_user_model_and_dataset_log_and_save_only_the_keys_that_apply(tmp_path
     summary = next(m for m in messages if m.startswith("config: "))
     assert "data.batch_size=8" in summary and "model." not in summary and "synthetic_size" not in summary, summary
     with caplog.at_level(logging.WARNING, logger="framework.state.checkpointer"):
-        trainer = run(max_steps=4, hidden_size=64, num_heads=4, dataset_size=99)
+        trainer = run({"train.max_steps": 4}, hidden_size=64, num_heads=4, dataset_size=99)
     assert trainer.step == 2 and "changed configuration" not in caplog.text
     trainer.close()
 

@@ -29,7 +29,7 @@ import torch  # noqa: E402
 
 from framework import DDPTrainer  # noqa: E402
 from framework.testing.launch import register_worker  # noqa: E402
-from framework.testing.tiny import tiny  # noqa: E402
+from tests.tiny import tiny  # noqa: E402
 
 STEPS = 3
 KEPT: list[DDPTrainer] = []  # the manual case's trainer, alive until the interpreter's finalisation
@@ -50,7 +50,7 @@ def report(when: str) -> None:
 
 
 def gpt(run_dir: str) -> None:
-    summary = DDPTrainer(tiny(run_dir, max_steps=STEPS, eval_interval=0)).train()
+    summary = DDPTrainer(tiny(run_dir, {"train.max_steps": STEPS, "eval.interval": 0})).train()
     print(f"rank {os.environ.get('RANK')}: gpt trained {summary['steps']} steps", flush=True)
 
 
@@ -68,7 +68,7 @@ def lora(run_dir: str) -> None:
 
 
 def manual(run_dir: str) -> None:
-    cfg = tiny(run_dir, max_steps=STEPS, eval_interval=0)
+    cfg = tiny(run_dir, {"train.max_steps": STEPS, "eval.interval": 0})
     trainer = DDPTrainer(cfg)
     generator = torch.Generator().manual_seed(int(os.environ.get("RANK", 0)))
     for _ in range(STEPS):

@@ -14,25 +14,27 @@ import torch.distributed as dist
 
 from tests.dist_helper import finish_worker, recorded, register_worker
 
-GRAD_BASE = dict(vocab_size=32, hidden_size=32, num_layers=2, num_heads=2, seq_len=16, dataset_size=256,
-                 dropout=0.0, num_workers=0, tensorboard=False, learning_rate=1e-3, warmup_steps=2,
-                 log_interval=1, eval_interval=0, eval_steps=2, target_loss=0.0, seed=7, batch_size=4)
+GRAD_BASE = {"vocab_size": 32, "hidden_size": 32, "num_layers": 2, "num_heads": 2, "seq_len": 16, "dataset_size": 256,
+             "dropout": 0.0, "num_workers": 0, "logging.tensorboard": False, "learning_rate": 1e-3,
+             "optim.warmup_steps": 2, "log_interval": 1, "eval.interval": 0, "eval.steps": 2, "target_loss": 0.0,
+             "train.seed": 7, "batch_size": 4}
 # hidden 128: 1.55 MiB of gradients in one bucket in DDP's first backward, then in two rebuilt ones
 # (bucket_cap_mb=1): PowerSGD's per-bucket state must only ever see the rebuilt ones.
-TRAIN_BASE = {**GRAD_BASE, "hidden_size": 128, "learning_rate": 3e-3, "max_steps": 30, "save_every_steps": 10,
-              "keep_last": 5, "bucket_cap_mb": 1}
-POWERSGD = dict(ddp_comm_hook="powersgd", powersgd_rank=8, powersgd_start_iter=4)
+TRAIN_BASE = {**GRAD_BASE, "hidden_size": 128, "learning_rate": 3e-3, "train.max_steps": 30,
+              "checkpoint.every_steps": 10,
+              "checkpoint.keep_last": 5, "ddp.bucket_cap_mb": 1}
+POWERSGD = {"ddp.comm_hook": "powersgd", "ddp.powersgd_rank": 8, "ddp.powersgd_start_iter": 4}
 RESUME_AT = 10
 # static_graph (its warm-up is also PowerSGD's) with no_sync() accumulation: PowerSGD counts synced steps.
-STATIC_ACCUM = dict(ddp_static_graph="true", gradient_accumulation_steps=2, batch_size=2, max_steps=12,
-                    save_every_steps=6)
+STATIC_ACCUM = {"ddp.static_graph": "true", "data.gradient_accumulation_steps": 2, "batch_size": 2,
+                "train.max_steps": 12, "checkpoint.every_steps": 6}
 
 
 def grads_after_one_step(name: str, overrides: dict, out_dir) -> dict[str, torch.Tensor]:
     from framework.trainer import DDPTrainer
 
-    trainer = DDPTrainer({**GRAD_BASE, **overrides, "log_dir": str(out_dir / name),
-                          "checkpoint_dir": str(out_dir / name / "ck")})
+    trainer = DDPTrainer({**GRAD_BASE, **overrides, "logging.dir": str(out_dir / name),
+                          "checkpoint.dir": str(out_dir / name / "ck")})
     micro = [next(iter(trainer._stream.loader))]
     trainer.forward_backward(micro)
     grads = {n: p.grad.detach().clone() for n, p in trainer.raw_model.named_parameters()}
@@ -42,8 +44,8 @@ def grads_after_one_step(name: str, overrides: dict, out_dir) -> dict[str, torch
 
 def run_compressed_case(name: str, out_dir, rank: int) -> dict:
     """fp16- or bf16-compressed gradients against fp32 all-reduced ones, per tensor relative to its largest entry."""
-    exact = grads_after_one_step("grad_none", {"ddp_comm_hook": "none"}, out_dir)
-    half = grads_after_one_step(f"grad_{name}", {"ddp_comm_hook": name}, out_dir)
+    exact = grads_after_one_step("grad_none", {"ddp.comm_hook": "none"}, out_dir)
+    half = grads_after_one_step(f"grad_{name}", {"ddp.comm_hook": name}, out_dir)
     rel = {n: ((half[n] - g).abs().max() / g.abs().max()).item() for n, g in exact.items() if g.abs().max() > 0}
     diff = {n: (half[n] - g).abs().max().item() for n, g in exact.items()}
     log = (out_dir / f"grad_{name}" / f"rank_{rank}.log").read_text()
@@ -64,7 +66,7 @@ def run_torch_bf16_hook_on_gloo() -> dict:
 def train(name: str, overrides: dict, out_dir, **kwargs) -> dict:
     from framework.trainer import DDPTrainer
 
-    cfg = {**TRAIN_BASE, **overrides, "log_dir": str(out_dir / name), "checkpoint_dir": str(out_dir / name / "ck")}
+    cfg = {**TRAIN_BASE, **overrides, "logging.dir": str(out_dir / name), "checkpoint.dir": str(out_dir / name / "ck")}
     trainer = DDPTrainer(cfg, **kwargs)
     summary = trainer.train()
     state = trainer._comm_hook.state
@@ -90,15 +92,17 @@ def run_powersgd_cases(out_dir, rank: int) -> dict:
     out = {"none": recorded(train, "train_none", {}, out_dir),
            "powersgd": recorded(train, "train_powersgd", POWERSGD, out_dir)}
     saved = out_dir / "train_powersgd" / "ck" / f"step_{RESUME_AT:08d}.pt"
-    out["resumed"] = recorded(train, "resumed", {**POWERSGD, "resume": str(saved)}, out_dir)
+    out["resumed"] = recorded(train, "resumed", {**POWERSGD, "checkpoint.resume": str(saved)}, out_dir)
     stripped = out_dir / "stripped" / "step.pt"
     recorded(strip_comm_hook_state, saved, stripped)
-    out["resumed_without_state"] = recorded(train, "resumed_without_state", {**POWERSGD, "resume": str(stripped)},
+    out["resumed_without_state"] = recorded(train, "resumed_without_state", {**POWERSGD,
+                                                                             "checkpoint.resume": str(stripped)},
                                             out_dir)
     static = {**POWERSGD, **STATIC_ACCUM}
     out["static_accum"] = recorded(train, "static_accum", static, out_dir)
-    saved = out_dir / "static_accum" / "ck" / f"step_{STATIC_ACCUM['save_every_steps']:08d}.pt"
-    out["static_accum_resumed"] = recorded(train, "static_accum_resumed", {**static, "resume": str(saved)}, out_dir)
+    saved = out_dir / "static_accum" / "ck" / f"step_{STATIC_ACCUM['checkpoint.every_steps']:08d}.pt"
+    out["static_accum_resumed"] = recorded(train, "static_accum_resumed", {**static, "checkpoint.resume": str(saved)},
+                                           out_dir)
     return out
 
 
@@ -126,8 +130,8 @@ def run_nonfinite_case(name: str, out_dir, keep_finite: bool) -> dict:
     from framework.model.gpt import GPT, GPTConfig
     from framework.config import resolve_config
 
-    cfg = {**TRAIN_BASE, **POWERSGD, "max_steps": 16, "save_every_steps": 0, "max_errors_per_epoch": 3}
-    torch.manual_seed(cfg["seed"])
+    cfg = {**TRAIN_BASE, **POWERSGD, "train.max_steps": 16, "checkpoint.every_steps": 0, "max_errors_per_epoch": 3}
+    torch.manual_seed(cfg["train.seed"])
     model = GPT(GPTConfig.from_train_config(resolve_config(cfg)))
     nan = NanOnce(step=8)
     model.register_forward_hook(nan.forward_hook)

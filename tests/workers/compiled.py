@@ -12,15 +12,15 @@ import torch.distributed as dist
 from tests.dist_helper import finish_worker, recorded, register_worker
 from tests.workers.ddp_equivalence import BASE, reference_grads
 
-COMPILED = dict(compile=True, compile_backend="aot_eager", batch_size=4)
+COMPILED = {"compile.enabled": True, "compile.backend": "aot_eager", "batch_size": 4}
 GRAD_CASES = {
     "off": dict(),
-    "non_reentrant": dict(gradient_checkpointing="non_reentrant"),
-    "tiled": dict(tiled_mlp_chunks=4),
-    "reentrant": dict(gradient_checkpointing="reentrant"),
-    "non_reentrant_tiled_accum2": dict(gradient_checkpointing="non_reentrant", tiled_mlp_chunks=4,
-                                       gradient_accumulation_steps=2),
-    "offload": dict(gradient_checkpointing="offload"),
+    "non_reentrant": {"memory.activation_checkpointing": "non_reentrant"},
+    "tiled": {"memory.tiled_mlp_chunks": 4},
+    "reentrant": {"memory.activation_checkpointing": "reentrant"},
+    "non_reentrant_tiled_accum2": {"memory.activation_checkpointing": "non_reentrant", "memory.tiled_mlp_chunks": 4,
+                                   "data.gradient_accumulation_steps": 2},
+    "offload": {"memory.activation_checkpointing": "offload"},
 }
 
 
@@ -28,7 +28,7 @@ def run_grad_case(name: str, overrides: dict, out_dir, world: int) -> dict:
     from framework.ddp.compile import is_ddp
     from framework.trainer import DDPTrainer
 
-    cfg = {**BASE, **COMPILED, **overrides, "log_dir": str(out_dir / name), "checkpoint_dir": str(out_dir / name)}
+    cfg = {**BASE, **COMPILED, **overrides, "logging.dir": str(out_dir / name), "checkpoint.dir": str(out_dir / name)}
     import torch._dynamo
     from torch._dynamo.utils import counters
     torch._dynamo.reset()  # no graph reused from the previous case
@@ -47,8 +47,8 @@ def run_grad_case(name: str, overrides: dict, out_dir, world: int) -> dict:
 def run_train(name: str, out_dir, **overrides) -> dict:
     from framework.trainer import DDPTrainer
 
-    cfg = {**BASE, "batch_size": 4, "max_steps": 6, "save_every_steps": 2, **overrides,
-           "log_dir": str(out_dir / name / "logs"), "checkpoint_dir": str(out_dir / name / "ck")}
+    cfg = {**BASE, "batch_size": 4, "train.max_steps": 6, "checkpoint.every_steps": 2, **overrides,
+           "logging.dir": str(out_dir / name / "logs"), "checkpoint.dir": str(out_dir / name / "ck")}
     summary = DDPTrainer(cfg).train()
     shas = [None] * dist.get_world_size()
     dist.all_gather_object(shas, summary["model_sha256"])
@@ -65,9 +65,9 @@ def main() -> None:
     results["eager_6"] = recorded(run_train, "eager_6", out_dir)
     results["compiled_6"] = recorded(run_train, "compiled_6", out_dir, **COMPILED)
     # 4 compiled steps, then resumed uncompiled to 6; and 4 uncompiled, resumed compiled.
-    results["compiled_4"] = recorded(run_train, "mixed", out_dir, max_steps=4, **COMPILED)
+    results["compiled_4"] = recorded(run_train, "mixed", out_dir, {"train.max_steps": 4}, **COMPILED)
     results["then_eager_6"] = recorded(run_train, "mixed", out_dir)
-    results["eager_4"] = recorded(run_train, "mixed_back", out_dir, max_steps=4)
+    results["eager_4"] = recorded(run_train, "mixed_back", out_dir, {"train.max_steps": 4})
     results["then_compiled_6"] = recorded(run_train, "mixed_back", out_dir, **COMPILED)
     finish_worker(out_dir, rank, {"cases": results})
 

@@ -11,22 +11,22 @@ import torch.distributed as dist
 
 from tests.dist_helper import finish_worker, recorded, register_worker
 
-BASE = dict(vocab_size=32, hidden_size=32, num_layers=2, num_heads=2, seq_len=16, dataset_size=256,
-            dropout=0.0, num_workers=0, tensorboard=False, learning_rate=1e-3, warmup_steps=2,
-            log_interval=1, eval_interval=0, eval_steps=5, target_loss=0.0, seed=7)
+BASE = {"vocab_size": 32, "hidden_size": 32, "num_layers": 2, "num_heads": 2, "seq_len": 16, "dataset_size": 256,
+        "dropout": 0.0, "num_workers": 0, "logging.tensorboard": False, "learning_rate": 1e-3, "optim.warmup_steps": 2,
+        "log_interval": 1, "eval.interval": 0, "eval.steps": 5, "target_loss": 0.0, "train.seed": 7}
 
 # name -> config overrides; per-rank batch b, compared with one process on batch world_size * b.
 GRAD_CASES = {
-    "grad_b4_accum1": dict(batch_size=4, gradient_accumulation_steps=1),
-    "grad_b4_accum2": dict(batch_size=4, gradient_accumulation_steps=2),
-    "grad_b3_accum3_tied": dict(batch_size=3, gradient_accumulation_steps=3, tie_embeddings=True),
+    "grad_b4_accum1": {"batch_size": 4, "data.gradient_accumulation_steps": 1},
+    "grad_b4_accum2": {"batch_size": 4, "data.gradient_accumulation_steps": 2},
+    "grad_b3_accum3_tied": {"batch_size": 3, "data.gradient_accumulation_steps": 3, "model.tie_embeddings": True},
 }
 TRAIN_CASES = {
-    "train_b4_accum1": dict(batch_size=4, gradient_accumulation_steps=1, max_steps=6),
-    "train_b2_accum2": dict(batch_size=2, gradient_accumulation_steps=2, max_steps=6),
+    "train_b4_accum1": {"batch_size": 4, "data.gradient_accumulation_steps": 1, "train.max_steps": 6},
+    "train_b2_accum2": {"batch_size": 2, "data.gradient_accumulation_steps": 2, "train.max_steps": 6},
 }
-TOKENS_CASE = dict(batch_size=4, gradient_accumulation_steps=2)  # train.loss_average=tokens, masked targets
-EVAL_CASE = dict(batch_size=7, eval_steps=5)  # 35 samples: unequal shards of 18 and 17
+TOKENS_CASE = {"batch_size": 4, "data.gradient_accumulation_steps": 2}  # train.loss_average=tokens, masked targets
+EVAL_CASE = {"batch_size": 7, "eval.steps": 5}  # 35 samples: unequal shards of 18 and 17
 
 
 def reference_grads(cfg_overrides: dict, world_size: int) -> dict[str, torch.Tensor]:
@@ -54,7 +54,7 @@ def reference_grads(cfg_overrides: dict, world_size: int) -> dict[str, torch.Ten
 def run_grad_case(name: str, overrides: dict, out_dir, rank: int, world: int) -> dict:
     from framework.trainer import DDPTrainer
 
-    cfg = {**BASE, **overrides, "log_dir": str(out_dir / name), "checkpoint_dir": str(out_dir / name / "ck")}
+    cfg = {**BASE, **overrides, "logging.dir": str(out_dir / name), "checkpoint.dir": str(out_dir / name / "ck")}
     trainer = DDPTrainer(cfg)
     batches = iter(trainer._stream.loader)
     micro = [next(batches) for _ in range(trainer.sampler.accumulation)]
@@ -76,7 +76,7 @@ def run_grad_case(name: str, overrides: dict, out_dir, rank: int, world: int) ->
 def run_train_case(name: str, overrides: dict, out_dir, rank: int, world: int) -> dict:
     from framework.trainer import DDPTrainer
 
-    cfg = {**BASE, **overrides, "log_dir": str(out_dir / name), "checkpoint_dir": str(out_dir / name / "ck")}
+    cfg = {**BASE, **overrides, "logging.dir": str(out_dir / name), "checkpoint.dir": str(out_dir / name / "ck")}
     summary = DDPTrainer(cfg).train()
     shas = [None] * world
     dist.all_gather_object(shas, summary["model_sha256"])
@@ -122,8 +122,8 @@ def token_mean_grads(world_size: int, *, per_micro_batch: bool = False) -> dict[
 def run_tokens_case(name: str, overrides: dict, out_dir, rank: int, world: int) -> dict:
     from framework.trainer import DDPTrainer
 
-    cfg = {**BASE, **overrides, "train.loss_average": "tokens", "log_dir": str(out_dir / name),
-           "checkpoint_dir": str(out_dir / name / "ck")}
+    cfg = {**BASE, **overrides, "train.loss_average": "tokens", "logging.dir": str(out_dir / name),
+           "checkpoint.dir": str(out_dir / name / "ck")}
     trainer = DDPTrainer(cfg, train_dataset=masked_targets())
     batches = iter(trainer._stream.loader)
     trainer.forward_backward([next(batches) for _ in range(trainer.sampler.accumulation)])
@@ -137,7 +137,7 @@ def run_tokens_case(name: str, overrides: dict, out_dir, rank: int, world: int) 
 def run_eval_case(out_dir, rank: int, world: int) -> dict:
     from framework.trainer import DDPTrainer
 
-    trainer = DDPTrainer({**BASE, **EVAL_CASE, "log_dir": str(out_dir / "eval")})
+    trainer = DDPTrainer({**BASE, **EVAL_CASE, "logging.dir": str(out_dir / "eval")})
     shard = len(range(rank, 35, world))
     return {"val_loss": trainer.evaluate(), "shard_size": shard}
 

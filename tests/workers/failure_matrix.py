@@ -243,7 +243,7 @@ def tiled(impl: str, pre: bool, chunks: int = 4):
 
 CASES: dict[str, Case] = {
     "1a_reentrant_find_unused": Case(
-        seeded(CheckpointedNet), vectors, dict(find_unused_parameters=True), (MARKED_TWICE,),
+        seeded(CheckpointedNet), vectors, {"ddp.find_unused_parameters": True}, (MARKED_TWICE,),
         framework={}, decision=(False, False), error_iteration=0),
     "1b_tied_reentrant_default": Case(
         seeded(TiedCheckpointedNet), vectors, {}, (MARKED_TWICE,),
@@ -264,13 +264,13 @@ CASES: dict[str, Case] = {
         error_iteration=0, reference=tiled("plain", pre=True)),
     "5_static_accumulation_no_sync_first": Case(
         seeded(PlainNet), vectors, dict(static_graph=True), (HOOKS_ASSERT,),
-        framework=dict(ddp_static_graph="true"), decision=(True, False), error_iteration=0, accumulation=2),
+        framework={"ddp.static_graph": "true"}, decision=(True, False), error_iteration=0, accumulation=2),
     "6_reused_reentrant_block_default": Case(
         seeded(ReusedBlockNet), vectors, {}, (SILENT,),
         framework={}, decision=(True, False)),
     "7_grad_then_backward_find_unused": Case(
-        tiled("grad_then_backward", pre=True), sequences, dict(find_unused_parameters=True), (MARKED_TWICE,),
-        framework=dict(find_unused_parameters="true"), decision=(False, True), error_iteration=0,
+        tiled("grad_then_backward", pre=True), sequences, {"ddp.find_unused_parameters": True}, (MARKED_TWICE,),
+        framework={"ddp.find_unused_parameters": "true"}, decision=(False, True), error_iteration=0,
         reference=tiled("plain", pre=True)),
     # Control: the original fix does work with DDP's default settings.
     "7_grad_then_backward_default": Case(
@@ -278,7 +278,7 @@ CASES: dict[str, Case] = {
     # Correct while the chunk count stays 2 (iterations 0 and 1), fails when it becomes 4.
     "8_naive_tiled_static_chunks_change": Case(
         tiled("naive", pre=True), sequences, dict(static_graph=True), (GRAPH_CHANGED,),
-        framework=dict(ddp_static_graph="true"), decision=(True, False), error_iteration=2,
+        framework={"ddp.static_graph": "true"}, decision=(True, False), error_iteration=2,
         reference=tiled("plain", pre=True), plain_chunks=[2, 2, 4], framework_chunks=[2, 4, 3]),
 }
 
@@ -369,10 +369,10 @@ def run_plain(case: Case, rank: int) -> dict:
 def run_framework(name: str, case: Case, rank: int, out_dir) -> dict:
     """Part B: DDPTrainer with the case's config on the same model."""
     from framework.trainer import DDPTrainer
-    cfg = dict(batch_size=BATCH, gradient_accumulation_steps=case.accumulation, num_workers=0,
-               tensorboard=False, dropout=0.0, target_loss=0.0, seed=SEED, backend="gloo", timeout_s=60,
-               progress_bar="false", log_dir=str(out_dir / name), checkpoint_dir=str(out_dir / name / "ck"),
-               **case.framework)
+    cfg = {"batch_size": BATCH, "data.gradient_accumulation_steps": case.accumulation, "num_workers": 0,
+           "logging.tensorboard": False, "dropout": 0.0, "target_loss": 0.0, "train.seed": SEED, "ddp.backend": "gloo",
+           "ddp.timeout_s": 60, "logging.progress_bar": "false", "logging.dir": str(out_dir / name),
+           "checkpoint.dir": str(out_dir / name / "ck"), **case.framework}
     model = FRAMEWORK_BUILD.get(name, case.build)()
     trainer = DDPTrainer(cfg, model=model, train_dataset=case.data(), loss_fn=F.mse_loss)
     used, grads, error = [], [], None

@@ -184,35 +184,38 @@ class Plain:
 
 
 PLAIN_CASES: dict[str, Plain] = {
-    "plain-lora-hf_reentrant-find_unused": Plain("lora_hf_reentrant", dict(find_unused_parameters=True)),
+    "plain-lora-hf_reentrant-find_unused": Plain("lora_hf_reentrant", {"ddp.find_unused_parameters": True}),
     "plain-moe-reentrant-default": Plain("moe_reentrant", {}),
-    "plain-moe-reentrant-find_unused": Plain("moe_reentrant", dict(find_unused_parameters=True)),
+    "plain-moe-reentrant-find_unused": Plain("moe_reentrant", {"ddp.find_unused_parameters": True}),
     "plain-moe-reentrant-static": Plain("moe_reentrant", dict(static_graph=True)),
     "plain-moe-reentrant-static-find_unused": Plain("moe_reentrant", dict(static_graph=True,
                                                                           find_unused_parameters=True)),
 }
 
-BASE = dict(batch_size=BATCH, num_workers=0, tensorboard=False, target_loss=0.0, seed=SEED, backend="gloo",
-            timeout_s=60, progress_bar="false", learning_rate=1e-2, warmup_steps=0, max_steps=4,
-            consistency_check_interval=0)
+BASE = {"batch_size": BATCH, "num_workers": 0, "logging.tensorboard": False, "target_loss": 0.0, "train.seed": SEED,
+        "ddp.backend": "gloo", "ddp.timeout_s": 60, "logging.progress_bar": "false", "learning_rate": 1e-2,
+        "optim.warmup_steps": 0, "train.max_steps": 4, "recovery.consistency_check_interval": 0}
 
 FRAMEWORK_CASES: dict[str, tuple[str, dict]] = {
-    f"lora-{mode}-tiled{chunks}": ("lora", dict(gradient_checkpointing=mode, tiled_mlp_chunks=chunks,
-                                                tiled_mlp_modules="LlamaMLP" if chunks else ""))
+    f"lora-{mode}-tiled{chunks}": ("lora", {"memory.activation_checkpointing": mode, "memory.tiled_mlp_chunks": chunks,
+                                            "memory.tiled_mlp_modules": "LlamaMLP" if chunks else ""})
     for mode in MODES for chunks in (0, 4)}
 FRAMEWORK_CASES.update({
-    "full-reentrant-tiled4": ("full", dict(gradient_checkpointing="reentrant", tiled_mlp_chunks=4,
-                                           tiled_mlp_modules="LlamaMLP")),
-    "full-offload-tiled0": ("full", dict(gradient_checkpointing="offload")),
-    "lora-framework_wrap-reentrant-tiled4": ("lora", dict(gradient_checkpointing="reentrant",
-                                                          checkpoint_modules="LlamaDecoderLayer", tiled_mlp_chunks=4,
-                                                          tiled_mlp_modules="LlamaMLP")),
-    "moe-reentrant-auto": ("moe", dict(gradient_checkpointing="reentrant", checkpoint_modules="MoELayer",
-                                       gradient_accumulation_steps=2)),
+    "full-reentrant-tiled4": ("full", {"memory.activation_checkpointing": "reentrant", "memory.tiled_mlp_chunks": 4,
+                                       "memory.tiled_mlp_modules": "LlamaMLP"}),
+    "full-offload-tiled0": ("full", {"memory.activation_checkpointing": "offload"}),
+    "lora-framework_wrap-reentrant-tiled4": ("lora", {"memory.activation_checkpointing": "reentrant",
+                                                      "memory.activation_checkpointing_modules": "LlamaDecoderLayer",
+                                                      "memory.tiled_mlp_chunks": 4,
+                                                      "memory.tiled_mlp_modules": "LlamaMLP"}),
+    "moe-reentrant-auto": ("moe", {"memory.activation_checkpointing": "reentrant",
+                                   "memory.activation_checkpointing_modules": "MoELayer",
+                                   "data.gradient_accumulation_steps": 2}),
 })
 # Forced DDP settings: the switch is not allowed, and no setting fits: a clear error.
-FORCED_CASES = {"moe-reentrant-forced_static": ("moe", dict(gradient_checkpointing="reentrant",
-                                                            checkpoint_modules="MoELayer", ddp_static_graph="true"))}
+FORCED_CASES = {"moe-reentrant-forced_static": ("moe", {"memory.activation_checkpointing": "reentrant",
+                                                        "memory.activation_checkpointing_modules": "MoELayer",
+                                                        "ddp.static_graph": "true"})}
 
 
 def plain_model(kind: str) -> nn.Module:
@@ -263,7 +266,7 @@ def run_plain(case: Plain, rank: int) -> dict:
 def trainer_for(name: str, kind: str, overrides: dict, out_dir):
     from framework.trainer import DDPTrainer
 
-    cfg = {**BASE, **overrides, "log_dir": str(out_dir / name), "checkpoint_dir": str(out_dir / name / "ck")}
+    cfg = {**BASE, **overrides, "logging.dir": str(out_dir / name), "checkpoint.dir": str(out_dir / name / "ck")}
     return DDPTrainer(cfg, model=BUILD[kind](), train_dataset=TokenPairs(), loss_fn=lm_loss)
 
 

@@ -11,20 +11,23 @@ import torch.distributed as dist
 
 from tests.dist_helper import finish_worker, recorded, register_worker
 
-BASE = dict(vocab_size=32, hidden_size=32, num_layers=2, num_heads=2, seq_len=16, dataset_size=64,
-            batch_size=2, dropout=0.0, num_workers=0, tensorboard=False, eval_interval=0, target_loss=0.0,
-            seed=11, learning_rate=1e-3)
+BASE = {"vocab_size": 32, "hidden_size": 32, "num_layers": 2, "num_heads": 2, "seq_len": 16, "dataset_size": 64,
+        "batch_size": 2, "dropout": 0.0, "num_workers": 0, "logging.tensorboard": False, "eval.interval": 0,
+        "target_loss": 0.0, "train.seed": 11, "learning_rate": 1e-3}
 MODES = ("off", "non_reentrant", "reentrant", "offload")
-COMBOS = {f"{gc}-tiled{t}-tie{int(tie)}": dict(gradient_checkpointing=gc, tiled_mlp_chunks=t, tie_embeddings=tie)
+COMBOS = {f"{gc}-tiled{t}-tie{int(tie)}": {"memory.activation_checkpointing": gc, "memory.tiled_mlp_chunks": t,
+                                           "model.tie_embeddings": tie}
           for gc, t, tie in itertools.product(MODES, (0, 4), (False, True))}
 FORCED = {
-    "tiled4-find_unused_true": dict(tiled_mlp_chunks=4, find_unused_parameters="true"),
-    "tiled4-static_true": dict(tiled_mlp_chunks=4, ddp_static_graph="true"),
-    "tiled4-static_true-accum2": dict(tiled_mlp_chunks=4, ddp_static_graph="true", gradient_accumulation_steps=2),
-    "tiled-changing-chunks-static_true": dict(tiled_mlp_chunks=4, ddp_static_graph="true", chunk_schedule=(4, 2, 3)),
-    "tiled-changing-chunks-auto": dict(tiled_mlp_chunks=4, chunk_schedule=(2, 4, 1)),
-    "offload-tiled4-tie-accum2": dict(gradient_checkpointing="offload", tiled_mlp_chunks=4, tie_embeddings=True,
-                                      gradient_accumulation_steps=2),
+    "tiled4-find_unused_true": {"memory.tiled_mlp_chunks": 4, "ddp.find_unused_parameters": "true"},
+    "tiled4-static_true": {"memory.tiled_mlp_chunks": 4, "ddp.static_graph": "true"},
+    "tiled4-static_true-accum2": {"memory.tiled_mlp_chunks": 4, "ddp.static_graph": "true",
+                                  "data.gradient_accumulation_steps": 2},
+    "tiled-changing-chunks-static_true": {"memory.tiled_mlp_chunks": 4, "ddp.static_graph": "true",
+                                          "chunk_schedule": (4, 2, 3)},
+    "tiled-changing-chunks-auto": {"memory.tiled_mlp_chunks": 4, "chunk_schedule": (2, 4, 1)},
+    "offload-tiled4-tie-accum2": {"memory.activation_checkpointing": "offload", "memory.tiled_mlp_chunks": 4,
+                                  "model.tie_embeddings": True, "data.gradient_accumulation_steps": 2},
 }
 ITERATIONS = 3
 
@@ -48,7 +51,7 @@ def run_case(name, overrides, out_dir, rank, world):
 
     overrides = dict(overrides)
     schedule = overrides.pop("chunk_schedule", None)
-    trainer = DDPTrainer({**BASE, **overrides, "log_dir": str(out_dir / name)})
+    trainer = DDPTrainer({**BASE, **overrides, "logging.dir": str(out_dir / name)})
     cfg = trainer.config
     glob = ResumableDistributedSampler(len(trainer._train_dataset), 1, 0, cfg.data.batch_size * world,
                                        cfg.data.gradient_accumulation_steps, cfg.train.seed)
@@ -86,10 +89,11 @@ def run_sha_case(name, out_dir, rank, world):
     from framework.trainer import DDPTrainer
 
     shas = {}
-    for label, forced in (("auto", {}), ("forced", dict(ddp_static_graph="true", find_unused_parameters="false"))):
-        cfg = {**BASE, "gradient_checkpointing": "reentrant", "max_steps": 4, **forced,
-               "log_dir": str(out_dir / name / label), "checkpoint_dir": str(out_dir / name / label / "ck")}
-        torch.manual_seed(BASE["seed"])
+    for label, forced in (("auto", {}), ("forced", {"ddp.static_graph": "true",
+                                                    "ddp.find_unused_parameters": "false"})):
+        cfg = {**BASE, "memory.activation_checkpointing": "reentrant", "train.max_steps": 4, **forced,
+               "logging.dir": str(out_dir / name / label), "checkpoint.dir": str(out_dir / name / label / "ck")}
+        torch.manual_seed(BASE["train.seed"])
         model = GPT(GPTConfig(32, 16, 32, 2, 2))
         model.blocks[1] = model.blocks[0]
         trainer = DDPTrainer(cfg, model=model)

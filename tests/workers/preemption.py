@@ -6,19 +6,20 @@ from __future__ import annotations
 
 import os
 
-from framework.testing.tiny import tiny as tiny_config
+from tests.tiny import tiny as tiny_config
 from tests.dist_helper import run_cases
 
 # 40 validation sequences of 16 tokens in batches of 4: 5 batches a rank.
-BASE = tiny_config(dataset_size=400, batch_size=4, eval_interval=4, eval_steps=0, seed=3, max_steps=8,
-                   save_every_steps=4, log_interval=1, deterministic=True)
+BASE = tiny_config(None, {"eval.interval": 4, "eval.steps": 0, "train.seed": 3, "train.max_steps": 8,
+                          "checkpoint.every_steps": 4,
+                          "train.deterministic": True}, dataset_size=400, batch_size=4, log_interval=1)
 
 # Each run's directory, and its fault: the relaunches reuse the directory of the run they resume.
 CASES = {
     "whole": dict(run="whole"),
-    "final": dict(run="final", fault_inject="sigterm@step=8,rank=1,at=eval"),
+    "final": {"run": "final", "recovery.fault_inject": "sigterm@step=8,rank=1,at=eval"},
     "final_relaunch": dict(run="final"),
-    "mid": dict(run="mid", fault_inject="sigterm@step=4,rank=1,at=eval"),
+    "mid": {"run": "mid", "recovery.fault_inject": "sigterm@step=4,rank=1,at=eval"},
     "mid_relaunch": dict(run="mid"),
 }
 
@@ -28,7 +29,7 @@ def run_case(name, overrides, out_dir):
 
     overrides = dict(overrides)
     run = out_dir / overrides.pop("run")
-    cfg = {**BASE, **overrides, "log_dir": str(run / "logs"), "checkpoint_dir": str(run / "ck")}
+    cfg = {**BASE, **overrides, "logging.dir": str(run / "logs"), "checkpoint.dir": str(run / "ck")}
     return {"summary": DDPTrainer(cfg).train(), "log": (run / "logs" / f"rank_{os.environ['RANK']}.log").read_text()}
 
 

@@ -11,7 +11,8 @@ import torch.nn as nn
 
 from tests.dist_helper import run_cases
 
-CASES = {"adapter_and_head": {"checkpoint_modules": "adapter,head"}, "adapter": {"checkpoint_modules": "adapter"}}
+CASES = {"adapter_and_head": {"memory.activation_checkpointing_modules": "adapter,head"},
+         "adapter": {"memory.activation_checkpointing_modules": "adapter"}}
 
 
 class FrozenThenAdapter(nn.Module):
@@ -43,8 +44,9 @@ def run_case(name, overrides, out_dir):
     from framework.trainer import DDPTrainer
 
     data = dataset()
-    cfg = {"gradient_checkpointing": "reentrant", "batch_size": 4, "num_workers": 0, "tensorboard": False,
-           "log_dir": str(out_dir / name), "checkpoint_dir": str(out_dir / name / "ck"), **overrides}
+    cfg = {"memory.activation_checkpointing": "reentrant", "batch_size": 4, "num_workers": 0,
+           "logging.tensorboard": False,
+           "logging.dir": str(out_dir / name), "checkpoint.dir": str(out_dir / name / "ck"), **overrides}
     trainer = DDPTrainer(cfg, model=FrozenThenAdapter(), train_dataset=data, loss_fn=nn.functional.mse_loss)
     world = dist.get_world_size()
     glob = ResumableDistributedSampler(len(data), 1, 0, trainer.config.data.batch_size * world, 1,

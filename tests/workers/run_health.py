@@ -14,33 +14,36 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset
 
-from framework.testing.tiny import tiny as tiny_config
+from tests.tiny import tiny as tiny_config
 from tests.dist_helper import finish_worker, recorded, register_worker
 
-BASE = tiny_config(num_layers=2, batch_size=4, eval_interval=0, seed=3, learning_rate=2e-3, max_steps=10,
-                   log_interval=1, resume="none", consistency_check_interval=2, record_samples=True)
+BASE = tiny_config(None, {"eval.interval": 0, "train.seed": 3, "train.max_steps": 10, "checkpoint.resume": "none",
+                          "recovery.consistency_check_interval": 2,
+                          "logging.record_samples": True}, num_layers=2, batch_size=4, learning_rate=2e-3,
+                   log_interval=1)
 
 CASES = {
     # NaN in rank 1's gradients after DDP's all-reduce: both ranks skip the step.
-    "nan_skip": dict(fault_inject="nan@step=4,rank=1"),
+    "nan_skip": {"recovery.fault_inject": "nan@step=4,rank=1"},
     # The same without the agreement: rank 1 skips alone, and the divergence check catches it.
-    "nan_no_agreement": dict(fault_inject="nan@step=4,rank=1", agree_nonfinite=False),
+    "nan_no_agreement": {"recovery.fault_inject": "nan@step=4,rank=1", "recovery.agree_nonfinite": False},
     # One ulp on one rank, caught by the next check (interval 2: step 6 after the nudge at 5).
-    "ulp": dict(fault_inject="ulp@step=5,rank=1"),
+    "ulp": {"recovery.fault_inject": "ulp@step=5,rank=1"},
     # OOM in the backward of a no_sync() micro-step: agreed, micro-batch halved, step retried.
-    "oom_no_sync": dict(fault_inject="oom@step=3,rank=1,micro=0", gradient_accumulation_steps=2,
-                        oom_recovery="true"),
-    "oom_no_sync_reference": dict(batch_size=2, gradient_accumulation_steps=4),
+    "oom_no_sync": {"recovery.fault_inject": "oom@step=3,rank=1,micro=0", "data.gradient_accumulation_steps": 2,
+                    "recovery.oom": "true"},
+    "oom_no_sync_reference": {"batch_size": 2, "data.gradient_accumulation_steps": 4},
     # A DataLoader worker SIGKILLed while the main thread is in backward.
-    "kill_worker": dict(fault_inject="kill_worker@step=3,rank=0", num_workers=1, dataset="plain"),
+    "kill_worker": {"recovery.fault_inject": "kill_worker@step=3,rank=0", "num_workers": 1, "dataset": "plain"},
     # The naive tiled MLP (backward per chunk) desynchronises the ranks silently; the check sees it.
     # A user's per-rank datasets of different lengths: a clear error on every rank, not a hang.
     "uneven_datasets": dict(dataset="uneven"),
     # Out of memory in the DDP preflight probe on rank 1 only: agreed, the micro-batch halved, probed again.
-    "oom_in_preflight": dict(model="oom_above_2_on_rank_1", oom_recovery="true"),
+    "oom_in_preflight": {"model": "oom_above_2_on_rank_1", "recovery.oom": "true"},
     # Rank 0 cannot write the final checkpoint (a 64 KiB file-size limit): every rank stops with the error.
-    "final_save_fails_on_rank_0": dict(save_every_steps=0, record_samples=False, file_size_limit=64 * 1024),
-    "naive_tiled": dict(model="naive_tiled", ddp_static_graph="false", find_unused_parameters="false"),
+    "final_save_fails_on_rank_0": {"checkpoint.every_steps": 0, "logging.record_samples": False,
+                                   "file_size_limit": 64 * 1024},
+    "naive_tiled": {"model": "naive_tiled", "ddp.static_graph": "false", "ddp.find_unused_parameters": "false"},
 }
 
 
@@ -81,8 +84,8 @@ def run_case(name, overrides, out_dir, rank):
     file_size_limit = overrides.pop("file_size_limit", None)
     dataset = overrides.pop("dataset", None)
     model_kind = overrides.pop("model", None)
-    cfg = {**BASE, **overrides, "log_dir": str(out_dir / name / "logs"),
-           "checkpoint_dir": str(out_dir / name / "ck")}
+    cfg = {**BASE, **overrides, "logging.dir": str(out_dir / name / "logs"),
+           "checkpoint.dir": str(out_dir / name / "ck")}
     kwargs = {}
     if dataset == "plain":
         bundle = build_datasets(resolve_config(cfg))
@@ -92,14 +95,14 @@ def run_case(name, overrides, out_dir, rank):
         train = torch.utils.data.Subset(bundle.train, range(128 - 32 * rank))
         kwargs = dict(train_dataset=train, val_dataset=bundle.val)
     if model_kind == "oom_above_2_on_rank_1":
-        torch.manual_seed(BASE["seed"])
+        torch.manual_seed(BASE["train.seed"])
         x = torch.randn(64, 8)
         data = torch.utils.data.TensorDataset(x, x.sum(dim=1, keepdim=True))
         kwargs = dict(model=FailsAbove(2 if rank == 1 else 10**6), train_dataset=data, val_dataset=data,
                       loss_fn=torch.nn.functional.mse_loss)
     if model_kind == "naive_tiled":
         from tests.workers.failure_matrix import TiledMLPNet, sequences
-        torch.manual_seed(BASE["seed"])
+        torch.manual_seed(BASE["train.seed"])
         data = sequences()
         kwargs = dict(model=TiledMLPNet("naive", 4, False), train_dataset=data, val_dataset=None,
                       loss_fn=torch.nn.functional.mse_loss)

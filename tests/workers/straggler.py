@@ -8,21 +8,22 @@ import traceback
 
 import torch
 
-from framework.testing.tiny import tiny as tiny_config
+from tests.tiny import tiny as tiny_config
 from tests.dist_helper import run_cases
 
-BASE = tiny_config(num_layers=2, dataset_size=4096, batch_size=4, learning_rate=1e-4, eval_interval=0, seed=3,
-                   max_steps=20, log_interval=5, resume="none", straggler_interval=5)
+BASE = tiny_config(None, {"eval.interval": 0, "train.seed": 3, "train.max_steps": 20, "checkpoint.resume": "none",
+                          "straggler.interval": 5}, num_layers=2, dataset_size=4096, batch_size=4,
+                   learning_rate=1e-4, log_interval=5)
 
 CASES = {
     # Rank 1's forward takes 40 ms longer from step 5 on: named at the second check after it (step 15).
-    "slow": dict(fault_inject="slow@step=5,rank=1,ms=40"),
-    "fatal": dict(fault_inject="slow@step=5,rank=1,ms=40", straggler_action="fatal"),
-    "clean": dict(max_steps=200, straggler_interval=10, log_interval=10),
+    "slow": {"recovery.fault_inject": "slow@step=5,rank=1,ms=40"},
+    "fatal": {"recovery.fault_inject": "slow@step=5,rank=1,ms=40", "straggler.action": "fatal"},
+    "clean": {"train.max_steps": 200, "straggler.interval": 10, "log_interval": 10},
     # A model with a buffer: DDP broadcasts it at each forward, where the fast rank waits for the slow one.
-    "slow_buffered": dict(fault_inject="slow@step=5,rank=1,ms=40"),
+    "slow_buffered": {"recovery.fault_inject": "slow@step=5,rank=1,ms=40"},
     # Not a straggler case, but a cheap place for it: the init timeout, then the steady one on gloo.
-    "steady_timeout": dict(max_steps=3, init_timeout_s=60, timeout_s=30),
+    "steady_timeout": {"train.max_steps": 3, "ddp.init_timeout_s": 60, "ddp.timeout_s": 30},
 }
 
 
@@ -38,7 +39,8 @@ def buffered_model(cfg):
 def run_case(name, overrides, out_dir):
     from framework.trainer import DDPTrainer
 
-    cfg = {**BASE, **overrides, "log_dir": str(out_dir / name / "logs"), "checkpoint_dir": str(out_dir / name / "ck")}
+    cfg = {**BASE, **overrides, "logging.dir": str(out_dir / name / "logs"),
+           "checkpoint.dir": str(out_dir / name / "ck")}
     out = {}
     try:
         out["summary"] = DDPTrainer(cfg, model=buffered_model(cfg) if name == "slow_buffered" else None).train()

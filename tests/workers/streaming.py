@@ -51,10 +51,11 @@ class ShardedRows(IterableDataset):
 def main(run_dir: Path, fault: str, rows_on_rank_1: int) -> None:
     rank = int(os.environ["RANK"])
     data = ShardedRows(MarkovDataset(32, 16, 96, chain_seed=3, sample_seed=1), {1: rows_on_rank_1})
-    cfg = dict(vocab_size=32, hidden_size=32, num_layers=2, num_heads=2, seq_len=16, batch_size=4, dropout=0.0,
-               max_steps=1000, num_epochs=1, save_every_steps=4, log_interval=1, eval_interval=0, tensorboard=False,
-               target_loss=0.0, deterministic=True, seed=3, fault_inject=fault, learning_rate=2e-3,
-               log_dir=str(run_dir / "logs"), checkpoint_dir=str(run_dir / "ck"))
+    cfg = {"vocab_size": 32, "hidden_size": 32, "num_layers": 2, "num_heads": 2, "seq_len": 16, "batch_size": 4,
+           "dropout": 0.0, "train.max_steps": 1000, "num_epochs": 1, "checkpoint.every_steps": 4, "log_interval": 1,
+           "eval.interval": 0, "logging.tensorboard": False, "target_loss": 0.0, "train.deterministic": True,
+           "train.seed": 3, "recovery.fault_inject": fault, "learning_rate": 2e-3,
+           "logging.dir": str(run_dir / "logs"), "checkpoint.dir": str(run_dir / "ck")}
     summary = DDPTrainer(cfg, train_dataset=data, val_dataset=None).train()
     (run_dir / f"result_rank{rank}.json").write_text(json.dumps({"ids": data.ids, "summary": summary}))
 

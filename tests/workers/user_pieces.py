@@ -66,9 +66,10 @@ def lora_llama() -> torch.nn.Module:
 
 
 def main(run_dir: Path, fault: str) -> None:
-    cfg = dict(batch_size=4, max_steps=STEPS, save_every_steps=8, log_interval=1, eval_interval=0, eval_steps=2,
-               num_workers=0, tensorboard=False, target_loss=0.0, deterministic=True, seed=3, fault_inject=fault,
-               record_samples=True, log_dir=str(run_dir / "logs"), checkpoint_dir=str(run_dir / "ck"))
+    cfg = {"batch_size": 4, "train.max_steps": STEPS, "checkpoint.every_steps": 8, "log_interval": 1,
+           "eval.interval": 0, "eval.steps": 2, "num_workers": 0, "logging.tensorboard": False, "target_loss": 0.0,
+           "train.deterministic": True, "train.seed": 3, "recovery.fault_inject": fault,
+           "logging.record_samples": True, "logging.dir": str(run_dir / "logs"), "checkpoint.dir": str(run_dir / "ck")}
     tally = LossTally()
     trainer = DDPTrainer(cfg, model=lora_llama(), train_dataset=TokenDicts(256, 1), val_dataset=TokenDicts(32, 2),
                          optimizer=lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9),

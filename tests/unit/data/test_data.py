@@ -10,7 +10,7 @@ from framework.config import ConfigError, build_config, resolve_config
 from framework.data.datasets import MARKOV_ENTROPY, MarkovDataset, TokenWindows, build_datasets, encode_text
 from framework.data.sampler import ResumableDistributedSampler, eval_indices
 from framework.resilience.markers import FatalError
-from framework.testing.tiny import tiny as tiny_config
+from tests.tiny import tiny as tiny_config
 
 
 def shards(n, world, batch, accum, seed=3, epoch=0):
@@ -132,7 +132,7 @@ def test_text_data_split_and_windows(tmp_path):
     text = "hello world, " * 200
     path = tmp_path / "t.txt"
     path.write_text(text)
-    bundle = build_datasets(resolve_config({"data": str(path), "seq_len": 8}))
+    bundle = build_datasets(resolve_config({"data.source": str(path), "seq_len": 8}))
     assert bundle.vocab_size == len(set(text))
     split = int(0.9 * len(text))
     assert len(bundle.train) == split - 8
@@ -150,8 +150,8 @@ def test_bin_data_and_vocab_check(tmp_path):
     np.arange(1000, dtype=np.uint16).tofile(path)
     with pytest.raises(ConfigError, match="model.vocab_size=500: data.source=.* holds token id 999; "
                                           "allowed: model.vocab_size >= 1000"):
-        resolve_config({"data": str(path), "vocab_size": 500, "seq_len": 16})
-    cfg = resolve_config({"data": str(path), "vocab_size": 1000, "seq_len": 16})
+        resolve_config({"data.source": str(path), "vocab_size": 500, "seq_len": 16})
+    cfg = resolve_config({"data.source": str(path), "vocab_size": 1000, "seq_len": 16})
     bundle = build_datasets(cfg)
     x, y = bundle.train.__getitems__([10])
     assert x[0].tolist() == list(range(10, 26)) and y[0].tolist() == list(range(11, 27))
@@ -173,7 +173,7 @@ def test_token_windows_rejects_short_data():
         TokenWindows(np.zeros(5, dtype=np.uint8), 8, 1)
 
 
-TINY_RUN = tiny_config(vocab_size=16, hidden_size=16, seq_len=8, max_steps=2, batch_size=32)
+TINY_RUN = tiny_config(None, {"train.max_steps": 2}, vocab_size=16, hidden_size=16, seq_len=8, batch_size=32)
 
 
 class Stream(torch.utils.data.IterableDataset):
@@ -195,14 +195,14 @@ RUN_TIME_CASES = {
                      "(data.batch_size=32 x data.gradient_accumulation_steps=1 x world size 1)"),
     "builtin_from_python": ({"dataset_size": 8}, dict,
                             "data.synthetic_size=8: fewer than one global batch of 32 samples"),
-    "user_exclusions": ({"exclude_samples": "EX"}, lambda: users_pieces(100),
+    "user_exclusions": ({"data.exclude_samples": "EX"}, lambda: users_pieces(100),
                         "data.exclude_samples='EX': sample index 500 is outside the 100 training samples; "
                         "allowed: indices 0 to 99"),
     "stream_val": ({}, lambda: users_pieces(100, val=Stream()),
                    "val_dataset: an IterableDataset cannot be sharded exactly for evaluation"),
-    "stream_without_max_steps": ({"max_steps": 0}, lambda: users_pieces(stream=True),
+    "stream_without_max_steps": ({"train.max_steps": 0}, lambda: users_pieces(stream=True),
                                  "train.max_steps=0: an IterableDataset train_dataset has no length"),
-    "stream_rollback": ({"spike_guard": "rollback", "save_every_steps": 1}, lambda: users_pieces(stream=True),
+    "stream_rollback": ({"spike.guard": "rollback", "checkpoint.every_steps": 1}, lambda: users_pieces(stream=True),
                         "spike.guard='rollback', data.exclude_samples='': the samples of an IterableDataset have "
                         "no indices to exclude"),
 }
@@ -218,8 +218,8 @@ def test_input_known_only_at_run_time_stops_with_fatal(case, tmp_path):
     overrides, pieces, expected = RUN_TIME_CASES[case]
     (tmp_path / "ex.json").write_text("[3, 500]")
     ex = str(tmp_path / "ex.json")
-    cfg = dict(TINY_RUN, log_dir=str(tmp_path / "logs"), checkpoint_dir=str(tmp_path / "ck"),
-               **{k: ex if v == "EX" else v for k, v in overrides.items()})
+    cfg = {**TINY_RUN, "logging.dir": str(tmp_path / "logs"), "checkpoint.dir": str(tmp_path / "ck"),
+           **{k: ex if v == "EX" else v for k, v in overrides.items()}}
     expected = expected.replace("EX", ex)
     with pytest.raises(FatalError) as err:
         DDPTrainer(cfg, rank=0, world_size=1, **pieces())

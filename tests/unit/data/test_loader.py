@@ -365,9 +365,10 @@ def test_rewind_restart_and_epochs_leave_no_worker_processes(previous_sigchld):
 
 # --- the same, end to end: a user's map-style dataset through DataLoader workers ----------------
 
-RUN = dict(vocab_size=32, hidden_size=32, num_layers=2, num_heads=2, seq_len=16, batch_size=4, dropout=0.0,
-           tensorboard=False, eval_interval=0, eval_steps=2, target_loss=0.0, seed=3, learning_rate=3e-3,
-           log_interval=1, resume="none", record_samples=False, timeout_s=20.0)
+RUN = {"vocab_size": 32, "hidden_size": 32, "num_layers": 2, "num_heads": 2, "seq_len": 16, "batch_size": 4,
+       "dropout": 0.0, "logging.tensorboard": False, "eval.interval": 0, "eval.steps": 2, "target_loss": 0.0,
+       "train.seed": 3, "learning_rate": 3e-3, "log_interval": 1, "checkpoint.resume": "none",
+       "logging.record_samples": False, "ddp.timeout_s": 20.0}
 
 
 class PlainTokens(Dataset):
@@ -384,12 +385,13 @@ class PlainTokens(Dataset):
         return self.inner[i]
 
 
-def train(tmp_path, name, n, **over):
+def train(tmp_path, name, n, over: dict | None = None, /, **compact):
     import multiprocessing
 
     from framework.trainer import DDPTrainer
     before = signal.getsignal(signal.SIGCHLD)
-    cfg = {**RUN, **over, "log_dir": str(tmp_path / name / "logs"), "checkpoint_dir": str(tmp_path / name / "ck")}
+    cfg = {**RUN, **(over or {}), **compact, "logging.dir": str(tmp_path / name / "logs"),
+           "checkpoint.dir": str(tmp_path / name / "ck")}
     trainer = DDPTrainer(cfg, rank=0, world_size=1, train_dataset=PlainTokens(n), val_dataset=PlainTokens(8))
     assert trainer._num_workers == (1 if over.get("num_workers") else 0)  # 2 asked, 1 on a 2-core machine
     pids = []
@@ -407,8 +409,8 @@ def train(tmp_path, name, n, **over):
 
 @pytest.mark.slow
 def test_a_spike_rollback_with_dataloader_workers_equals_the_run_without(tmp_path):
-    spike = dict(max_steps=24, save_every_steps=5, spike_guard="rollback", spike_warmup=10, spike_window=20,
-                 spike_threshold=8.0, fault_inject="bad_data@step=15")
+    spike = {"train.max_steps": 24, "checkpoint.every_steps": 5, "spike.guard": "rollback", "spike.warmup": 10,
+             "spike.window": 20, "spike.threshold": 8.0, "recovery.fault_inject": "bad_data@step=15"}
     with_workers, log = train(tmp_path, "workers", 256, num_workers=2, **spike)
     without, _ = train(tmp_path, "inline", 256, num_workers=0, **spike)
     assert (with_workers["rollbacks"], with_workers["steps"]) == (1, 24)
@@ -419,9 +421,10 @@ def test_a_spike_rollback_with_dataloader_workers_equals_the_run_without(tmp_pat
 @pytest.mark.slow
 def test_a_worker_killed_in_the_last_step_of_an_epoch_is_replaced_at_the_next(tmp_path):
     began = time.monotonic()
-    killed, log = train(tmp_path, "killed", 64, num_workers=2, max_steps=20, fault_inject="kill_worker@step=15")
+    killed, log = train(tmp_path, "killed", 64, {"train.max_steps": 20,
+                                                 "recovery.fault_inject": "kill_worker@step=15"}, num_workers=2)
     took = time.monotonic() - began
-    clean, _ = train(tmp_path, "clean", 64, num_workers=2, max_steps=20)
+    clean, _ = train(tmp_path, "clean", 64, {"train.max_steps": 20}, num_workers=2)
     assert "killed DataLoader worker" in log and "continuing at sample 0 of epoch 1" in log
     assert killed["steps"] == 20 and killed["model_sha256"] == clean["model_sha256"]
     assert took < 60

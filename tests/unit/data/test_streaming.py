@@ -99,11 +99,13 @@ class CrashAt:
             raise RuntimeError(f"test crash at step {step}")
 
 
-def stream_config(run_dir, **kw):
-    return {**dict(vocab_size=32, hidden_size=32, num_layers=1, num_heads=2, seq_len=16, batch_size=4, dropout=0.0,
-                   max_steps=1000, num_epochs=2, save_interval=1, save_every_steps=0, eval_interval=0,
-                   tensorboard=False, target_loss=0.0, deterministic=True, seed=3, learning_rate=2e-3,
-                   log_dir=str(run_dir / "logs"), checkpoint_dir=str(run_dir / "ck")), **kw}
+def stream_config(run_dir, overrides: dict | None = None, /, **compact):
+    return {**{"vocab_size": 32, "hidden_size": 32, "num_layers": 1, "num_heads": 2, "seq_len": 16, "batch_size": 4,
+               "dropout": 0.0, "train.max_steps": 1000, "num_epochs": 2, "save_interval": 1,
+               "checkpoint.every_steps": 0, "eval.interval": 0, "logging.tensorboard": False, "target_loss": 0.0,
+               "train.deterministic": True, "train.seed": 3, "learning_rate": 2e-3,
+               "logging.dir": str(run_dir / "logs"), "checkpoint.dir": str(run_dir / "ck")},
+            **(overrides or {}), **compact}
 
 
 def manifest_steps(run_dir) -> list[int]:
@@ -141,7 +143,7 @@ def test_a_stream_without_a_state_resumes_at_the_next_epoch_without_rereading_th
 def test_a_stream_resumed_mid_epoch_with_dropout_equals_the_uninterrupted_run(tmp_path):
     """Starting the stream's epoch on the resume draws nothing from the random state the checkpoint
     restored (the DataLoader's base seed came from the global generator: dropout then differed)."""
-    cfg = dict(dropout=0.1, save_every_steps=3, save_interval=0)
+    cfg = {"dropout": 0.1, "checkpoint.every_steps": 3, "save_interval": 0}
     whole = DDPTrainer(stream_config(tmp_path / "whole", **cfg), train_dataset=StatefulRows(32)).train()
     with pytest.raises(RuntimeError, match="test crash at step 11"):
         DDPTrainer(stream_config(tmp_path, **cfg), train_dataset=StatefulRows(32), callbacks=[CrashAt(11)]).train()
@@ -189,7 +191,7 @@ def test_a_stream_resumed_at_another_world_size_stops_without_the_fatal_marker_t
     import torch
 
     from framework.resilience.markers import FatalError
-    DDPTrainer(stream_config(tmp_path / "one", max_steps=3, num_epochs=1, save_every_steps=3),
+    DDPTrainer(stream_config(tmp_path / "one", {"train.max_steps": 3, "checkpoint.every_steps": 3}, num_epochs=1),
                train_dataset=Rows(32)).train()
     state = torch.load(tmp_path / "one" / "ck" / "step_00000003.pt", weights_only=True)
     state["sampler"]["world_size"] = 2  # as a 2-rank run saved it

@@ -51,18 +51,18 @@ def test_torch_bf16_hook_fails_on_gloo_where_the_frameworks_runs(two_ranks, rank
 def test_powersgd_loss_within_margin_of_plain_all_reduce(two_ranks):
     none, psgd = case(two_ranks, 0, "none"), case(two_ranks, 0, "powersgd")
     n, p = none["summary"], psgd["summary"]
-    assert n["steps"] == p["steps"] == TRAIN_BASE["max_steps"]
+    assert n["steps"] == p["steps"] == TRAIN_BASE["train.max_steps"]
     assert abs(p["final_train_loss"] - n["final_train_loss"]) <= POWERSGD_LOSS_MARGIN, (n, p)
     assert n["first_train_loss"] - n["final_train_loss"] > 10 * POWERSGD_LOSS_MARGIN, n
     # PowerSGD really compressed: it ran every step, on both rebuilt buckets, and changed the result.
-    assert psgd["powersgd_iter"] == TRAIN_BASE["max_steps"]
+    assert psgd["powersgd_iter"] == TRAIN_BASE["train.max_steps"]
     assert psgd["buckets_with_state"] == [0, 1]
     assert p["model_sha256"] != n["model_sha256"]
     assert case(two_ranks, 1, "powersgd")["summary"]["model_sha256"] == p["model_sha256"]
     assert none["logged"] == ["framework.ddp.comm_hooks: DDP communication hook: none (fp32 all-reduce)"]
     assert psgd["logged"] == [f"framework.ddp.comm_hooks: DDP communication hook: powersgd (rank 8, error feedback, "
                               f"warm start; plain all-reduce until iteration"
-                              f" {POWERSGD['powersgd_start_iter']}, now at 0)"]
+                              f" {POWERSGD['ddp.powersgd_start_iter']}, now at 0)"]
 
 
 @pytest.mark.parametrize("rank", [0, 1])
@@ -80,16 +80,16 @@ def test_powersgd_resume_is_exact(two_ranks, rank):
 
 @pytest.mark.dist
 def test_powersgd_killed_and_restarted_by_torchrun_ends_as_uninterrupted(two_ranks, tmp_path):
-    cfg = {**TRAIN_BASE, **POWERSGD, "log_dir": str(tmp_path / "logs"), "checkpoint_dir": str(tmp_path / "ck"),
-           "fault_inject": "sigkill@step=15,rank=1"}
+    cfg = {**TRAIN_BASE, **POWERSGD, "logging.dir": str(tmp_path / "logs"), "checkpoint.dir": str(tmp_path / "ck"),
+           "recovery.fault_inject": "sigkill@step=15,rank=1"}
     run = launch(ROOT / "ddp_training.py", cli_args(cfg), tmp_path, nproc=2, timeout=300,
                  torchrun_extra=["--max-restarts", "1"])
     assert run.returncode == 0, run.output[-4000:]
     log = (tmp_path / "logs" / "rank_0.log").read_text()
     assert f"resumed from step {RESUME_AT}" in log
-    assert f"plain all-reduce until iteration {POWERSGD['powersgd_start_iter']}, now at {RESUME_AT})" in log
+    assert f"plain all-reduce until iteration {POWERSGD['ddp.powersgd_start_iter']}, now at {RESUME_AT})" in log
     summary = json.loads((tmp_path / "logs" / "summary.json").read_text())
-    assert summary["restarts"] == 1 and summary["steps"] == TRAIN_BASE["max_steps"]
+    assert summary["restarts"] == 1 and summary["steps"] == TRAIN_BASE["train.max_steps"]
     assert summary["model_sha256"] == case(two_ranks, 0, "powersgd")["summary"]["model_sha256"]
     assert not run.leftovers
 
@@ -98,8 +98,8 @@ def test_powersgd_killed_and_restarted_by_torchrun_ends_as_uninterrupted(two_ran
 @pytest.mark.dist
 def test_powersgd_with_static_graph_and_accumulation_resumes_exactly(two_ranks, rank):
     uninterrupted, resumed = case(two_ranks, rank, "static_accum"), case(two_ranks, rank, "static_accum_resumed")
-    assert uninterrupted["powersgd_iter"] == STATIC_ACCUM["max_steps"]  # synced backwards only: one per step
-    assert resumed["logged"][0].endswith(f"now at {STATIC_ACCUM['save_every_steps']})")
+    assert uninterrupted["powersgd_iter"] == STATIC_ACCUM["train.max_steps"]  # synced backwards only: one per step
+    assert resumed["logged"][0].endswith(f"now at {STATIC_ACCUM['checkpoint.every_steps']})")
     assert resumed["summary"]["model_sha256"] == uninterrupted["summary"]["model_sha256"]
     assert uninterrupted["static_graph"] and resumed["static_graph"]
 
@@ -172,7 +172,7 @@ def test_powersgd_state_loaded_after_registration_applies_at_once():
     from framework.ddp.comm_hooks import CommHook
     from framework.config import resolve_config
 
-    cfg = resolve_config({"ddp_comm_hook": "powersgd", "powersgd_rank": 2, "powersgd_start_iter": 3})
+    cfg = resolve_config({"ddp.comm_hook": "powersgd", "ddp.powersgd_rank": 2, "ddp.powersgd_start_iter": 3})
     hook = CommHook(cfg.ddp, SimpleNamespace(rank=0, world_size=1, distributed=False, device=torch.device("cpu")),
                     seed=cfg.train.seed)
     registered = []
@@ -193,8 +193,8 @@ def test_one_process_ignores_the_hook_and_says_so(tmp_path):
     from framework.trainer import DDPTrainer
     from tests.workers.comm_hooks import GRAD_BASE
 
-    cfg = {**GRAD_BASE, **POWERSGD, "max_steps": 2, "log_dir": str(tmp_path / "logs"),
-           "checkpoint_dir": str(tmp_path / "ck")}
+    cfg = {**GRAD_BASE, **POWERSGD, "train.max_steps": 2, "logging.dir": str(tmp_path / "logs"),
+           "checkpoint.dir": str(tmp_path / "ck")}
     summary = DDPTrainer(cfg, rank=0, world_size=1).train()
     assert summary["steps"] == 2
     assert "ddp_comm_hook=powersgd: not used by one process" in (tmp_path / "logs" / "rank_0.log").read_text()

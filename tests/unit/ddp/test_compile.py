@@ -51,7 +51,7 @@ def test_inductor_without_a_cpp_compiler_is_a_one_line_error(monkeypatch):
     monkeypatch.setenv("PATH", "/nonexistent")
     monkeypatch.delenv("CXX", raising=False)
     with pytest.raises(ConfigError) as err:
-        resolve_config({"compile": True})
+        resolve_config({"compile.enabled": True})
     assert err.value.problems == ["compile.backend='inductor': needs a C++ compiler (g++, c++ or clang++ on PATH, "
                                   "or CXX); allowed without one: aot_eager, eager"]
     assert resolve_config({"compile": {"enabled": True, "backend": "aot_eager"}}).compile.enabled
@@ -66,15 +66,16 @@ def test_injected_oom_under_compile_halves_the_micro_batch_and_matches_eager(tmp
     import torch._dynamo
 
     from framework.trainer import DDPTrainer
-    from framework.testing.tiny import tiny
+    from tests.tiny import tiny
 
     torch._dynamo.reset()
     with caplog.at_level("WARNING"):
-        DDPTrainer(tiny(tmp_path, max_steps=4, oom_recovery="true", fault_inject="oom@step=1", compile=True,
-                        compile_backend="aot_eager", checkpoint_dir=str(tmp_path / "a"))).train()
+        DDPTrainer(tiny(tmp_path, {"train.max_steps": 4, "recovery.oom": "true", "recovery.fault_inject": "oom@step=1",
+                                   "compile.enabled": True, "compile.backend": "aot_eager",
+                                   "checkpoint.dir": str(tmp_path / "a")})).train()
     assert "out of memory in micro-step" in caplog.text and "micro-batch 8 -> 4" in caplog.text
-    DDPTrainer(tiny(tmp_path, max_steps=4, batch_size=4, gradient_accumulation_steps=2,
-                    checkpoint_dir=str(tmp_path / "b"))).train()
+    DDPTrainer(tiny(tmp_path, {"train.max_steps": 4, "data.gradient_accumulation_steps": 2,
+                               "checkpoint.dir": str(tmp_path / "b")}, batch_size=4)).train()
     a = torch.load(tmp_path / "a" / "final_model.pt", weights_only=True)
     b = torch.load(tmp_path / "b" / "final_model.pt", weights_only=True)
     assert list(a) == list(b)  # plain names, no _orig_mod. prefix

@@ -15,7 +15,7 @@ from framework.model.offload import CpuOffload, OffloadStats
 from framework.config import resolve_config
 from framework.ddp.policy import Decision, wrap
 from framework.train.optim import precision
-from framework.testing.tiny import tiny as tiny_config
+from tests.tiny import tiny as tiny_config
 
 
 @pytest.mark.parametrize("local_rank, cuda, count, expected", [
@@ -59,7 +59,7 @@ def test_autocast_dtype_and_grad_scaler(use_amp, amp_dtype, device, amp, dtype, 
 
 def test_fp16_without_cuda_is_a_config_error():
     with mock.patch("torch.cuda.is_available", return_value=False), pytest.raises(ValueError, match="needs CUDA"):
-        resolve_config({"use_amp": "true", "amp_dtype": "fp16"})
+        resolve_config({"use_amp": "true", "precision.dtype": "fp16"})
 
 
 def test_offload_copies_a_cuda_tensor_into_pinned_host_memory_without_blocking():
@@ -177,8 +177,9 @@ def test_a_one_rank_group_trains_through_ddp_and_switches_to_the_steady_timeout(
     from framework.trainer import DDPTrainer
     dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
     try:
-        trainer = DDPTrainer(tiny_config(tmp_path, dataset_size=64, max_steps=4, eval_interval=0, export_dir="none",
-                                         resume="none", init_timeout_s=900, timeout_s=60))
+        trainer = DDPTrainer(tiny_config(tmp_path, {"train.max_steps": 4, "eval.interval": 0,
+                                                    "checkpoint.export_dir": "none", "checkpoint.resume": "none",
+                                                    "ddp.init_timeout_s": 900, "ddp.timeout_s": 60}, dataset_size=64))
         assert trainer.env.distributed and isinstance(trainer.model, DistributedDataParallel)
         assert trainer.train()["steps"] == 4
     finally:

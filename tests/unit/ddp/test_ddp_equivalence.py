@@ -37,7 +37,7 @@ def test_token_averaged_gradients_match_single_process(two_ranks, rank):
 
 def single_process_run(tmp_path, overrides, world_size=2):
     cfg = {**BASE, **overrides, "batch_size": overrides["batch_size"] * world_size,
-           "log_dir": str(tmp_path / "logs"), "checkpoint_dir": str(tmp_path / "ck")}
+           "logging.dir": str(tmp_path / "logs"), "checkpoint.dir": str(tmp_path / "ck")}
     summary = DDPTrainer(cfg, rank=0, world_size=1).train()
     return summary, torch.load(tmp_path / "ck" / "final_model.pt", weights_only=True)
 
@@ -46,7 +46,7 @@ def single_process_run(tmp_path, overrides, world_size=2):
 def test_parameters_after_steps(two_ranks, tmp_path, name):
     r0, r1 = case(two_ranks, 0, name), case(two_ranks, 1, name)
     assert r0["all_sha256"][0] == r0["all_sha256"][1] == r1["summary"]["model_sha256"]
-    assert r0["summary"]["steps"] == TRAIN_CASES[name]["max_steps"]
+    assert r0["summary"]["steps"] == TRAIN_CASES[name]["train.max_steps"]
     summary, ref = single_process_run(tmp_path, TRAIN_CASES[name])
     assert summary["steps"] == r0["summary"]["steps"]
     ddp = torch.load(r0["final_model"], weights_only=True)
@@ -56,7 +56,7 @@ def test_parameters_after_steps(two_ranks, tmp_path, name):
     assert worst <= TOL, worst
     assert abs(summary["final_train_loss"] - r0["summary"]["final_train_loss"]) <= 1e-5
     # The weights moved: equality is not just two untouched initialisations.
-    torch.manual_seed(BASE["seed"])
+    torch.manual_seed(BASE["train.seed"])
     init = GPT(GPTConfig.from_train_config(resolve_config({**BASE, **TRAIN_CASES[name]}))).state_dict()
     assert max((ref[k] - init[k]).abs().max().item() for k in ref) > 1e-3
 
@@ -65,6 +65,6 @@ def test_validation_loss_same_on_one_and_two_ranks(two_ranks, tmp_path):
     r0, r1 = case(two_ranks, 0, "eval"), case(two_ranks, 1, "eval")
     assert r0["val_loss"] == r1["val_loss"]
     assert (r0["shard_size"], r1["shard_size"]) == (18, 17)
-    cfg = {**BASE, **EVAL_CASE, "log_dir": str(tmp_path / "logs"), "checkpoint_dir": str(tmp_path / "ck")}
+    cfg = {**BASE, **EVAL_CASE, "logging.dir": str(tmp_path / "logs"), "checkpoint.dir": str(tmp_path / "ck")}
     single = DDPTrainer(cfg, rank=0, world_size=1).evaluate()
     assert abs(single - r0["val_loss"]) <= 1e-6, (single, r0["val_loss"])

@@ -159,8 +159,8 @@ def test_diagnoses_name_the_fix(message, fix):
 def test_doctor_reports_and_exits_0(tmp_path, capsys):
     code = ddp_training.main(["--doctor", "--hidden-size", "32", "--num-heads", "2", "--num-layers", "2",
                               "--vocab-size", "32", "--dataset-size", "64", "--seq-len", "16",
-                              "--gradient-checkpointing", "reentrant", "--tie-embeddings", "true",
-                              "--log-dir", str(tmp_path)])
+                              "--memory.activation_checkpointing", "reentrant", "--model.tie_embeddings", "true",
+                              "--logging.dir", str(tmp_path)])
     out = capsys.readouterr().out
     assert code == 0
     assert "shared parameters: tok_emb.weight = lm_head.weight" in out
@@ -181,8 +181,8 @@ def test_doctor_exits_1_when_forced_settings_would_fail(tmp_path, capsys):
             return self.out(self.emb(x))
 
     trainer = DDPTrainer({"vocab_size": 32, "seq_len": 8, "dataset_size": 64, "batch_size": 4,
-                          "find_unused_parameters": "false", "log_dir": str(tmp_path), "num_workers": 0,
-                          "checkpoint_dir": str(tmp_path / "ck")},
+                          "ddp.find_unused_parameters": "false", "logging.dir": str(tmp_path), "num_workers": 0,
+                          "checkpoint.dir": str(tmp_path / "ck")},
                          model=WithUnused(), doctor=True)
     assert trainer.report.unused == ["spare.bias", "spare.weight"]
     assert not trainer.decision.safe
@@ -195,9 +195,10 @@ def test_reentrant_module_whose_inputs_need_no_grad_is_switched_and_trained(targ
     leaves the module untrained). The preflight sees every parameter trained after the switch, and
     the run trains the module."""
     data = dataset()
-    cfg = {"gradient_checkpointing": "reentrant", "checkpoint_modules": targets, "batch_size": 8, "num_workers": 0,
-           "log_dir": str(tmp_path / "logs"), "checkpoint_dir": str(tmp_path / "ck"), "max_steps": 4,
-           "learning_rate": 0.01, "tensorboard": False}
+    cfg = {"memory.activation_checkpointing": "reentrant", "memory.activation_checkpointing_modules": targets,
+           "batch_size": 8, "num_workers": 0,
+           "logging.dir": str(tmp_path / "logs"), "checkpoint.dir": str(tmp_path / "ck"), "train.max_steps": 4,
+           "learning_rate": 0.01, "logging.tensorboard": False}
     doctor = DDPTrainer(cfg, model=FrozenThenAdapter(), train_dataset=data, loss_fn=nn.functional.mse_loss,
                         doctor=True)
     doctor.close()
@@ -206,7 +207,8 @@ def test_reentrant_module_whose_inputs_need_no_grad_is_switched_and_trained(targ
     assert any("non_reentrant" in r and "'adapter'" in r for r in doctor.decision.reasons), doctor.decision.reasons
     model = FrozenThenAdapter()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    DDPTrainer({**cfg, "resume": "none"}, model=model, train_dataset=data, loss_fn=nn.functional.mse_loss).train()
+    DDPTrainer({**cfg, "checkpoint.resume": "none"}, model=model, train_dataset=data,
+               loss_fn=nn.functional.mse_loss).train()
     for name, p in model.named_parameters():
         assert torch.equal(p, before[name]) == name.startswith("encoder."), name
 

@@ -107,9 +107,9 @@ def test_framework_gradients_match_single_process(two_ranks, name, rank):
 def test_framework_checkpointing_path(two_ranks, name):
     out = case(two_ranks, 0, name)
     kind, overrides = FRAMEWORK_CASES[name]
-    mode = overrides.get("gradient_checkpointing", "off")
+    mode = overrides.get("memory.activation_checkpointing", "off")
     path = out["checkpointing"]["path"]
-    if kind == "moe" or "checkpoint_modules" in overrides:
+    if kind == "moe" or "memory.activation_checkpointing_modules" in overrides:
         assert path == "framework" and any("so the framework wraps them" in line or "on 2 modules" in line
                                            for line in out["log"])
     else:
@@ -117,7 +117,7 @@ def test_framework_checkpointing_path(two_ranks, name):
         if mode != "off":
             assert any("'s own activation checkpointing" in line for line in out["log"]), out["log"]
     assert (out["offload_packed"] > 0) == (mode == "offload")
-    if overrides.get("tiled_mlp_chunks"):
+    if overrides.get("memory.tiled_mlp_chunks"):
         assert any(line.startswith("tiled MLP (4 chunks) on 2 modules") for line in out["log"]), out["log"]
 
 
@@ -389,8 +389,8 @@ def test_tiled_mlp_modules_config_mistakes():
 
 
 def test_user_model_without_tiled_mlp_modules_keeps_the_warning(tmp_path, caplog):
-    cfg = dict(tiled_mlp_chunks=4, batch_size=2, num_workers=0, tensorboard=False, log_dir=str(tmp_path),
-               checkpoint_dir=str(tmp_path / "ck"))
+    cfg = {"memory.tiled_mlp_chunks": 4, "batch_size": 2, "num_workers": 0, "logging.tensorboard": False,
+           "logging.dir": str(tmp_path), "checkpoint.dir": str(tmp_path / "ck")}
     with caplog.at_level(logging.WARNING, logger="framework.model"):
         trainer = DDPTrainer(cfg, rank=0, world_size=1, model=llama(False), train_dataset=DATA, loss_fn=lm_loss)
     trainer.close()
@@ -416,9 +416,9 @@ def test_probe_excludes_frozen_parameters_and_runs_in_training_mode(mode):
     assert not any(m.training for m in model.modules())  # put back
 
 
-def doctor(tmp_path, model, **overrides):
-    cfg = {**dict(batch_size=1, num_workers=0, tensorboard=False, log_dir=str(tmp_path), seed=5,
-                  checkpoint_dir=str(tmp_path / "ck")), **overrides}
+def doctor(tmp_path, model, overrides: dict | None = None, /, **compact):
+    cfg = {**{"batch_size": 1, "num_workers": 0, "logging.tensorboard": False, "logging.dir": str(tmp_path),
+              "train.seed": 5, "checkpoint.dir": str(tmp_path / "ck")}, **(overrides or {}), **compact}
     trainer = DDPTrainer(cfg, rank=0, world_size=1, model=model, train_dataset=TokenPairs(), loss_fn=lm_loss,
                          doctor=True)
     trainer.close()
@@ -427,7 +427,8 @@ def doctor(tmp_path, model, **overrides):
 
 def test_doctor_switches_reentrant_moe_to_non_reentrant(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="framework.model"):
-        trainer = doctor(tmp_path, moe(), gradient_checkpointing="reentrant", checkpoint_modules="MoELayer")
+        trainer = doctor(tmp_path, moe(), {"memory.activation_checkpointing": "reentrant",
+                                           "memory.activation_checkpointing_modules": "MoELayer"})
     assert trainer._activation_checkpointing.mode == "non_reentrant" and trainer.decision.safe
     assert trainer.decision.reasons[0].startswith("gradient checkpointing switched from reentrant to non_reentrant")
     assert (trainer.decision.static_graph, trainer.decision.find_unused_parameters) == (False, True)
@@ -435,14 +436,15 @@ def test_doctor_switches_reentrant_moe_to_non_reentrant(tmp_path, caplog):
 
 
 def test_doctor_keeps_reentrant_when_a_setting_fits(tmp_path):
-    trainer = doctor(tmp_path, llama(True), gradient_checkpointing="reentrant", batch_size=BATCH)
+    trainer = doctor(tmp_path, llama(True), {"memory.activation_checkpointing": "reentrant"}, batch_size=BATCH)
     assert trainer._activation_checkpointing.mode == "reentrant" and trainer.decision.safe
     assert not any("switched" in r for r in trainer.decision.reasons)
 
 
 def test_doctor_does_not_switch_forced_settings(tmp_path):
-    trainer = doctor(tmp_path, moe(), gradient_checkpointing="reentrant", checkpoint_modules="MoELayer",
-                     ddp_static_graph="true")
+    trainer = doctor(tmp_path, moe(), {"memory.activation_checkpointing": "reentrant",
+                                       "memory.activation_checkpointing_modules": "MoELayer",
+                                       "ddp.static_graph": "true"})
     assert trainer._activation_checkpointing.mode == "reentrant" and not trainer.decision.safe
 
 
@@ -460,9 +462,10 @@ def test_hf_switch_keeps_the_users_checkpoint_function_otherwise():
 
 
 def test_one_process_training_of_a_lora_model(tmp_path):
-    cfg = dict(batch_size=2, num_workers=0, tensorboard=False, log_dir=str(tmp_path), target_loss=0.0,
-               checkpoint_dir=str(tmp_path / "ck"), max_steps=3, learning_rate=1e-2, seed=5,
-               gradient_checkpointing="reentrant", tiled_mlp_chunks=4, tiled_mlp_modules="LlamaMLP")
+    cfg = {"batch_size": 2, "num_workers": 0, "logging.tensorboard": False, "logging.dir": str(tmp_path),
+           "target_loss": 0.0, "checkpoint.dir": str(tmp_path / "ck"), "train.max_steps": 3, "learning_rate": 1e-2,
+           "train.seed": 5, "memory.activation_checkpointing": "reentrant", "memory.tiled_mlp_chunks": 4,
+           "memory.tiled_mlp_modules": "LlamaMLP"}
     summary = DDPTrainer(cfg, rank=0, world_size=1, model=llama(True), train_dataset=TokenPairs(),
                          val_dataset=DATA, loss_fn=lm_loss).train()
     assert summary["steps"] == 3 and torch.isfinite(torch.tensor(summary["final_val_loss"]))

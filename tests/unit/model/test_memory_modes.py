@@ -21,12 +21,12 @@ def test_two_ranks_match_single_process(two_ranks, name, rank):
     assert out["max_abs_diff"] <= TOL, out
     assert out["rank_gap"] == 0.0, out
     overrides = {**COMBOS, **FORCED}[name]
-    if overrides.get("ddp_static_graph") == "true":
+    if overrides.get("ddp.static_graph") == "true":
         assert out["static_graph"]
-    if overrides.get("find_unused_parameters") == "true":
+    if overrides.get("ddp.find_unused_parameters") == "true":
         assert out["find_unused_parameters"]
-    if overrides.get("gradient_checkpointing") == "offload":
-        accum = overrides.get("gradient_accumulation_steps", 1)
+    if overrides.get("memory.activation_checkpointing") == "offload":
+        accum = overrides.get("data.gradient_accumulation_steps", 1)
         forwards = 2 + ITERATIONS * accum  # two probe batches, then the real micro-steps
         assert out["offload_packed"] == out["offload_unpacked"] == forwards * BASE["num_layers"]
 
@@ -44,7 +44,7 @@ def test_probe_and_forced_settings_train_the_same_model(two_ranks):
 
 @pytest.mark.parametrize("name", list(COMBOS))
 def test_one_process_matches_plain_model(tmp_path, name):
-    trainer = DDPTrainer({**BASE, **COMBOS[name], "log_dir": str(tmp_path), "checkpoint_dir": str(tmp_path / "ck")},
+    trainer = DDPTrainer({**BASE, **COMBOS[name], "logging.dir": str(tmp_path), "checkpoint.dir": str(tmp_path / "ck")},
                          rank=0, world_size=1)
     cfg = trainer.config
     batches = iter(trainer._stream.loader)

@@ -1,21 +1,20 @@
 """The metrics stream (log_dir/metrics.jsonl) and the summary's counters, in one process."""
 
-import functools
 import json
 
 import pytest
 
 from framework import DDPTrainer
 from framework.observability.metrics import read_metrics
-from framework.testing.tiny import tiny as tiny_config
+from tests.tiny import variant
 
-# tiny(run_dir, **overrides): this module's variant of the tiny configuration, its dirs under run_dir
-tiny = functools.partial(tiny_config, eval_interval=4, memory_check_interval=4)
+# tiny(run_dir, overrides): this module's variant of the tiny configuration, its dirs under run_dir
+tiny = variant({"eval.interval": 4, "memory_check_interval": 4})
 TINY = tiny()
 
 
 def test_every_logged_scalar_goes_to_the_stream_and_the_last_loss_is_the_summarys(tmp_path):
-    summary = DDPTrainer(tiny(tmp_path, max_steps=7)).train()
+    summary = DDPTrainer(tiny(tmp_path, {"train.max_steps": 7})).train()
     rows = read_metrics(tmp_path / "logs" / "metrics.jsonl")
     assert [r["step"] for r in rows] == [2, 4, 6, 7]
     assert {"train/loss", "train/lr", "train/grad_norm", "train/tokens_per_sec", "val/loss",
@@ -27,10 +26,11 @@ def test_every_logged_scalar_goes_to_the_stream_and_the_last_loss_is_the_summary
 
 @pytest.mark.slow
 def test_a_resumed_run_appends_and_its_purge_keeps_the_steps_increasing(tmp_path):
-    DDPTrainer(tiny(tmp_path, max_steps=12, save_every_steps=4, fault_inject="sigterm@step=5")).train()
+    DDPTrainer(tiny(tmp_path, {"train.max_steps": 12, "checkpoint.every_steps": 4,
+                               "recovery.fault_inject": "sigterm@step=5"})).train()
     path = tmp_path / "logs" / "metrics.jsonl"
     first = path.read_text()
-    summary = DDPTrainer(tiny(tmp_path, max_steps=12, save_every_steps=4)).train()
+    summary = DDPTrainer(tiny(tmp_path, {"train.max_steps": 12, "checkpoint.every_steps": 4})).train()
     text = path.read_text()
     assert text.startswith(first)  # appended, never rewritten
     assert json.loads(text[len(first):].splitlines()[0]) == {"purge_from": 7}  # resumed from step 6
@@ -40,7 +40,7 @@ def test_a_resumed_run_appends_and_its_purge_keeps_the_steps_increasing(tmp_path
 
 
 def test_skipped_steps_are_counted_in_the_summary(tmp_path):
-    summary = DDPTrainer(tiny(tmp_path, max_steps=6, fault_inject="nan@step=2")).train()
+    summary = DDPTrainer(tiny(tmp_path, {"train.max_steps": 6, "recovery.fault_inject": "nan@step=2"})).train()
     assert summary["skipped_steps"] == 1
 
 
@@ -50,8 +50,8 @@ def test_restarts_with_and_without_a_checkpoint_keep_steps_increasing_and_sample
     from framework.data.sampler import ResumableDistributedSampler
     from framework.observability.metrics import read_samples
 
-    cfg = tiny(tmp_path, dataset_size=64, max_steps=12, save_every_steps=6, record_samples=True,
-               fault_inject="crash@step=5; crash@step=10,restart=1")
+    cfg = tiny(tmp_path, {"train.max_steps": 12, "checkpoint.every_steps": 6, "logging.record_samples": True,
+                          "recovery.fault_inject": "crash@step=5; crash@step=10,restart=1"}, dataset_size=64)
     for count in (0, 1, 2):
         monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", str(count))
         try:
@@ -63,7 +63,7 @@ def test_restarts_with_and_without_a_checkpoint_keep_steps_increasing_and_sample
     assert steps == sorted(set(steps)) and steps[-1] == 12
     records = read_samples(tmp_path / "logs" / "samples_rank_0.jsonl")
     assert [r["step"] for r in records] == list(range(1, 13))
-    permutation = ResumableDistributedSampler(64, 1, 0, 8, 1, TINY.get("seed", 1337)).permutation
+    permutation = ResumableDistributedSampler(64, 1, 0, 8, 1, TINY.get("train.seed", 1337)).permutation
     epoch0 = sorted(i for r in records if r["epoch"] == 0 for i in r["indices"])
     assert epoch0 == sorted(permutation(0).tolist())  # every sample of the completed epoch, once
 
@@ -71,9 +71,9 @@ def test_restarts_with_and_without_a_checkpoint_keep_steps_increasing_and_sample
 def test_a_relaunch_that_resumes_at_the_last_step_reports_the_loss_it_ended_with(tmp_path):
     """A kill -9 during the export leaves the final checkpoint; the relaunch resumes there and runs
     no step, and its summary's final_train_loss is still the last step's (as metrics.jsonl says)."""
-    first = DDPTrainer(tiny(tmp_path, max_steps=6, log_interval=1)).train()
+    first = DDPTrainer(tiny(tmp_path, {"train.max_steps": 6}, log_interval=1)).train()
     (tmp_path / "logs" / "summary.json").unlink()
-    again = DDPTrainer(tiny(tmp_path, max_steps=6, log_interval=1, resume="auto")).train()
+    again = DDPTrainer(tiny(tmp_path, {"train.max_steps": 6, "checkpoint.resume": "auto"}, log_interval=1)).train()
     assert again["steps"] == 6
     rows = read_metrics(tmp_path / "logs" / "metrics.jsonl")
     assert again["final_train_loss"] == first["final_train_loss"] == rows[-1]["train/loss"]

@@ -290,7 +290,7 @@ def test_sigkill_fault_kills_the_process():
 def test_the_moments_reach_every_listener_in_order_and_a_fault_at_export_fires_before_the_export(tmp_path,
                                                                                                   monkeypatch):
     from framework import DDPTrainer
-    from framework.testing.tiny import tiny
+    from tests.tiny import tiny
     from framework.train.moments import Listener, Moments
 
     heard = []
@@ -321,8 +321,9 @@ def test_the_moments_reach_every_listener_in_order_and_a_fault_at_export_fires_b
     seam.step_end(1, None, lambda: {"loss": 1.0})
     assert heard == [("step_start", 0)] * 2 + [("micro_batch", 0)] * 2 + [("step_end", 1, ["loss"])] * 2
 
-    cfg = tiny(tmp_path, max_steps=2, save_every_steps=2, fault_inject="crash@step=2,at=export",
-               export_dir=str(tmp_path / "export"))
+    cfg = tiny(tmp_path, {"train.max_steps": 2, "checkpoint.every_steps": 2,
+                          "recovery.fault_inject": "crash@step=2,at=export",
+                          "checkpoint.export_dir": str(tmp_path / "export")})
     with pytest.raises(RuntimeError, match=r"fault injection: crash at step 2 \(export\)"):
         DDPTrainer(cfg).train()
     assert list((tmp_path / "ck").glob("step_00000002*.pt"))  # the final save came first

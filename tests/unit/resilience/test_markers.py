@@ -6,7 +6,7 @@ import pytest
 
 from framework.resilience import markers
 from framework.resilience.markers import FATAL, MICRO_BATCH, PREEMPTED, FatalError
-from framework.testing.tiny import tiny as tiny_config
+from tests.tiny import tiny as tiny_config
 
 
 def test_write_read_clear(tmp_path):
@@ -136,7 +136,7 @@ def test_a_second_launch_into_a_live_runs_checkpoint_dir_changes_none_of_its_mar
     markers.record_error(ck, 1, RuntimeError("the live run's last error"))
     markers.write(ck, PREEMPTED, "preempted at step 9")
     before = {p.name: p.read_bytes() for p in ck.iterdir() if p.name != ".lock"}
-    cfg = tiny_config(tmp_path, dataset_size=64, max_steps=2, checkpoint_dir=str(ck))
+    cfg = tiny_config(tmp_path, {"train.max_steps": 2, "checkpoint.dir": str(ck)}, dataset_size=64)
     try:
         with pytest.raises(CheckpointDirLocked, match="is in use by another run"):
             DDPTrainer(cfg)

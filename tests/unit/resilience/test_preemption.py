@@ -13,17 +13,18 @@ from pathlib import Path
 import pytest
 
 from framework.resilience.preemption import DUPLICATE_WINDOW_S
-from framework.testing.tiny import tiny as tiny_config
+from tests.tiny import tiny as tiny_config
 from tests.dist_helper import ROOT, cli_args, worker_env
 
 # A long final evaluation (about 2 s here): 2,000 validation sequences of 128 tokens.
-SLOW_EVAL = dict(vocab_size=64, hidden_size=128, num_layers=2, num_heads=2, seq_len=128, dataset_size=20000,
-                 batch_size=16, eval_steps=125, eval_interval=0, max_steps=8, dropout=0.0, num_workers=0,
-                 tensorboard=False, target_loss=0.0, log_interval=1)
+SLOW_EVAL = {"vocab_size": 64, "hidden_size": 128, "num_layers": 2, "num_heads": 2, "seq_len": 128,
+             "dataset_size": 20000, "batch_size": 16, "eval.steps": 125, "eval.interval": 0, "train.max_steps": 8,
+             "dropout": 0.0, "num_workers": 0, "logging.tensorboard": False, "target_loss": 0.0, "log_interval": 1}
 
 
-def start(run_dir: Path, **cfg) -> subprocess.Popen:
-    cfg = {**SLOW_EVAL, "log_dir": str(run_dir / "logs"), "checkpoint_dir": str(run_dir / "ck"), **cfg}
+def start(run_dir: Path, overrides: dict | None = None, /, **compact) -> subprocess.Popen:
+    cfg = {**SLOW_EVAL, "logging.dir": str(run_dir / "logs"), "checkpoint.dir": str(run_dir / "ck"),
+           **(overrides or {}), **compact}
     return subprocess.Popen([sys.executable, str(ROOT / "ddp_training.py"), *cli_args(cfg)], cwd=ROOT, env=worker_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -42,7 +43,7 @@ def wait_for_log(run_dir: Path, needle: str, timeout: float = 60) -> None:
 def test_sigterm_after_the_last_step_leaves_the_evaluation_to_the_resumed_run(tmp_path):
     """Before the final evaluation the ranks agree on a late request: the final step is saved,
     PREEMPTED written, and the resumed run only evaluates."""
-    proc = start(tmp_path, step_timeout_s=0)
+    proc = start(tmp_path, {"recovery.step_timeout_s": 0})
     wait_for_log(tmp_path, "step 8/8")
     proc.send_signal(signal.SIGTERM)
     output, _ = proc.communicate(timeout=120)
@@ -83,7 +84,7 @@ def test_sigterm_during_the_final_evaluation_stops_it_saves_and_the_relaunch_eva
 
 @pytest.mark.dist
 def test_two_signals_milliseconds_apart_are_one_request(tmp_path):
-    proc = start(tmp_path, max_steps=100000, eval_steps=2)
+    proc = start(tmp_path, {"train.max_steps": 100000, "eval.steps": 2})
     wait_for_log(tmp_path, "step 3/")
     proc.send_signal(signal.SIGTERM)
     time.sleep(0.01)
@@ -99,7 +100,7 @@ def test_two_signals_milliseconds_apart_are_one_request(tmp_path):
 @pytest.mark.dist
 def test_a_second_signal_after_the_window_exits_at_once(tmp_path):
     # Step 4 takes about 8 s (fault_inject slow): the first request waits for its end, the second does not.
-    proc = start(tmp_path, max_steps=100, fault_inject="slow@step=3,ms=8000")
+    proc = start(tmp_path, {"train.max_steps": 100, "recovery.fault_inject": "slow@step=3,ms=8000"})
     wait_for_log(tmp_path, "step 3/")
     proc.send_signal(signal.SIGUSR1)
     wait_for_log(tmp_path, "received SIGUSR1")
@@ -116,7 +117,7 @@ def test_a_second_signal_after_the_window_exits_at_once(tmp_path):
 def test_evaluation_and_saves_run_under_deadlines_of_their_own(tmp_path):
     """A 1 s step deadline (steps take ~40 ms) and an evaluation of ~2 s in the middle of the run:
     the watchdog gives the evaluation its own deadline instead of killing a healthy run."""
-    proc = start(tmp_path, step_timeout_s=1.0, eval_interval=4, save_every_steps=4)
+    proc = start(tmp_path, {"recovery.step_timeout_s": 1.0, "eval.interval": 4, "checkpoint.every_steps": 4})
     output, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, output[-3000:]
     log0 = (tmp_path / "logs" / "rank_0.log").read_text()
@@ -124,11 +125,13 @@ def test_evaluation_and_saves_run_under_deadlines_of_their_own(tmp_path):
 
 
 # In one process: 32 validation batches of 8 (eval_steps=0: the whole split of 256 sequences).
-EVAL = tiny_config(dataset_size=2560, eval_steps=0, eval_interval=0, max_steps=8, log_interval=1, deterministic=True)
+EVAL = tiny_config(None, {"eval.steps": 0, "eval.interval": 0, "train.max_steps": 8, "train.deterministic": True},
+                   dataset_size=2560, log_interval=1)
 
 
-def in_process(run_dir: Path, **over) -> dict:
-    return {**EVAL, "log_dir": str(run_dir / "logs"), "checkpoint_dir": str(run_dir / "ck"), **over}
+def in_process(run_dir: Path, overrides: dict | None = None, /, **compact) -> dict:
+    return {**EVAL, "logging.dir": str(run_dir / "logs"), "checkpoint.dir": str(run_dir / "ck"), **(overrides or {}),
+            **compact}
 
 
 def sigterm_in_evaluation(monkeypatch, at_step: int, at_batch: int) -> list[int]:
@@ -177,7 +180,7 @@ def test_sigterm_in_a_mid_run_evaluation_stops_it_saves_and_the_resume_evaluates
         tmp_path, monkeypatch):
     from framework import DDPTrainer
     from framework.observability.metrics import read_metrics
-    cfg = dict(eval_interval=4, max_steps=12, save_every_steps=4)
+    cfg = {"eval.interval": 4, "train.max_steps": 12, "checkpoint.every_steps": 4}
     whole = DDPTrainer(in_process(tmp_path / "whole", **cfg)).train()
     batches = sigterm_in_evaluation(monkeypatch, at_step=8, at_batch=2)
     first = DDPTrainer(in_process(tmp_path, **cfg)).train()
@@ -204,7 +207,8 @@ def test_the_mid_run_preemption_save_runs_under_a_watchdog_phase_of_its_own(tmp_
         return real(self, name, *args, **kwargs)
 
     monkeypatch.setattr(Watchdog, "phase", spy)
-    summary = DDPTrainer(in_process(tmp_path, fault_inject="sigterm@step=3", step_timeout_s=30)).train()
+    summary = DDPTrainer(in_process(tmp_path, {"recovery.fault_inject": "sigterm@step=3",
+                                               "recovery.step_timeout_s": 30})).train()
     assert summary["preempted"] and summary["steps"] == 4
     assert phases == ["preemption save"]
 
@@ -314,8 +318,8 @@ def test_a_run_whose_agent_died_saves_and_raises_peer_lost_exit_75_never_0(tmp_p
     from framework.ddp import process_group
 
     monkeypatch.setattr(process_group, "agent_gone", lambda: True)
-    extra = {"fault_inject": "sigterm@step=2"} if when == "preempted" else {}
-    trainer = DDPTrainer(tiny_config(tmp_path, max_steps=4, **extra))
+    extra = {"recovery.fault_inject": "sigterm@step=2"} if when == "preempted" else {}
+    trainer = DDPTrainer(tiny_config(tmp_path, {"train.max_steps": 4}, **extra))
     with pytest.raises(process_group.PeerLost) as raised:
         trainer.train()
     assert raised.value.code == process_group.EXIT_PEER_LOST == 75

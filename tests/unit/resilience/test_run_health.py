@@ -36,7 +36,7 @@ def test_nan_on_one_rank_is_skipped_on_both(health):
     for rank in (0, 1):
         out = case(health, "nan_skip", rank)
         assert "error" not in out, out.get("traceback")
-        assert out["summary"]["steps"] == BASE["max_steps"]
+        assert out["summary"]["steps"] == BASE["train.max_steps"]
         assert "step 4: non-finite loss or gradients on some rank; step skipped on all ranks" in logs(
             health, "nan_skip", rank)
     assert case(health, "nan_skip", 0)["summary"]["model_sha256"] == case(health, "nan_skip", 1)["summary"][
@@ -85,21 +85,23 @@ def test_killed_loader_worker_is_replaced_and_no_sample_is_lost(health):
     per_epoch = out0["steps_per_epoch"]
     records = [json.loads(line) for rank in (0, 1) for line in
                (health[0] / "kill_worker" / "logs" / f"samples_rank_{rank}.jsonl").read_text().splitlines()]
-    sampler = ResumableDistributedSampler(BASE["dataset_size"], 2, 0, BASE["batch_size"], 1, BASE["seed"])
+    sampler = ResumableDistributedSampler(BASE["dataset_size"], 2, 0, BASE["batch_size"], 1, BASE["train.seed"])
     epoch0 = sorted(i for r in records if r["epoch"] == 0 for i in r["indices"])
-    n = min(per_epoch, BASE["max_steps"]) * 2 * BASE["batch_size"]
+    n = min(per_epoch, BASE["train.max_steps"]) * 2 * BASE["batch_size"]
     assert epoch0 == sorted(sampler.permutation(0)[:n].tolist())
 
 
 def test_oom_in_the_synced_backward_restarts_with_half_the_micro_batch(tmp_path):
     ref_dir, oom_dir = tmp_path / "reference", tmp_path / "oom"
-    ref = launch(ROOT / "ddp_training.py", args_for(ref_dir, batch_size=2, gradient_accumulation_steps=2,
-                                                   max_steps=16, save_every_steps=4, record_samples=False,
-                                                   dropout=0.0), ref_dir)
+    ref = launch(ROOT / "ddp_training.py", args_for(ref_dir, {"data.gradient_accumulation_steps": 2,
+                                                              "train.max_steps": 16, "checkpoint.every_steps": 4,
+                                                              "logging.record_samples": False},
+                                                    batch_size=2, dropout=0.0), ref_dir)
     assert ref.returncode == 0, ref.output[-3000:]
-    run = launch(ROOT / "ddp_training.py", args_for(oom_dir, max_steps=16, save_every_steps=4, record_samples=False,
-                                                   dropout=0.0,
-                                                   fault_inject="oom@step=6,rank=1", oom_recovery=True),
+    run = launch(ROOT / "ddp_training.py", args_for(oom_dir, {"train.max_steps": 16, "checkpoint.every_steps": 4,
+                                                              "logging.record_samples": False,
+                                                              "recovery.fault_inject": "oom@step=6,rank=1",
+                                                              "recovery.oom": True}, dropout=0.0),
                  oom_dir, torchrun_extra=["--max-restarts", "1"])
     assert run.returncode == 0, run.output[-4000:]
     assert "out of memory in the synced forward/backward of step 6" in rank_log(oom_dir, 1)
@@ -120,8 +122,9 @@ def test_oom_in_the_synced_backward_restarts_with_half_the_micro_batch(tmp_path)
 @pytest.mark.parametrize("restarts", [0, 1])
 def test_hung_rank_holding_the_gil_is_killed_by_the_watchdog(tmp_path, restarts):
     start = time.monotonic()
-    run = launch(ROOT / "ddp_training.py", args_for(tmp_path, max_steps=24, record_samples=False,
-                                                   fault_inject="hang@step=10,rank=0", step_timeout_s=5),
+    run = launch(ROOT / "ddp_training.py", args_for(tmp_path, {"train.max_steps": 24, "logging.record_samples": False,
+                                                               "recovery.fault_inject": "hang@step=10,rank=0",
+                                                               "recovery.step_timeout_s": 5}),
                  tmp_path, torchrun_extra=["--max-restarts", str(restarts)], timeout=120)
     elapsed = time.monotonic() - start
     log0 = rank_log(tmp_path, 0)
@@ -152,7 +155,7 @@ def test_oom_in_the_preflight_probe_halves_the_micro_batch_on_every_rank(health)
     for rank in (0, 1):
         out = case(health, "oom_in_preflight", rank)
         assert "error" not in out, out.get("traceback")
-        assert out["micro_batch"] == [2, 2] and out["summary"]["steps"] == BASE["max_steps"]
+        assert out["micro_batch"] == [2, 2] and out["summary"]["steps"] == BASE["train.max_steps"]
         assert "out of memory in the DDP preflight probe at micro-batch 4: micro-batch 4 -> 2" in logs(
             health, "oom_in_preflight", rank)
 

@@ -50,8 +50,9 @@ def test_excluded_samples_are_dropped_from_every_epoch_and_the_committed_prefix_
         sampler.exclude([100])
 
 
-def guard(tmp_path, **over):
-    cfg = resolve_config({**BASE, "checkpoint_dir": str(tmp_path), "spike_guard": "rollback", **over})
+def guard(tmp_path, overrides: dict | None = None, /, **compact):
+    cfg = resolve_config({**BASE, "checkpoint.dir": str(tmp_path), "spike.guard": "rollback", **(overrides or {}),
+                          **compact})
     g = SpikeGuard(cfg.spike, checkpoint_dir=cfg.checkpoint.dir, exclude_samples=cfg.data.exclude_samples,
                    is_main=True)
     g.attach(ResumableDistributedSampler(64, 1, 0, 4, 1, seed=0))
@@ -68,7 +69,7 @@ def feed(g, losses, start=1):
 
 @pytest.mark.dist
 def test_rollback_keeps_what_the_run_learnt_when_the_older_checkpoint_loads(tmp_path):
-    g = guard(tmp_path, spike_warmup=3, spike_window=10)
+    g = guard(tmp_path, {"spike.warmup": 3, "spike.window": 10})
     feed(g, [2.0, 1.9, 1.8, 1.7])
     saved = g.state_dict()  # the checkpoint of step 4
     spike = feed(g, [1.6, 1.5, 5.0], start=5)[-1]
@@ -86,7 +87,7 @@ def test_rollback_keeps_what_the_run_learnt_when_the_older_checkpoint_loads(tmp_
 
 @pytest.mark.dist
 def test_more_than_max_rollbacks_is_fatal_naming_steps_and_samples(tmp_path):
-    g = guard(tmp_path, spike_warmup=3, max_rollbacks=0)
+    g = guard(tmp_path, {"spike.warmup": 3, "spike.max_rollbacks": 0})
     spike = feed(g, [2.0, 1.9, 1.8, 1.7, 9.0])[-1]
     with pytest.raises(FatalError, match=re.escape(f"more than max_rollbacks=0 loss-spike rollbacks: step 5 (samples "
                                                    f"{spike.samples})")):
@@ -95,7 +96,7 @@ def test_more_than_max_rollbacks_is_fatal_naming_steps_and_samples(tmp_path):
 
 @pytest.mark.dist
 def test_warn_mode_only_reports_and_skipped_steps_are_not_judged(tmp_path):
-    g = guard(tmp_path, spike_guard="warn", spike_warmup=3)
+    g = guard(tmp_path, {"spike.guard": "warn", "spike.warmup": 3})
     assert feed(g, [2.0, 1.9, 1.8, 1.7, 9.0]) == [None] * 5
     assert g.summary()["loss_spikes"] == 1 and g.summary()["max_loss_z"] > 8
     assert g.observe(6, float("nan"), skipped=True) is None and g.seen == 5
@@ -103,7 +104,7 @@ def test_warn_mode_only_reports_and_skipped_steps_are_not_judged(tmp_path):
 
 @pytest.mark.dist
 def test_the_cooldown_ramps_the_learning_rate_back_linearly(tmp_path):
-    g = guard(tmp_path, spike_warmup=3, spike_lr_cooldown=3)
+    g = guard(tmp_path, {"spike.warmup": 3, "spike.lr_cooldown": 3})
     spike = feed(g, [2.0, 1.9, 1.8, 1.7, 9.0])[-1]
     assert g.lr_factor(4) == 1.0
     g.roll_back(spike, restored_step=4)
@@ -120,9 +121,10 @@ def test_bad_data_randomizes_one_rank_s_targets_the_same_way_every_time():
 
 
 @pytest.mark.parametrize("over, problem", [
-    (dict(spike_guard="rollback", save_every_steps=0), "spike.guard='rollback': needs checkpoint.every_steps > 0"),
-    (dict(exclude_samples="missing.json"), "data.exclude_samples='missing.json': file not found"),
-    (dict(exclude_samples="BAD"), "data.exclude_samples='BAD': allowed: a JSON list of sample indices"),
+    ({"spike.guard": "rollback", "checkpoint.every_steps": 0},
+     "spike.guard='rollback': needs checkpoint.every_steps > 0"),
+    ({"data.exclude_samples": "missing.json"}, "data.exclude_samples='missing.json': file not found"),
+    ({"data.exclude_samples": "BAD"}, "data.exclude_samples='BAD': allowed: a JSON list of sample indices"),
 ])
 def test_bad_spike_settings_are_one_line_errors(tmp_path, monkeypatch, over, problem):
     monkeypatch.chdir(tmp_path)
@@ -167,7 +169,7 @@ def test_a_spike_is_rolled_back_and_the_run_equals_one_that_excluded_its_samples
 def test_with_warn_the_spike_is_only_logged(spikes):
     got = case(spikes, "warn")["summary"]
     assert (got["loss_spikes"], got["rollbacks"], got["excluded_samples"]) == (1, 0, 0)
-    assert got["max_loss_z"] > BASE["spike_threshold"]
+    assert got["max_loss_z"] > BASE["spike.threshold"]
     assert "spike_guard=warn: continuing" in (spikes[0] / "warn" / "logs" / "rank_0.log").read_text()
 
 
@@ -190,15 +192,15 @@ def test_the_cooldown_lowers_the_rate_after_the_rollback(spikes):
 @pytest.mark.dist
 def test_a_clean_run_has_no_false_positive(spikes):
     got = case(spikes, "clean")["summary"]
-    assert got["loss_spikes"] == 0 and 0 < got["max_loss_z"] < BASE["spike_threshold"]  # judged, and below
+    assert got["loss_spikes"] == 0 and 0 < got["max_loss_z"] < BASE["spike.threshold"]  # judged, and below
 
 
 @pytest.mark.dist
 def test_a_restart_after_a_rollback_keeps_its_lr_cooldown(tmp_path):
-    g = guard(tmp_path, spike_warmup=3, spike_lr_cooldown=3)
+    g = guard(tmp_path, {"spike.warmup": 3, "spike.lr_cooldown": 3})
     spike = feed(g, [2.0, 1.9, 1.8, 1.7, 9.0])[-1]
     g.roll_back(spike, restored_step=4)
-    fresh = guard(tmp_path, spike_lr_cooldown=3)  # the restarted run, resumed from the checkpoint of step 4
+    fresh = guard(tmp_path, {"spike.lr_cooldown": 3})  # the restarted run, resumed from the checkpoint of step 4
     fresh.adopt_recorded()
     assert [fresh.lr_factor(s) for s in (4, 5, 6, 7)] == [0.25, 0.5, 0.75, 1.0]
 
@@ -212,8 +214,9 @@ def test_a_damaged_exclusions_file_is_a_fatal_error_naming_it(tmp_path):
 def test_a_rollback_stays_within_its_epoch(tmp_path):
     from framework.trainer import DDPTrainer
     # 4 steps per epoch (16 samples, batch 4); checkpoints at steps 3 (epoch 0) and 6 (epoch 1).
-    cfg = {**BASE, "dataset_size": 16, "max_steps": 6, "save_every_steps": 3, "spike_guard": "rollback",
-           "record_samples": False, "log_dir": str(tmp_path / "logs"), "checkpoint_dir": str(tmp_path / "ck")}
+    cfg = {**BASE, "dataset_size": 16, "train.max_steps": 6, "checkpoint.every_steps": 3, "spike.guard": "rollback",
+           "logging.record_samples": False, "logging.dir": str(tmp_path / "logs"),
+           "checkpoint.dir": str(tmp_path / "ck")}
     trainer = DDPTrainer(cfg, rank=0, world_size=1)
     trainer.train()
     assert trainer.sampler.epoch == 1
@@ -221,11 +224,13 @@ def test_a_rollback_stays_within_its_epoch(tmp_path):
     assert trainer._checkpointer.roll_back(before=7) == 6 and trainer.step == 6
 
 
-def one_process_spike(tmp_path, **over):
+def one_process_spike(tmp_path, overrides: dict | None = None, /, **compact):
     from framework.observability.metrics import read_metrics
     from framework.trainer import DDPTrainer
-    cfg = {**BASE, "dataset_size": 256, "max_steps": 30, "spike_guard": "rollback", "record_samples": False,
-           "log_dir": str(tmp_path / "logs"), "checkpoint_dir": str(tmp_path / "ck"), **over}
+    cfg = {**BASE, "dataset_size": 256, "train.max_steps": 30, "spike.guard": "rollback",
+           "logging.record_samples": False,
+           "logging.dir": str(tmp_path / "logs"), "checkpoint.dir": str(tmp_path / "ck"), **(overrides or {}),
+           **compact}
     summary = DDPTrainer(cfg, rank=0, world_size=1).train()
     manifest = [e["step"] for e in json.loads((tmp_path / "ck" / "manifest.json").read_text())]
     return summary, manifest, read_metrics(tmp_path / "logs" / "metrics.jsonl")
@@ -233,15 +238,16 @@ def one_process_spike(tmp_path, **over):
 
 @pytest.mark.slow
 def test_a_spike_on_the_last_step_with_nothing_to_roll_back_to_ends_the_run_there(tmp_path):
-    summary, manifest, rows = one_process_spike(tmp_path, save_every_steps=40, fault_inject="bad_data@step=29")
+    summary, manifest, rows = one_process_spike(tmp_path, {"checkpoint.every_steps": 40,
+                                                           "recovery.fault_inject": "bad_data@step=29"})
     assert summary["loss_spikes"] == 1 and summary["rollbacks"] == 0
     assert summary["steps"] == 30 and manifest == [30] and rows[-1]["step"] == 30
 
 
 @pytest.mark.slow
 def test_a_spike_with_nothing_to_roll_back_to_still_saves_and_evaluates_its_step(tmp_path):
-    summary, manifest, rows = one_process_spike(tmp_path, save_every_steps=20, eval_interval=20,
-                                                fault_inject="bad_data@step=19")
+    summary, manifest, rows = one_process_spike(tmp_path, {"checkpoint.every_steps": 20, "eval.interval": 20,
+                                                           "recovery.fault_inject": "bad_data@step=19"})
     assert summary["loss_spikes"] == 1 and summary["rollbacks"] == 0
     assert summary["steps"] == 30 and manifest == [20, 30]
     assert "val/loss" in next(r for r in rows if r["step"] == 20)
@@ -250,10 +256,12 @@ def test_a_spike_with_nothing_to_roll_back_to_still_saves_and_evaluates_its_step
 def test_a_rollback_that_ends_the_last_epoch_reports_the_loss_of_the_step_it_ended_at(tmp_path):
     """6 steps, a checkpoint at step 5, a spike at step 6: the rollback excludes step 6's samples,
     so the epoch (and the run) ends at step 5; summary.json's loss is step 5's, not the discarded one's."""
-    summary, manifest, rows = one_process_spike(
-        tmp_path, dataset_size=24, max_steps=0, num_epochs=1, save_every_steps=5, spike_warmup=3, spike_window=3,
-        spike_threshold=4.0, seed=5, learning_rate=2e-3, warmup_steps=2, dropout=0.1, deterministic=True,
-        fault_inject="bad_data@step=5")
+    summary, manifest, rows = one_process_spike(tmp_path, {"train.max_steps": 0, "checkpoint.every_steps": 5,
+                                                           "spike.warmup": 3, "spike.window": 3,
+                                                           "spike.threshold": 4.0, "train.seed": 5,
+                                                           "optim.warmup_steps": 2, "train.deterministic": True,
+                                                           "recovery.fault_inject": "bad_data@step=5"},
+                                               dataset_size=24, num_epochs=1, learning_rate=2e-3, dropout=0.1)
     assert summary["rollbacks"] == 1 and summary["steps"] == 5 and rows[-1]["step"] == 5
     assert summary["final_train_loss"] == rows[-1]["train/loss"]
     assert json.loads((tmp_path / "logs" / "summary.json").read_text())["final_train_loss"] == rows[-1]["train/loss"]

@@ -14,7 +14,7 @@ from framework import ConfigError, DDPTrainer
 from framework.config import build_config
 from framework.state.export import ALIASES, CONFIG, WEIGHTS, export_model, load_exported, load_weights
 from framework.model.gpt import GPT, GPTConfig
-from framework.testing.tiny import TINY, tiny
+from tests.tiny import TINY, tiny
 from tests.dist_helper import ROOT
 
 
@@ -29,7 +29,7 @@ def logits_of(model, ids: torch.Tensor) -> torch.Tensor:
 # --- the built-in GPT and any other module -------------------------------------------------------
 
 def test_trainer_exports_the_gpt_at_the_end_and_load_exported_rebuilds_it(tmp_path):
-    trainer = DDPTrainer(tiny(tmp_path, max_steps=3, tie_embeddings=True))
+    trainer = DDPTrainer(tiny(tmp_path, {"train.max_steps": 3, "model.tie_embeddings": True}))
     summary = trainer.train()
     export_dir = tmp_path / "ck" / "export"  # the default: checkpoint_dir/export
     assert sorted(p.name for p in export_dir.iterdir()) == [".framework_export.json", CONFIG, WEIGHTS]
@@ -122,11 +122,11 @@ def test_the_nested_layout_keeps_checkpoints_and_logs_and_a_re_export_replaces_i
     run = tmp_path / "runs" / "x"
     run.mkdir(parents=True)
     (run / "notes.txt").write_text("the user's")
-    cfg = tiny(tmp_path, max_steps=4, save_every_steps=2, export_dir=str(run), checkpoint_dir=str(run / "checkpoints"),
-               log_dir=str(run / "logs"))
+    cfg = tiny(tmp_path, {"train.max_steps": 4, "checkpoint.every_steps": 2, "checkpoint.export_dir": str(run),
+                          "checkpoint.dir": str(run / "checkpoints"), "logging.dir": str(run / "logs")})
     DDPTrainer(cfg).train()
     first = (run / WEIGHTS).read_bytes()
-    DDPTrainer({**cfg, "max_steps": 6}).train()  # resumes from step 4 and exports again
+    DDPTrainer({**cfg, "train.max_steps": 6}).train()  # resumes from step 4 and exports again
     assert (run / WEIGHTS).read_bytes() != first
     assert load_exported(run).cfg.hidden_size == 32
     checkpoints = {p.name for p in (run / "checkpoints").iterdir()}
@@ -141,7 +141,8 @@ def test_the_nested_layout_keeps_checkpoints_and_logs_and_a_re_export_replaces_i
 
 def test_export_dir_dot_exports_into_the_working_directory(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    DDPTrainer({**TINY, "max_steps": 2, "export_dir": ".", "checkpoint_dir": "ck", "log_dir": "logs"}).train()
+    DDPTrainer({**TINY, "train.max_steps": 2, "checkpoint.export_dir": ".", "checkpoint.dir": "ck",
+                "logging.dir": "logs"}).train()
     assert load_exported(tmp_path).cfg.hidden_size == 32
     assert (tmp_path / "ck" / "final_model.pt").is_file() and (tmp_path / "logs" / "summary.json").is_file()
 
@@ -151,17 +152,17 @@ def test_export_dir_dot_exports_into_the_working_directory(tmp_path, monkeypatch
 def test_an_export_dir_overlap_it_cannot_honour_exits_2_at_check_config(tmp_path, capsys, case):
     import ddp_training
     ck, logs, out = tmp_path / "ck", tmp_path / "logs", tmp_path / "out"
-    args = {"same as log_dir": ["--export-dir", str(logs)],
+    args = {"same as log_dir": ["--checkpoint.export_dir", str(logs)],
             "default same as log_dir": [],
-            "holds a config.json": ["--export-dir", str(out)],
-            "holds a model.safetensors": ["--export-dir", str(out)]}[case]
+            "holds a config.json": ["--checkpoint.export_dir", str(out)],
+            "holds a model.safetensors": ["--checkpoint.export_dir", str(out)]}[case]
     if case == "default same as log_dir":
         logs = ck / "export"
     if case.startswith("holds"):
         out.mkdir()
         (out / case.split()[-1]).write_text("the user's")
     with pytest.raises(SystemExit) as exit_:
-        ddp_training.main(["--check-config", "--checkpoint-dir", str(ck), "--log-dir", str(logs), *args])
+        ddp_training.main(["--check-config", "--checkpoint.dir", str(ck), "--logging.dir", str(logs), *args])
     assert exit_.value.code == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: checkpoint.export_dir="), lines
@@ -176,23 +177,24 @@ def test_an_export_dir_overlap_it_cannot_honour_exits_2_at_check_config(tmp_path
 # --- when the trainer exports ----------------------------------------------------------------------
 
 def test_no_export_after_a_preemption(tmp_path):
-    summary = DDPTrainer(tiny(tmp_path, max_steps=10, fault_inject="sigterm@step=2")).train()
+    summary = DDPTrainer(tiny(tmp_path, {"train.max_steps": 10, "recovery.fault_inject": "sigterm@step=2"})).train()
     assert summary["preempted"] and summary["steps"] < 10
     assert (tmp_path / "ck" / "PREEMPTED").is_file()
     assert not (tmp_path / "ck" / "export").exists() and not (tmp_path / "ck" / "final_model.pt").exists()
 
 
 def test_export_dir_none_turns_it_off_and_a_set_one_is_used(tmp_path):
-    DDPTrainer(tiny(tmp_path, max_steps=1, export_dir="none")).train()
+    DDPTrainer(tiny(tmp_path, {"train.max_steps": 1, "checkpoint.export_dir": "none"})).train()
     assert (tmp_path / "ck" / "final_model.pt").is_file() and not (tmp_path / "ck" / "export").exists()
-    DDPTrainer(tiny(tmp_path, max_steps=1, resume="none", export_dir=str(tmp_path / "mine"))).train()
+    DDPTrainer(tiny(tmp_path, {"train.max_steps": 1, "checkpoint.resume": "none",
+                               "checkpoint.export_dir": str(tmp_path / "mine")})).train()
     assert (tmp_path / "mine" / WEIGHTS).is_file() and not (tmp_path / "ck" / "export").exists()
 
 
 def test_without_safetensors_one_warning_and_no_export(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "safetensors", None)  # import fails, find_spec says absent
     assert importlib.util.find_spec("safetensors") is None
-    DDPTrainer(tiny(tmp_path, max_steps=1)).train()
+    DDPTrainer(tiny(tmp_path, {"train.max_steps": 1})).train()
     log = (tmp_path / "logs" / "rank_0.log").read_text()
     assert log.count("safetensors is not installed") == 1 and "pip install -e .[hf]" in log
     assert (tmp_path / "ck" / "final_model.pt").is_file() and not (tmp_path / "ck" / "export").exists()
@@ -201,11 +203,12 @@ def test_without_safetensors_one_warning_and_no_export(tmp_path, monkeypatch):
 def test_without_safetensors_an_explicit_export_dir_is_a_config_error(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "safetensors", None)
     with pytest.raises(ConfigError) as err:
-        build_config({"export_dir": str(tmp_path / "out")}, env={})
+        build_config({"checkpoint.export_dir": str(tmp_path / "out")}, env={})
     assert len(err.value.problems) == 1 and "pip install -e .[hf]" in err.value.problems[0]
     import ddp_training
     with pytest.raises(SystemExit) as exit_:
-        ddp_training.main(["--check-config", "--export-dir", str(tmp_path / "out"), "--log-dir", str(tmp_path)])
+        ddp_training.main(["--check-config", "--checkpoint.export_dir", str(tmp_path / "out"),
+                           "--logging.dir", str(tmp_path)])
     assert exit_.value.code == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: checkpoint.export_dir=")
@@ -265,7 +268,7 @@ def test_a_full_transformers_model_exports_through_save_pretrained(example, tmp_
                                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16,
                                          use_cache=False, tie_word_embeddings=True))
     train, val = example.byte_datasets(ROOT / "data" / "tinyshakespeare.txt", 16)
-    DDPTrainer(tiny(tmp_path, max_steps=2, batch_size=4), model=model, train_dataset=train, val_dataset=val,
+    DDPTrainer(tiny(tmp_path, {"train.max_steps": 2}, batch_size=4), model=model, train_dataset=train, val_dataset=val,
                loss_fn=example.causal_lm_loss).train()
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "ck" / "export")
     assert loaded.lm_head.weight.data_ptr() == loaded.model.embed_tokens.weight.data_ptr()

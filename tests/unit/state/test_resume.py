@@ -1,7 +1,6 @@
 """The training state: format upgrades, config changes on resume, save timing, and resuming in
 one process with the schedule recomputed, refusals that leave a FATAL marker."""
 
-import functools
 import dataclasses
 import os
 from types import SimpleNamespace
@@ -15,10 +14,10 @@ from framework.state.checkpoint_files import CheckpointError
 from framework.config import build_config
 from framework.train.optim import lr_at
 from framework.state.checkpointer import FORMAT, Checkpointer, config_changes, upgrade
-from framework.testing.tiny import tiny as tiny_config
+from tests.tiny import variant
 
-# tiny(run_dir, **overrides): this module's variant of the tiny configuration, its dirs under run_dir
-tiny = functools.partial(tiny_config, eval_interval=0)
+# tiny(run_dir, overrides): this module's variant of the tiny configuration, its dirs under run_dir
+tiny = variant({"eval.interval": 0})
 TINY = tiny()
 
 
@@ -35,7 +34,7 @@ def test_format_1_is_upgraded_and_an_unknown_format_refused():
 
 
 def test_config_changes_split_refused_from_warned():
-    cfg = build_config({"seed": 1, "learning_rate": 0.5, "log_dir": "elsewhere"}, env={})
+    cfg = build_config({"train.seed": 1, "learning_rate": 0.5, "logging.dir": "elsewhere"}, env={})
     saved = dataclasses.asdict(build_config({}, env={}))
     refused, changed = config_changes(saved, cfg, builtin_data=True)
     assert refused == ["train.seed: 1337 -> 1"]
@@ -47,14 +46,14 @@ def test_config_changes_split_refused_from_warned():
 
 
 def test_save_timing_by_steps_and_epochs():
-    cfg = build_config({"save_every_steps": 5, "save_interval": 2}, env={})
+    cfg = build_config({"checkpoint.every_steps": 5, "save_interval": 2}, env={})
     ck = Checkpointer(cfg, SimpleNamespace(), manager=None, components={}, builtin_data=True)
     assert [s for s in range(1, 16) if ck.should_save(s, epoch=0, epoch_ended=False)] == [5, 10, 15]
     assert ck.should_save(3, epoch=1, epoch_ended=True) and not ck.should_save(3, epoch=0, epoch_ended=True)
 
 
 def test_resume_with_another_batch_size_recomputes_the_schedule(tmp_path):
-    first = DDPTrainer(tiny(tmp_path, num_epochs=2, fault_inject="sigterm@step=5")).train()
+    first = DDPTrainer(tiny(tmp_path, {"recovery.fault_inject": "sigterm@step=5"}, num_epochs=2)).train()
     assert first["preempted"] and first["steps"] == 6
     trainer = DDPTrainer(tiny(tmp_path, num_epochs=2, batch_size=16))
     # 48 of 128 samples done in epoch 0: 5 more steps of 16, then 8 in epoch 1 (not 2 x 8 = 16 in all).
@@ -68,16 +67,16 @@ def test_resume_with_another_batch_size_recomputes_the_schedule(tmp_path):
 
 
 def test_changed_seed_is_refused_with_a_fatal_marker(tmp_path):
-    DDPTrainer(tiny(tmp_path, max_steps=4, save_every_steps=2)).train()
+    DDPTrainer(tiny(tmp_path, {"train.max_steps": 4, "checkpoint.every_steps": 2})).train()
     with pytest.raises(CheckpointError, match="seed: 1337 -> 7"):
-        DDPTrainer(tiny(tmp_path, max_steps=8, seed=7))
+        DDPTrainer(tiny(tmp_path, {"train.max_steps": 8, "train.seed": 7}))
     assert "seed: 1337 -> 7" in markers.read(tmp_path / "ck", markers.FATAL)
 
 
 def test_errors_while_building_leave_a_fatal_marker(tmp_path):
-    DDPTrainer(tiny(tmp_path, max_steps=2)).train()
+    DDPTrainer(tiny(tmp_path, {"train.max_steps": 2})).train()
     with pytest.raises(CheckpointError, match="does not fit the model"):
-        DDPTrainer(tiny(tmp_path, max_steps=4, hidden_size=64))
+        DDPTrainer(tiny(tmp_path, {"train.max_steps": 4}, hidden_size=64))
     assert "does not fit the model" in markers.read(tmp_path / "ck", markers.FATAL)
 
     class Evil:
@@ -87,7 +86,7 @@ def test_errors_while_building_leave_a_fatal_marker(tmp_path):
     evil = tmp_path / "evil.pt"
     torch.save({"model": Evil()}, evil)
     with pytest.raises(CheckpointError, match="refused"):
-        DDPTrainer(tiny(tmp_path, resume=str(evil)))
+        DDPTrainer(tiny(tmp_path, {"checkpoint.resume": str(evil)}))
     assert "refused" in markers.read(tmp_path / "ck", markers.FATAL)
 
 
@@ -95,11 +94,11 @@ def test_recorded_micro_batch_applies_to_restarts_only(tmp_path, monkeypatch):
     ck = tmp_path / "ck"
     markers.record_micro_batch(ck, 4, 2, "out of memory in the synced backward")
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
-    trainer = DDPTrainer(tiny(tmp_path, max_steps=2))  # no checkpoint: the record applies all the same
+    trainer = DDPTrainer(tiny(tmp_path, {"train.max_steps": 2}))  # no checkpoint: the record applies all the same
     assert (trainer.sampler.batch_size, trainer.sampler.accumulation) == (4, 2)
     trainer.close()
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
-    trainer = DDPTrainer(tiny(tmp_path, max_steps=2))  # a new launch: the user's batch size decides
+    trainer = DDPTrainer(tiny(tmp_path, {"train.max_steps": 2}))  # a new launch: the user's batch size decides
     assert (trainer.sampler.batch_size, trainer.sampler.accumulation) == (8, 1)
     assert markers.recorded_micro_batch(ck) is None
     trainer.close()
@@ -116,8 +115,9 @@ def test_a_fatal_exit_waits_for_the_checkpoint_write_in_flight(tmp_path):
 
     root = Path(__file__).resolve().parents[3]
     from tests.dist_helper import cli_args
-    args = cli_args(tiny(tmp_path, vocab_size=64, hidden_size=256, num_layers=4, num_heads=4, seq_len=32, max_steps=20,
-                         save_every_steps=4, max_errors_per_epoch=0, fault_inject="nan@step=4"))
+    args = cli_args(tiny(tmp_path, {"train.max_steps": 20, "checkpoint.every_steps": 4,
+                                    "recovery.fault_inject": "nan@step=4"},
+                         vocab_size=64, hidden_size=256, num_layers=4, num_heads=4, seq_len=32, max_errors_per_epoch=0))
     out = subprocess.run([sys.executable, str(root / "ddp_training.py"), *args], cwd=root, capture_output=True,
                          text=True, timeout=120, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
     assert out.returncode == 1 and "fatal: non-finite loss or gradients at steps [4]" in out.stderr
@@ -150,17 +150,18 @@ def test_a_restart_continues_its_own_lineage_whatever_the_resume_mode(tmp_path, 
     """resume= describes the launch; a restart of it (crashed at step 25, checkpoints every 10)
     resumes from its own step 20, not from step 0 (none) or from PATH again."""
     origin = tmp_path / "origin"
-    DDPTrainer(tiny(origin, max_steps=5)).train()
+    DDPTrainer(tiny(origin, {"train.max_steps": 5})).train()
     resume = str(origin / "ck" / "step_00000005.pt") if mode == "path" else "none"
-    base = dict(max_steps=40, num_epochs=10, save_every_steps=10, keep_last=10, resume=resume)
+    base = {"train.max_steps": 40, "num_epochs": 10, "checkpoint.every_steps": 10, "checkpoint.keep_last": 10,
+            "checkpoint.resume": resume}
     reference = DDPTrainer(tiny(tmp_path / "reference", **base)).train()
     run = tmp_path / "run"
     with pytest.raises(RuntimeError, match="fault injection: crash at step 25"):
-        DDPTrainer(tiny(run, fault_inject="crash@step=25", **base)).train()
+        DDPTrainer(tiny(run, {"recovery.fault_inject": "crash@step=25"}, **base)).train()
     first_lineage = lineages(run / "ck")
     for count in (1, 2):  # the second restart comes after the first one's progress (its step 30)
         restart(monkeypatch, count)
-        trainer = DDPTrainer(tiny(run, fault_inject="crash@step=35,restart=1", **base))
+        trainer = DDPTrainer(tiny(run, {"recovery.fault_inject": "crash@step=35,restart=1"}, **base))
         assert trainer.step == (20 if count == 1 else 30)
         if count == 1:
             with pytest.raises(RuntimeError, match="crash at step 35"):
@@ -176,11 +177,12 @@ def test_a_restart_continues_its_own_lineage_whatever_the_resume_mode(tmp_path, 
 def test_a_restart_with_nothing_of_its_own_falls_back_to_the_launchs_resume_mode(tmp_path, monkeypatch):
     """A restart before this launch saved anything: resume=none starts fresh even when another
     run's checkpoints are in checkpoint_dir."""
-    DDPTrainer(tiny(tmp_path, max_steps=4)).train()  # another run: its final checkpoint of step 4
+    DDPTrainer(tiny(tmp_path, {"train.max_steps": 4})).train()  # another run: its final checkpoint of step 4
     with pytest.raises(RuntimeError, match="crash at step 2"):
-        DDPTrainer(tiny(tmp_path, max_steps=4, resume="none", fault_inject="crash@step=2")).train()
+        DDPTrainer(tiny(tmp_path, {"train.max_steps": 4, "checkpoint.resume": "none",
+                                   "recovery.fault_inject": "crash@step=2"})).train()
     restart(monkeypatch, 1)
-    trainer = DDPTrainer(tiny(tmp_path, max_steps=4, resume="none"))
+    trainer = DDPTrainer(tiny(tmp_path, {"train.max_steps": 4, "checkpoint.resume": "none"}))
     assert trainer.step == 0
     trainer.close()
 
@@ -199,11 +201,11 @@ def unreadable(monkeypatch, *names: str) -> None:
 
 @pytest.mark.parametrize("manifest", [True, False])
 def test_an_unreadable_newest_checkpoint_is_skipped_and_leaves_no_fatal(tmp_path, monkeypatch, manifest):
-    DDPTrainer(tiny(tmp_path, max_steps=8, save_every_steps=4)).train()
+    DDPTrainer(tiny(tmp_path, {"train.max_steps": 8, "checkpoint.every_steps": 4})).train()
     if not manifest:
         (tmp_path / "ck" / "manifest.json").unlink()
     unreadable(monkeypatch, "step_00000008.pt")
-    trainer = DDPTrainer(tiny(tmp_path, max_steps=12, save_every_steps=4))
+    trainer = DDPTrainer(tiny(tmp_path, {"train.max_steps": 12, "checkpoint.every_steps": 4}))
     assert trainer.step == 4
     trainer.close()
     log_text = (tmp_path / "logs" / "rank_0.log").read_text()
@@ -213,13 +215,13 @@ def test_an_unreadable_newest_checkpoint_is_skipped_and_leaves_no_fatal(tmp_path
 
 
 def test_a_transient_read_error_with_nothing_else_to_resume_is_retried_not_fatal(tmp_path, monkeypatch):
-    DDPTrainer(tiny(tmp_path, max_steps=4)).train()
+    DDPTrainer(tiny(tmp_path, {"train.max_steps": 4})).train()
     newest = tmp_path / "ck" / "step_00000004.pt"
     unreadable(monkeypatch, newest.name)
     monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "2")
     for resume in ("auto", str(newest)):  # auto must not start fresh over a checkpoint it could not read
         with pytest.raises(OSError, match="step_00000004.pt.*Input/output error.*a restart tries again"):
-            DDPTrainer(tiny(tmp_path, max_steps=8, resume=resume))
+            DDPTrainer(tiny(tmp_path, {"train.max_steps": 8, "checkpoint.resume": resume}))
         assert markers.read(tmp_path / "ck", markers.FATAL) is None
         assert "Input/output error" in markers.read(tmp_path / "ck", markers.LAST_ERROR)
 
@@ -230,7 +232,7 @@ def test_the_last_incarnation_stops_on_an_unreadable_checkpoint_with_a_fatal_nam
     """The explorer's trial 100: every incarnation failed retriably on the only checkpoint (unreadable),
     and the last one ended in a traceback and no FATAL. Without a restart left, nothing will read it
     again: an explained stop, with the file left as it was."""
-    DDPTrainer(tiny(tmp_path, max_steps=4)).train()
+    DDPTrainer(tiny(tmp_path, {"train.max_steps": 4})).train()
     newest = tmp_path / "ck" / "step_00000004.pt"
     before = newest.read_bytes()
     unreadable(monkeypatch, newest.name)
@@ -238,7 +240,7 @@ def test_the_last_incarnation_stops_on_an_unreadable_checkpoint_with_a_fatal_nam
         monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "2")
         restart(monkeypatch, 2)
     with pytest.raises(CheckpointError, match="step_00000004.pt.*Input/output error.*no restart is left"):
-        DDPTrainer(tiny(tmp_path, max_steps=8))
+        DDPTrainer(tiny(tmp_path, {"train.max_steps": 8}))
     assert "step_00000004.pt" in markers.read(tmp_path / "ck", markers.FATAL)
     monkeypatch.undo()
     assert newest.read_bytes() == before
@@ -246,10 +248,12 @@ def test_the_last_incarnation_stops_on_an_unreadable_checkpoint_with_a_fatal_nam
 
 def test_a_rollback_takes_only_its_own_lineages_checkpoints(tmp_path):
     ck = tmp_path / "ck"
-    DDPTrainer(tiny(tmp_path, max_steps=8, save_every_steps=2, keep_last=5)).train()  # another run: 2, 4, 6, 8
+    DDPTrainer(tiny(tmp_path, {"train.max_steps": 8, "checkpoint.every_steps": 2,
+                               "checkpoint.keep_last": 5})).train()  # another run: 2, 4, 6, 8
     other = {p.name: p.read_bytes() for p in ck.glob("step_*.pt")}
     (other_lineage,) = lineages(ck)
-    trainer = DDPTrainer(tiny(tmp_path, max_steps=8, save_every_steps=2, resume="none", spike_guard="rollback"))
+    trainer = DDPTrainer(tiny(tmp_path, {"train.max_steps": 8, "checkpoint.every_steps": 2,
+                                         "checkpoint.resume": "none", "spike.guard": "rollback"}))
     assert trainer._checkpointer.roll_back(before=9) is None and trainer.step == 0  # nothing of its own yet
     trainer.train()
     assert trainer._checkpointer.manager.lineage != other_lineage
@@ -259,16 +263,16 @@ def test_a_rollback_takes_only_its_own_lineages_checkpoints(tmp_path):
 
 def test_recorded_exclusions_apply_only_to_their_own_lineage(tmp_path):
     ck = tmp_path / "ck"
-    DDPTrainer(tiny(tmp_path, max_steps=4, save_every_steps=2)).train()
+    DDPTrainer(tiny(tmp_path, {"train.max_steps": 4, "checkpoint.every_steps": 2})).train()
     (own,) = lineages(ck)
     rollback = {"step": 3, "restored_step": 2, "loss": 9.0, "z": 9.0, "samples": [5, 6]}
     (ck / exclusions.FILE).write_text(json.dumps({"samples": [5, 6], "rollbacks": [rollback],
                                                   "lineage": "0therrun0000"}))
-    trainer = DDPTrainer(tiny(tmp_path, max_steps=8))  # resumes this lineage's step 4
+    trainer = DDPTrainer(tiny(tmp_path, {"train.max_steps": 8}))  # resumes this lineage's step 4
     assert trainer.step == 4 and trainer._spike_guard.excluded == set()
     trainer.close()
     (ck / exclusions.FILE).write_text(json.dumps({"samples": [5, 6], "rollbacks": [rollback], "lineage": own}))
-    trainer = DDPTrainer(tiny(tmp_path, max_steps=8))
+    trainer = DDPTrainer(tiny(tmp_path, {"train.max_steps": 8}))
     assert trainer.step == 4 and trainer._spike_guard.excluded == {5, 6}
     trainer.close()
 
@@ -290,15 +294,18 @@ def test_resume_auto_goes_back_to_where_a_path_run_began_when_all_its_checkpoint
     """The explorer's trial 187 of seed 3000: a run begun with resume=PATH wrote one checkpoint,
     which was damaged; relaunched with resume=auto, it found nothing usable and started afresh from
     step 0, a different model. It now goes back to the checkpoint it began from."""
-    base = DDPTrainer(tiny(tmp_path / "base", max_steps=4, save_every_steps=4))
+    base = DDPTrainer(tiny(tmp_path / "base", {"train.max_steps": 4, "checkpoint.every_steps": 4}))
     base.train()
     began = tmp_path / "base" / "ck" / "step_00000004.pt"
-    whole = DDPTrainer(tiny(tmp_path / "whole", max_steps=8, save_every_steps=6, resume=str(began))).train()
+    whole = DDPTrainer(tiny(tmp_path / "whole", {"train.max_steps": 8, "checkpoint.every_steps": 6,
+                                                 "checkpoint.resume": str(began)})).train()
     with pytest.raises(RuntimeError, match="crash at step 6"):
-        DDPTrainer(tiny(tmp_path / "run", max_steps=8, save_every_steps=6, resume=str(began),
-                        fault_inject="crash@step=6")).train()
+        DDPTrainer(tiny(tmp_path / "run", {"train.max_steps": 8, "checkpoint.every_steps": 6,
+                                           "checkpoint.resume": str(began),
+                                           "recovery.fault_inject": "crash@step=6"})).train()
     (own,) = (tmp_path / "run" / "ck").glob("step_00000006*.pt")
     os.truncate(own, own.stat().st_size // 2)
-    relaunched = DDPTrainer(tiny(tmp_path / "run", max_steps=8, save_every_steps=6, resume="auto"))
+    relaunched = DDPTrainer(tiny(tmp_path / "run", {"train.max_steps": 8, "checkpoint.every_steps": 6,
+                                                    "checkpoint.resume": "auto"}))
     assert relaunched.step == 4
     assert relaunched.train()["model_sha256"] == whole["model_sha256"]

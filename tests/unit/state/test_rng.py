@@ -104,7 +104,7 @@ def test_what_is_drawn_between_steps_does_not_shift_the_next_steps_dropout(tmp_p
     or one restarted from a survivor's save alone, skips what was drawn between the steps before
     (an evaluation, a callback), and must still draw each step's dropout as the uninterrupted run."""
     from framework import DDPTrainer
-    from framework.testing.tiny import tiny
+    from tests.tiny import tiny
 
     class DrawsOnSave:
         def on_save(self, trainer, step):
@@ -112,7 +112,8 @@ def test_what_is_drawn_between_steps_does_not_shift_the_next_steps_dropout(tmp_p
 
     shas = []
     for name, callbacks in (("quiet", []), ("drawing", [DrawsOnSave()])):
-        cfg = tiny(tmp_path / name, dropout=0.2, max_steps=6, save_every_steps=2, eval_interval=0)
+        cfg = tiny(tmp_path / name, {"train.max_steps": 6, "checkpoint.every_steps": 2, "eval.interval": 0},
+                   dropout=0.2)
         shas.append(DDPTrainer(cfg, callbacks=callbacks).train()["model_sha256"])
     assert shas[0] == shas[1]
 

@@ -63,11 +63,12 @@ class FailsAbove(torch.nn.Module):
         return self.lin(x)
 
 
-def tiny_run(tmp_path, model, **cfg):
+def tiny_run(tmp_path, model, overrides: dict | None = None, /, **compact):
     x = torch.randn(64, 4)
     data = torch.utils.data.TensorDataset(x, x.sum(dim=1, keepdim=True))
-    config = dict(batch_size=8, max_steps=4, num_workers=0, tensorboard=False, eval_interval=0, eval_steps=1,
-                  target_loss=0.0, log_dir=str(tmp_path / "logs"), checkpoint_dir=str(tmp_path / "ck"), **cfg)
+    config = {"batch_size": 8, "train.max_steps": 4, "num_workers": 0, "logging.tensorboard": False,
+              "eval.interval": 0, "eval.steps": 1, "target_loss": 0.0, "logging.dir": str(tmp_path / "logs"),
+              "checkpoint.dir": str(tmp_path / "ck"), **(overrides or {}), **compact}
     return DDPTrainer(config, model=model, train_dataset=data, val_dataset=data,
                       loss_fn=torch.nn.functional.mse_loss)
 
@@ -75,7 +76,7 @@ def tiny_run(tmp_path, model, **cfg):
 @pytest.mark.parametrize("error", [torch.OutOfMemoryError("CUDA out of memory"),
                                    RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling cublasCreate")])
 def test_cuda_library_allocation_failures_are_recovered_as_oom(tmp_path, error):
-    trainer = tiny_run(tmp_path, FailsAbove(2, error), oom_recovery="true")
+    trainer = tiny_run(tmp_path, FailsAbove(2, error), {"recovery.oom": "true"})
     summary = trainer.train()
     assert summary["steps"] == 4
     assert (trainer.sampler.batch_size, trainer.sampler.accumulation) == (2, 4)
@@ -90,7 +91,7 @@ def test_memory_is_released_after_the_exception_is_gone(tmp_path, monkeypatch):
         seen.append(sys.exc_info()[0])  # an exception still being handled holds the failed activations
         original(self, micro, step)
     monkeypatch.setattr(TrainStep, "_release_after_oom", record)
-    tiny_run(tmp_path, FailsAbove(4, torch.OutOfMemoryError("CUDA out of memory")), oom_recovery="true").train()
+    tiny_run(tmp_path, FailsAbove(4, torch.OutOfMemoryError("CUDA out of memory")), {"recovery.oom": "true"}).train()
     assert seen and all(exc is None for exc in seen)
 
 
@@ -133,12 +134,13 @@ def test_token_averaging_gives_a_micro_batch_without_labels_no_weight_and_skips_
     skipped as non-finite; it now contributes nothing, and every step trains."""
     from torch.utils.data import TensorDataset
 
-    from framework.testing.tiny import tiny
+    from tests.tiny import tiny
 
     g = torch.Generator().manual_seed(0)
     x, y = torch.randint(0, 32, (16, 16), generator=g), torch.randint(0, 32, (16, 16), generator=g)
     y[::2] = -100  # every other sample has no labelled token: with batch_size=1, a micro-batch of its own
-    cfg = tiny(tmp_path, batch_size=1, gradient_accumulation_steps=2, max_steps=6, **{"train.loss_average": "tokens"})
+    cfg = tiny(tmp_path, {"data.gradient_accumulation_steps": 2, "train.max_steps": 6}, batch_size=1,
+               **{"train.loss_average": "tokens"})
     summary = DDPTrainer(cfg, train_dataset=TensorDataset(x, y)).train()
     assert summary["skipped_steps"] == 0 and summary["steps"] == 6
     assert torch.isfinite(torch.tensor(summary["final_train_loss"]))
