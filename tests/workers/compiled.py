@@ -44,10 +44,10 @@ def run_grad_case(name: str, overrides: dict, out_dir, world: int) -> dict:
             "compiled_frames": counters["frames"]["ok"] - graphs_before}
 
 
-def run_train(name: str, out_dir, **overrides) -> dict:
+def run_train(name: str, out_dir, overrides: dict | None = None, /, **keys) -> dict:
     from framework.trainer import DDPTrainer
 
-    cfg = {**BASE, "batch_size": 4, "train.max_steps": 6, "checkpoint.every_steps": 2, **overrides,
+    cfg = {**BASE, "batch_size": 4, "train.max_steps": 6, "checkpoint.every_steps": 2, **(overrides or {}), **keys,
            "logging.dir": str(out_dir / name / "logs"), "checkpoint.dir": str(out_dir / name / "ck")}
     summary = DDPTrainer(cfg).train()
     shas = [None] * dist.get_world_size()

@@ -243,7 +243,7 @@ def tiled(impl: str, pre: bool, chunks: int = 4):
 
 CASES: dict[str, Case] = {
     "1a_reentrant_find_unused": Case(
-        seeded(CheckpointedNet), vectors, {"ddp.find_unused_parameters": True}, (MARKED_TWICE,),
+        seeded(CheckpointedNet), vectors, dict(find_unused_parameters=True), (MARKED_TWICE,),
         framework={}, decision=(False, False), error_iteration=0),
     "1b_tied_reentrant_default": Case(
         seeded(TiedCheckpointedNet), vectors, {}, (MARKED_TWICE,),
@@ -269,7 +269,7 @@ CASES: dict[str, Case] = {
         seeded(ReusedBlockNet), vectors, {}, (SILENT,),
         framework={}, decision=(True, False)),
     "7_grad_then_backward_find_unused": Case(
-        tiled("grad_then_backward", pre=True), sequences, {"ddp.find_unused_parameters": True}, (MARKED_TWICE,),
+        tiled("grad_then_backward", pre=True), sequences, dict(find_unused_parameters=True), (MARKED_TWICE,),
         framework={"ddp.find_unused_parameters": "true"}, decision=(False, True), error_iteration=0,
         reference=tiled("plain", pre=True)),
     # Control: the original fix does work with DDP's default settings.

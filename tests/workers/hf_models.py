@@ -184,9 +184,9 @@ class Plain:
 
 
 PLAIN_CASES: dict[str, Plain] = {
-    "plain-lora-hf_reentrant-find_unused": Plain("lora_hf_reentrant", {"ddp.find_unused_parameters": True}),
+    "plain-lora-hf_reentrant-find_unused": Plain("lora_hf_reentrant", dict(find_unused_parameters=True)),
     "plain-moe-reentrant-default": Plain("moe_reentrant", {}),
-    "plain-moe-reentrant-find_unused": Plain("moe_reentrant", {"ddp.find_unused_parameters": True}),
+    "plain-moe-reentrant-find_unused": Plain("moe_reentrant", dict(find_unused_parameters=True)),
     "plain-moe-reentrant-static": Plain("moe_reentrant", dict(static_graph=True)),
     "plain-moe-reentrant-static-find_unused": Plain("moe_reentrant", dict(static_graph=True,
                                                                           find_unused_parameters=True)),
