@@ -326,3 +326,24 @@ def test_a_guard_stop_is_judged_against_the_uninterrupted_run():
     stopped = copy.deepcopy(res)
     stopped["unreadable_only"] = "step_00000003.pt"
     assert "explained" not in violations(explore.check(unread, stopped, reference_of(clean_result(unread["config"]))))
+
+
+def test_a_hung_trial_has_its_processes_stacks_dumped_before_the_kill(tmp_path):
+    """A hang seen once (seed 9000's trial 195) must show where it waited: explore.dump_stacks
+    writes every process of the trial's (its command line names the trial's directory) stack."""
+    import shutil
+    import subprocess
+    import time
+    if shutil.which("py-spy") is None:
+        pytest.skip("py-spy is not installed (requirements-dev.txt pins it)")
+    marker = str(tmp_path / "trial-hung")
+    script = "import sys, time\ndef waiting_in_a_collective():\n    time.sleep(60)\nwaiting_in_a_collective()\n"
+    proc = subprocess.Popen([sys.executable, "-c", script, marker])
+    try:
+        time.sleep(1.0)  # into the sleep
+        path = explore.dump_stacks(marker, tmp_path / "hang_stacks.txt")
+        text = Path(path).read_text()
+        assert f"=== pid {proc.pid}:" in text and "waiting_in_a_collective" in text, text[-2000:]
+    finally:
+        proc.kill()
+        proc.wait()
