@@ -40,16 +40,19 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 RESULTS = ROOT / "bench" / "results" / "gpu_check.json"
 BUDGET_S = 600  # the whole check on one GPU
-TINY = dict(vocab_size=256, hidden_size=256, num_layers=4, num_heads=4, seq_len=256, dataset_size=4096, batch_size=16,
-            dropout=0.0, max_steps=60, log_interval=10, eval_interval=0, eval_steps=2, target_loss=0.0,
-            learning_rate=3e-3, warmup_steps=5, num_workers=0, resume="none", export_dir="none")
+TINY = {"vocab_size": 256, "hidden_size": 256, "num_layers": 4, "num_heads": 4, "seq_len": 256, "dataset_size": 4096,
+        "batch_size": 16, "dropout": 0.0, "train.max_steps": 60, "log_interval": 10, "eval.interval": 0,
+        "eval.steps": 2, "target_loss": 0.0, "learning_rate": 3e-3, "optim.warmup_steps": 5, "num_workers": 0,
+        "checkpoint.resume": "none", "checkpoint.export_dir": "none"}
 
 
-def train(tmp: Path, name: str, nproc: int = 1, **overrides) -> dict:
-    """ddp_training.py under torchrun with TINY + overrides; its summary.json and its log."""
+def train(tmp: Path, name: str, overrides: dict | None = None, /, nproc: int = 1, **keys) -> dict:
+    """ddp_training.py under torchrun with TINY + overrides (dotted keys) + keys (compact ones); its
+    summary.json and its log."""
     from framework.testing.launch import cli_args, torchrun_cmd, worker_env
     run = tmp / name
-    args = cli_args({**TINY, **overrides, "log_dir": str(run / "logs"), "checkpoint_dir": str(run / "ck")})
+    args = cli_args({**TINY, **(overrides or {}), **keys, "logging.dir": str(run / "logs"),
+                     "checkpoint.dir": str(run / "ck")})
     proc = subprocess.run(torchrun_cmd(ROOT / "ddp_training.py", args, nproc=nproc), cwd=ROOT,
                           env=worker_env(), capture_output=True, text=True, timeout=600)
     log = "".join(p.read_text() for p in sorted((run / "logs").glob("rank_*.log")))
@@ -65,14 +68,14 @@ def loss_falls(summary: dict) -> dict:
 
 
 def check_nccl(tmp: Path, nproc: int) -> dict:
-    summary = train(tmp, f"nccl_{nproc}", nproc=nproc, backend="nccl")
+    summary = train(tmp, f"nccl_{nproc}", {"ddp.backend": "nccl"}, nproc=nproc)
     row = loss_falls(summary)
     row["ok"] &= "backend=nccl" in summary["log"] and "TORCH_NCCL_ASYNC_ERROR_HANDLING=3" in summary["log"]
     return row
 
 
 def check_amp(tmp: Path, dtype: str) -> dict:
-    summary = train(tmp, dtype, use_amp="true", amp_dtype=dtype)
+    summary = train(tmp, dtype, {"precision.dtype": dtype}, use_amp="true")
     row = loss_falls(summary)
     row["ok"] &= f"amp=on ({dtype})" in summary["log"]
     return row
@@ -83,10 +86,11 @@ def check_scaler_overflow(tmp: Path) -> dict:
     its scale (the final checkpoint's scale is below the initial 2**16, which 60 steps cannot grow
     past), and the framework does not count it as a non-finite step."""
     from framework.state.checkpoint_files import load_file, step_file
-    summary = train(tmp, "scaler_overflow", use_amp="true", amp_dtype="fp16", fault_inject="nan@step=20")
+    summary = train(tmp, "scaler_overflow", {"recovery.fault_inject": "nan@step=20", "precision.dtype": "fp16"},
+                    use_amp="true")
     scale = load_file(tmp / "scaler_overflow" / "ck" / step_file(summary["steps"]))["scaler"]["scale"]
-    ok = (summary["skipped_steps"] == 0 and summary["steps"] == TINY["max_steps"] and "nan at step 20" in summary["log"]
-          and scale < 2.0**16)
+    ok = (summary["skipped_steps"] == 0 and summary["steps"] == TINY["train.max_steps"]
+          and "nan at step 20" in summary["log"] and scale < 2.0**16)
     return {"ok": ok, "detail": f"skipped_steps {summary['skipped_steps']}, {summary['steps']} steps, "
                                 f"final GradScaler scale {scale:g} (initial 65536)"}
 
@@ -97,15 +101,15 @@ def check_oom_halving(tmp: Path) -> dict:
     OOM and oom_recovery must halve it until it trains, keeping 32 samples per step."""
     import torch
     from framework.trainer import DDPTrainer
-    base = {**TINY, "max_steps": 3}
+    base = {**TINY, "train.max_steps": 3}
     peaks = {}
     for batch in (2, 4):
         gc.collect()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         held = torch.cuda.memory_allocated()  # what an earlier probe may still hold
-        DDPTrainer({**base, "batch_size": batch, "log_dir": str(tmp / f"oom{batch}" / "logs"),
-                    "checkpoint_dir": str(tmp / f"oom{batch}" / "ck")}).train()
+        DDPTrainer({**base, "batch_size": batch, "logging.dir": str(tmp / f"oom{batch}" / "logs"),
+                    "checkpoint.dir": str(tmp / f"oom{batch}" / "ck")}).train()
         peaks[batch] = torch.cuda.max_memory_allocated() - held
     gc.collect()
     torch.cuda.empty_cache()
@@ -113,8 +117,8 @@ def check_oom_halving(tmp: Path) -> dict:
     limit = torch.cuda.memory_reserved() + peaks[2] + 9 * per_sample  # 8 samples and some slack; 16 do not fit
     torch.cuda.set_per_process_memory_fraction(min(1.0, limit / torch.cuda.get_device_properties(0).total_memory))
     try:
-        trainer = DDPTrainer({**base, "batch_size": 32, "oom_recovery": "true", "log_dir": str(tmp / "oom" / "logs"),
-                              "checkpoint_dir": str(tmp / "oom" / "ck")})
+        trainer = DDPTrainer({**base, "batch_size": 32, "recovery.oom": "true",
+                              "logging.dir": str(tmp / "oom" / "logs"), "checkpoint.dir": str(tmp / "oom" / "ck")})
         summary = trainer.train()
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
@@ -125,7 +129,7 @@ def check_oom_halving(tmp: Path) -> dict:
 
 
 def check_comm_hook(tmp: Path, nproc: int) -> dict:
-    return loss_falls(train(tmp, "comm_hook", nproc=nproc, backend="nccl", ddp_comm_hook="bf16"))
+    return loss_falls(train(tmp, "comm_hook", {"ddp.backend": "nccl", "ddp.comm_hook": "bf16"}, nproc=nproc))
 
 
 def run_script(*args: str, timeout: float) -> subprocess.CompletedProcess:

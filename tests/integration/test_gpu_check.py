@@ -100,7 +100,7 @@ def test_the_oom_row_limits_memory_to_8_samples_from_two_probes(gpu_check, tmp_p
                              get_device_properties=mock.Mock(return_value=mock.Mock(total_memory=1000 * mb)),
                              set_per_process_memory_fraction=mock.Mock(side_effect=fraction.append)):
         row = gpu_check.check_oom_halving(tmp_path)
-    assert [cfg["batch_size"] for cfg in made] == [2, 4, 32] and made[2]["oom_recovery"] == "true"
+    assert [cfg["batch_size"] for cfg in made] == [2, 4, 32] and made[2]["recovery.oom"] == "true"
     assert 180 * mb < fraction[0] * 1000 * mb < 260 * mb and fraction[1] == 1.0  # 8 samples fit, 16 do not
     assert row["ok"] and "32 -> 8 x 4" in row["detail"], row["detail"]
 
@@ -171,8 +171,9 @@ def test_the_scaler_overflow_row_on_cpu_with_an_enabled_grad_scaler(gpu_check, t
     small = {**gpu_check.TINY, "hidden_size": 32, "num_layers": 1, "num_heads": 2, "seq_len": 32,
              "dataset_size": 512, "batch_size": 8, "train.max_steps": 30, "save_interval": 10}
 
-    def in_process(tmp, name, nproc=1, **overrides):
-        overrides = {k: v for k, v in overrides.items() if k not in ("use_amp", "amp_dtype")}
+    def in_process(tmp, name, overrides=None, /, nproc=1, **keys):
+        # fp16 autocast cannot run here: the patched precision() stands for it
+        overrides = {k: v for k, v in {**(overrides or {}), **keys}.items() if k not in ("use_amp", "precision.dtype")}
         run = tmp / name
         summary = trainer_module.DDPTrainer({**small, **overrides, "logging.dir": str(run / "logs"),
                                              "checkpoint.dir": str(run / "ck")}).train()
