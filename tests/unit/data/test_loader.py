@@ -390,8 +390,8 @@ def train(tmp_path, name, n, over: dict | None = None, /, **compact):
 
     from framework.trainer import DDPTrainer
     before = signal.getsignal(signal.SIGCHLD)
-    cfg = {**RUN, **(over or {}), **compact, "logging.dir": str(tmp_path / name / "logs"),
-           "checkpoint.dir": str(tmp_path / name / "ck")}
+    over = {**(over or {}), **compact}
+    cfg = {**RUN, **over, "logging.dir": str(tmp_path / name / "logs"), "checkpoint.dir": str(tmp_path / name / "ck")}
     trainer = DDPTrainer(cfg, rank=0, world_size=1, train_dataset=PlainTokens(n), val_dataset=PlainTokens(8))
     assert trainer._num_workers == (1 if over.get("num_workers") else 0)  # 2 asked, 1 on a 2-core machine
     pids = []
