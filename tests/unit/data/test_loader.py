@@ -388,7 +388,13 @@ class PlainTokens(Dataset):
 def train(tmp_path, name, n, over: dict | None = None, /, **compact):
     import multiprocessing
 
+    from torch.utils.data._utils import signal_handling
+
     from framework.trainer import DDPTrainer
+    # PyTorch installs its own SIGCHLD handler once per process, at the first iterator with workers,
+    # and leaves it: install it now, so that what this run must give back does not depend on whether
+    # an earlier test of this process made such an iterator.
+    signal_handling._set_SIGCHLD_handler()
     before = signal.getsignal(signal.SIGCHLD)
     over = {**(over or {}), **compact}
     cfg = {**RUN, **over, "logging.dir": str(tmp_path / name / "logs"), "checkpoint.dir": str(tmp_path / name / "ck")}
