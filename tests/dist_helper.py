@@ -37,7 +37,10 @@ def summary(run_dir: Path) -> dict:
     return json.loads((run_dir / "logs" / "summary.json").read_text())
 
 
-def rank_log(run_dir: Path, rank: int = 0) -> str:
-    """Rank ``rank``'s log of the run, "" if it wrote none."""
+def rank_log(run_dir: Path, rank: int = 0, *, missing_ok: bool = False) -> str:
+    """Rank ``rank``'s log of the run; "" if it wrote none and ``missing_ok`` (a poll while the run
+    starts), else FileNotFoundError."""
     path = run_dir / "logs" / f"rank_{rank}.log"
-    return path.read_text() if path.exists() else ""
+    if missing_ok and not path.exists():
+        return ""
+    return path.read_text()

@@ -136,7 +136,7 @@ def end(agents: list[subprocess.Popen], run_dir: Path) -> None:
 def nodes_reference(tmp_path_factory) -> Path:
     """The uninterrupted run of NODES on one node of 2 processes."""
     ref = tmp_path_factory.mktemp("uninterrupted")
-    run(ref, 2, **{k: v for k, v in NODES.items() if k != "fault_inject"})
+    run(ref, 2, **{k: v for k, v in NODES.items() if k != "recovery.fault_inject"})
     return ref
 
 

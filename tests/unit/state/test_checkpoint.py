@@ -715,11 +715,11 @@ def test_a_second_run_on_a_busy_checkpoint_dir_exits_2_with_one_line(tmp_path):
 
     root = Path(__file__).resolve().parents[3]
     args = ["--vocab-size=32", "--hidden-size=32", "--num-layers=1", "--num-heads=2", "--seq-len=16",
-            "--dataset-size=128", "--batch-size=8", "--num-workers=0", "--tensorboard=false", "--eval-interval=0",
-            "--log-interval=1",
-            f"--checkpoint-dir={tmp_path / 'ck'}"]
-    first = subprocess.Popen([sys.executable, str(root / "ddp_training.py"), *args, "--max-steps=100000",
-                              "--num-epochs=100000", "--target-loss=0", f"--log-dir={tmp_path / 'a'}"], cwd=root,
+            "--dataset-size=128", "--batch-size=8", "--num-workers=0", "--logging.tensorboard=false",
+            "--eval.interval=0", "--log-interval=1",
+            f"--checkpoint.dir={tmp_path / 'ck'}"]
+    first = subprocess.Popen([sys.executable, str(root / "ddp_training.py"), *args, "--train.max_steps=100000",
+                              "--num-epochs=100000", "--target-loss=0", f"--logging.dir={tmp_path / 'a'}"], cwd=root,
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 60
@@ -727,8 +727,9 @@ def test_a_second_run_on_a_busy_checkpoint_dir_exits_2_with_one_line(tmp_path):
         while not log_a.exists() or "step 1/" not in log_a.read_text():
             assert time.monotonic() < deadline and first.poll() is None
             time.sleep(0.05)
-        second = subprocess.run([sys.executable, str(root / "ddp_training.py"), *args, "--max-steps=2",
-                                 f"--log-dir={tmp_path / 'b'}"], cwd=root, capture_output=True, text=True, timeout=60)
+        second = subprocess.run([sys.executable, str(root / "ddp_training.py"), *args, "--train.max_steps=2",
+                                 f"--logging.dir={tmp_path / 'b'}"], cwd=root, capture_output=True, text=True,
+                                timeout=60)
     finally:
         first.kill()
         first.wait()
