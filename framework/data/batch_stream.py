@@ -163,6 +163,19 @@ class BatchStream:
                 if str(err).startswith("Caught ") or not any(text in str(err) for text in _LOADER_ERRORS):
                     raise
                 self.restart(str(err).splitlines()[0])
+            except (OSError, EOFError) as err:
+                if not self._broken_transport(err):
+                    raise
+                what = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
+                self.restart(f"receiving a batch from a DataLoader worker failed ({what})")
+
+    def _broken_transport(self, err: BaseException) -> bool:
+        """Whether an OSError or EOFError came from the pipe between the workers and this process.
+        A batch's tensors come over a socket from the worker that made them: a worker SIGKILLed
+        after it queued a batch resets that socket, and the error reaches here before the worker's
+        death is visible to DataLoader's own check (which then re-raises it as it is). With workers,
+        the dataset's own errors arrive as "Caught OSError in DataLoader worker process 0"."""
+        return self.loader.num_workers > 0 and not str(err).startswith("Caught ")
 
     def restart(self, reason: str) -> None:
         """Drop the current loader (and its workers); the next fetch continues at the first
