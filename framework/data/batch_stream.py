@@ -15,6 +15,7 @@ import logging
 import os
 import random
 import signal
+import traceback
 from typing import Callable
 
 import numpy as np
@@ -77,6 +78,14 @@ class LoaderFailure(RuntimeError):
 
 
 _NOT_INSTALLED = object()
+
+# Where an error receiving a batch from a worker is raised: the queue, the connection and the
+# shared-memory handles of multiprocessing, and torch's storage reductions.
+_TRANSPORT_FILES = tuple(os.path.join(*parts) for parts in (
+    ("multiprocessing", "connection.py"), ("multiprocessing", "resource_sharer.py"),
+    ("multiprocessing", "reduction.py"), ("multiprocessing", "queues.py"),
+    ("torch", "multiprocessing", "reductions.py")))
+_RERAISE_FILE = os.path.join("torch", "_utils.py")
 
 # The messages of the errors DataLoader raises for a dead or stuck worker.
 _LOADER_ERRORS = ("DataLoader worker", "DataLoader timed out", "exited unexpectedly")
@@ -170,12 +179,19 @@ class BatchStream:
                 self.restart(f"receiving a batch from a DataLoader worker failed ({what})")
 
     def _broken_transport(self, err: BaseException) -> bool:
-        """Whether an OSError or EOFError came from the pipe between the workers and this process.
-        A batch's tensors come over a socket from the worker that made them: a worker SIGKILLed
-        after it queued a batch resets that socket, and the error reaches here before the worker's
-        death is visible to DataLoader's own check (which then re-raises it as it is). With workers,
-        the dataset's own errors arrive as "Caught OSError in DataLoader worker process 0"."""
-        return self.loader.num_workers > 0 and not str(err).startswith("Caught ")
+        """Whether an OSError or EOFError came from the pipe between the workers and this process,
+        judged by where it was raised, not by its message. A batch's tensors come over a socket
+        from the worker that made them: a worker SIGKILLed after it queued a batch resets that
+        socket, and the error reaches here before the worker's death is visible to DataLoader's
+        own check (which then re-raises it as it is). A dataset's own error (also collate_fn's,
+        worker_init_fn's) is re-raised through ExceptionWrapper.reraise; forking workers fails
+        elsewhere (popen_fork): neither is retried."""
+        if self.loader.num_workers == 0:
+            return False
+        frames = traceback.extract_tb(err.__traceback__)
+        if not frames or any(f.name == "reraise" and f.filename.endswith(_RERAISE_FILE) for f in frames):
+            return False
+        return frames[-1].filename.endswith(_TRANSPORT_FILES)
 
     def restart(self, reason: str) -> None:
         """Drop the current loader (and its workers); the next fetch continues at the first

@@ -3,7 +3,9 @@ killed or stuck worker at the first uncommitted sample, the restart budget, and 
 
 import os
 import signal
+import ssl
 import time
+import urllib.error
 
 import pytest
 import torch
@@ -229,8 +231,8 @@ def test_a_datasets_own_error_in_a_worker_is_raised_not_retried():
 
 
 class SharerGone(Dataset):
-    """In the worker, at its second micro-batch's first sample: wait until the first micro-batch
-    is queued, then stop the worker's resource sharer, the socket a batch's shared memory is
+    """In the worker, at its second micro-batch's first sample: wait until the first micro-batch's
+    storage is registered for sending, then stop the worker's resource sharer, the socket a batch's shared memory is
     received over, and remove the marker. The worker stays alive, as a SIGKILLed one looks for a
     moment after its socket is gone: receiving the first micro-batch fails with an OSError, which
     DataLoader's own dead-worker check re-raises as it is. Once: the rebuilt loader's worker finds
@@ -247,8 +249,10 @@ class SharerGone(Dataset):
     def __getitem__(self, i):
         self.reads += 1
         if self.reads == BATCH + 1 and self.marker.exists():
-            time.sleep(1.0)  # the first micro-batch reaches the pipe, its storage registered
             from multiprocessing import resource_sharer
+            end = time.monotonic() + 30
+            while not resource_sharer._resource_sharer._cache and time.monotonic() < end:
+                time.sleep(0.01)  # until the queue's feeder thread has registered the first micro-batch's storage
             resource_sharer.stop()
             self.marker.unlink()
         return (self.data[i],)
@@ -272,6 +276,33 @@ def test_a_batch_lost_in_transit_from_a_worker_restarts_the_loader(tmp_path, cap
         assert "receiving a batch from a DataLoader worker failed (FileNotFoundError" in caplog.text
         sampler.advance()
         assert samples(stream.next_step()) == expected_step(sampler, 1)
+    finally:
+        stream.shutdown()
+
+
+class UnreachableShard(Dataset):
+    """A dataset's own network errors, raised in the worker: URLError's and SSLError's messages,
+    as DataLoader re-raises them, do not start with "Caught "."""
+
+    def __init__(self, error):
+        self.error = error
+
+    def __len__(self):
+        return N
+
+    def __getitem__(self, i):
+        raise self.error
+
+
+@pytest.mark.parametrize("error", [urllib.error.URLError("shard host unreachable"), ssl.SSLError(1, "bad record"),
+                                   FileNotFoundError("shard 3 is missing")], ids=["URLError", "SSLError", "missing"])
+def test_a_datasets_own_oserror_in_a_worker_is_raised_not_retried(error):
+    sampler, stream = make_stream(UnreachableShard(error), workers=1)
+    try:
+        stream.start_epoch()
+        with pytest.raises(type(error), match="in DataLoader worker process 0"):
+            stream.next_step()
+        assert stream.restarts_this_epoch == 0
     finally:
         stream.shutdown()
 
