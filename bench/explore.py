@@ -564,6 +564,10 @@ class Job:
     def workers(self) -> dict[int, psutil.Process]:
         found = {}
         for agent in self.procs:
+            # An agent we have reaped (poll() saw it exit) no longer owns its pid: another process,
+            # anywhere on the machine, may have it now. Unreaped, its pid cannot be reused.
+            if agent.poll() is not None:
+                continue
             try:
                 procs = [psutil.Process(agent.pid), *psutil.Process(agent.pid).children(recursive=True)]
             except psutil.NoSuchProcess:
@@ -659,20 +663,25 @@ def deliver(trial: dict, job: Job, lay: Layout, foreign: set[str], res: dict) ->
                     if newest_own_step_file(lay, foreign) is None:
                         res["unreadable_only"] = newest.name
                 notes.append(f"damaged {newest.name}")
-            os.kill(workers[last].pid, signal.SIGTERM if fault == "sigterm_worker" else signal.SIGKILL)
+            # psutil's send_signal checks the process is still the one found (not a reused pid).
+            workers[last].send_signal(signal.SIGTERM if fault == "sigterm_worker" else signal.SIGKILL)
         elif fault in ("kill9_agent", "kill9_node"):
             agent = job.procs[-1]
+            if agent.poll() is not None:
+                return False
             children = psutil.Process(agent.pid).children(recursive=True) if fault == "kill9_node" else []
-            os.kill(agent.pid, signal.SIGKILL)
+            agent.send_signal(signal.SIGKILL)
             for child in children:
                 with contextlib.suppress(psutil.NoSuchProcess):
                     child.kill()
         elif fault == "sigterm_launcher":
-            os.kill(job.procs[0].pid, signal.SIGTERM)
+            if job.procs[0].poll() is not None:
+                return False
+            job.procs[0].send_signal(signal.SIGTERM)
         elif fault == "sigstop_worker":
             if last not in workers:
                 return False
-            os.kill(workers[last].pid, signal.SIGSTOP)  # never continued
+            workers[last].send_signal(signal.SIGSTOP)  # never continued
         else:
             raise ValueError(fault)
     except (ProcessLookupError, psutil.NoSuchProcess):

@@ -347,3 +347,31 @@ def test_a_hung_trial_has_its_processes_stacks_dumped_before_the_kill(tmp_path):
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_a_trial_never_signals_a_pid_its_exited_agent_left_behind(monkeypatch):
+    """Once the explorer has reaped an agent, the agent's pid may belong to any process on the
+    machine (a concurrent trial's, a test's). A sigterm_worker then went to such a process: a
+    script run beside the explorer received SIGTERM. workers() must not name it."""
+    import subprocess
+
+    agent = subprocess.Popen([sys.executable, "-c", "pass"])
+    agent.wait()  # reaped: the pid is free for reuse
+
+    class Reused:  # what psutil finds at that pid now: some other process that looks like a worker
+        pid = agent.pid
+
+        def __init__(self, pid):
+            assert pid == agent.pid
+
+        def children(self, recursive=False):
+            return []
+
+        def environ(self):
+            return {"RANK": "0", "TORCHELASTIC_RESTART_COUNT": "0"}
+
+    monkeypatch.setattr(explore.psutil, "Process", Reused)
+    job = object.__new__(explore.Job)
+    job.procs, job.script = [agent], explore.ROOT / "ddp_training.py"
+    job.cmds = [[sys.executable, str(job.script)]]
+    assert job.workers() == {}
