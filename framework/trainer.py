@@ -451,12 +451,17 @@ class DDPTrainer:
             return None
         with self._save_alone_if_a_peer_is_lost():
             loss = self._train_step.forward_backward_with_retry(micro, self.step)
+        # Recorded before the ranks agree on the step (optimizer_step's all-reduce): once a peer
+        # has passed it, the step is committed (a survivor checkpoint holds it, a restart does not
+        # redo it), so this rank's record must exist even if this rank dies right after. A step
+        # that is not committed is redone, and its line dropped by the redo's purge_from.
+        samples_log.write(self.sampler.epoch, self.step + 1, self.sampler.pending())
         self._moments.gradients(self.step, self.raw_model)
         agreed, lr, grad_norm = self.optimizer_step(loss, preempt=self._preemption.requested is not None)
         self._stragglers.timer.end()
         ddp = self.config.ddp
         process_group.set_steady_timeout(ddp.init_timeout_s or ddp.timeout_s, ddp.timeout_s)
-        indices = self.sampler.advance()
+        self.sampler.advance()
         self.step += 1
         self._watchdog.disarm()
         if self._stragglers.should_check(self.step):
@@ -464,7 +469,6 @@ class DDPTrainer:
                 self._stragglers.check(self.step)
         step_tokens = sum(num_tokens(b) for b in micro) * self.env.world_size
         self._tokens_total += step_tokens
-        samples_log.write(self.sampler.epoch, self.step, indices)
         self._pending_spike = self._spike_guard.observe(self.step, agreed.loss, skipped=agreed.nonfinite)
         step_log.record(self.step, self.sampler.epoch, agreed.loss, lr, grad_norm, step_tokens,
                         health={**self._spike_guard.scalars(), **self._stragglers.scalars(),

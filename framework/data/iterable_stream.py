@@ -64,6 +64,9 @@ class StreamPosition:
     def set_epoch(self, epoch: int) -> None:
         self.epoch, self.consumed, self.exhausted = epoch, 0, False
 
+    def pending(self) -> list[int]:
+        return []  # a stream's samples have no indices
+
     def advance(self) -> list[int]:
         self.consumed += self.global_batch
         return []

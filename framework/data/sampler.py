@@ -138,6 +138,10 @@ class ResumableDistributedSampler(torch.utils.data.Sampler[list[int]]):
         self.epoch = epoch
         self.consumed = 0
 
+    def pending(self) -> list[int]:
+        """This rank's sample indices in the step being trained: what ``advance`` will return."""
+        return [i for batch in list(self.delivered)[:self.accumulation] for i in batch]
+
     def advance(self) -> list[int]:
         """Record one committed optimizer step; returns this rank's sample indices in it."""
         self.consumed += self.global_batch

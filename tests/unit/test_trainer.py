@@ -349,3 +349,27 @@ def test_one_gpu_trains_in_bf16_and_its_checkpoint_loads_on_cpu(tmp_path):
     assert summary["steps"] == 20 and summary["final_train_loss"] < summary["first_train_loss"]
     state = torch.load(tmp_path / "ck" / "final_model.pt", weights_only=True, map_location="cpu")
     assert all(t.device.type == "cpu" and torch.isfinite(t).all() for t in state.values())
+
+
+def test_a_steps_samples_are_recorded_before_the_ranks_agree_on_it(tmp_path):
+    """Once a peer has passed a step's agreement (the all-reduce in optimizer_step), the step is
+    committed: a peer's survivor checkpoint holds it, and the restart does not redo it. So this
+    rank's record of the step's samples must be on disk before it joins that agreement: the
+    explorer's trial 509 of seed 14000 killed rank 1 between the two, and its 8 samples of step 7
+    were missing from the audit trail (trained, never recorded). A line written for a step that is
+    then not committed is dropped by the purge_from of the step's redo."""
+    cfg = tiny_config(tmp_path, {"train.max_steps": 3, "logging.record_samples": True, "eval.interval": 0})
+    trainer = DDPTrainer(cfg)
+    samples = tmp_path / "logs" / "samples_rank_0.jsonl"
+    seen = []
+    agree_step = trainer._train_step.optimizer_step
+
+    def recorded_then_agree(loss, step, **kwargs):
+        lines = [json.loads(line) for line in samples.read_text().splitlines()] if samples.exists() else []
+        seen.append((step + 1, [line.get("step") for line in lines]))
+        return agree_step(loss, step, **kwargs)
+    trainer._train_step.optimizer_step = recorded_then_agree
+    trainer.train()
+    assert seen == [(1, [1]), (2, [1, 2]), (3, [1, 2, 3])]
+    records = [json.loads(line) for line in samples.read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3] and all(len(r["indices"]) == cfg["batch_size"] for r in records)
