@@ -139,7 +139,7 @@ def run_framework(cfg, clock: Clock) -> dict:
                    if k.startswith("avg_") or k in ("rebuilt_bucket_sizes", "num_buckets_reduced")} if hasattr(
         ddp, "_get_ddp_logging_data") else {}
     return {"first_step_s": clock.wall[0] - train_start, "ddp_logging": ddp_logging,
-            "loader_workers": trainer._num_workers,
+            "loader_workers": trainer.num_workers,
             "world_size": trainer.env.world_size,
             "rank": trainer.env.rank, "self_reported_tokens_per_sec": summary["tokens_per_sec"],
             "tokens_per_step": cfg.data.batch_size * cfg.model.seq_len * trainer.env.world_size}

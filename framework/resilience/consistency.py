@@ -3,6 +3,8 @@ bitwise equal under DDP."""
 
 from __future__ import annotations
 
+import contextlib
+
 import hashlib
 import logging
 
@@ -10,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from ..ddp.policy import unwrap
+from ..train.events import Listener
 from .markers import FatalError
 
 log = logging.getLogger(__name__)
@@ -55,14 +58,22 @@ def first_divergent(model: torch.nn.Module, device: torch.device) -> str | None:
 
 
 
-class ConsistencyCheck:
+class ConsistencyCheck(Listener):
     """Every ``interval`` steps (0: never), one all-reduce checks that every rank holds
-    bit-identical parameters; a difference is fatal and names the first parameter."""
+    bit-identical parameters; a difference is fatal and names the first parameter. On the event
+    bus: at a step's end, in ``phase("consistency check")`` (the watchdog's)."""
 
-    def __init__(self, model: torch.nn.Module, *, interval: int, device: torch.device, distributed: bool):
+    def __init__(self, model: torch.nn.Module, *, interval: int, device: torch.device, distributed: bool,
+                 phase=None):
+        self.phase = phase or (lambda name: contextlib.nullcontext())
         self.model = model
         self.interval = interval if distributed else 0
         self.device = device
+
+    def step_end(self, result, model) -> None:
+        if self.should_run(result.step):
+            with self.phase("consistency check"):
+                self.maybe_check(result.step)
 
     def should_run(self, step: int) -> bool:
         return bool(self.interval) and step % self.interval == 0

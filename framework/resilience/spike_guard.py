@@ -16,6 +16,7 @@ import logging
 import math
 from dataclasses import dataclass
 
+from ..train.events import Listener
 from . import exclusions
 from .markers import FatalError
 
@@ -45,8 +46,15 @@ class Spike:
     samples: list[int]
 
 
-class SpikeGuard:
-    """Observes each step's agreed loss; ``observe`` returns the Spike to roll back, if any."""
+class SpikeGuard(Listener):
+    """Observes each step's agreed loss; ``observe`` returns the Spike to roll back, if any. On the
+    event bus: each step's end observes its loss, and ``pending`` holds the spike to roll back
+    until the trainer takes it."""
+
+    pending: Spike | None = None
+
+    def step_end(self, result, model) -> None:
+        self.pending = self.observe(result.step, result.loss, skipped=result.agreed.nonfinite)
 
     def __init__(self, spike, *, checkpoint_dir: str, exclude_samples: str, is_main: bool):
         """``spike``: the configuration's spike section; ``exclude_samples``: data.exclude_samples (a

@@ -25,6 +25,7 @@ from ..ddp import process_group
 from ..ddp.policy import unwrap
 from ..resilience import markers
 from ..resilience.markers import FatalError
+from ..train.events import Listener
 from . import checkpoint_files, rng
 from .checkpoint_files import CheckpointDirLocked, CheckpointError, CheckpointManager, CheckpointUnreadable
 
@@ -168,7 +169,7 @@ def open_manager(cfg: TrainConfig, env) -> CheckpointManager:
     return manager
 
 
-class BufferWatch:
+class StepStartBuffers(Listener):
     """The model's state other than its parameters (persistent buffers and modules' extra state)
     as it stood at the current step's start, for a save alone. A step's forward changes some of it
     before any collective can fail: BatchNorm's running statistics in place (in C++ kernels that
@@ -177,9 +178,13 @@ class BufferWatch:
     So at each step's start the state is read anew by name from ``state_dict`` and copied (a few
     KB for BatchNorm; nothing for the many transformers without such state), with the copy of the
     step before, which tells whether it changes at all. Beyond ``LIMIT`` bytes, or for an extra
-    state that cannot be copied, nothing is copied and a save alone is not made."""
+    state that cannot be copied, nothing is copied and a save alone is not made. On the event bus:
+    read at each step's start."""
 
     LIMIT = 64 * 2**20
+
+    def step_start(self, step: int) -> None:
+        self.at_step_start()
 
     def __init__(self, model: torch.nn.Module):
         self.model = model
@@ -341,7 +346,7 @@ class Checkpointer:
         The state is the live one, which the interrupted step has not changed. It holds no RNG
         state: every rank's generators are seeded from (seed, rank, step) at each step's start
         (rng.seed_step); ``model_state`` is the model's as it stood at the step's start (see
-        BufferWatch). Only one survivor writes (see CheckpointManager.write_alone); returns the
+        StepStartBuffers). Only one survivor writes (see CheckpointManager.write_alone); returns the
         path, or None when this rank did not write."""
         lineage, began_from = self.manager.lineage, self.manager.began_from
         if not self.env.is_main:

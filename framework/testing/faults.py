@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from ..train.moments import Listener
+from ..train.events import Listener
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ def parse(spec: str) -> list[Fault]:
 
 class FaultPlan(Listener):
     """The faults planned for this rank and incarnation, attached to the run's moments
-    (framework/train/moments.py): the start of a step, a micro-batch, a micro-step's forward and
+    (framework/train/events.py): the start of a step, a micro-batch, a micro-step's forward and
     backward, the gradients, the end of a step, an evaluation, a checkpoint save, the export."""
 
     def __init__(self, spec: str, rank: int, restart_count: int):
@@ -186,9 +186,9 @@ class FaultPlan(Listener):
         if self.faults and self.due("nan", step):
             next(p for p in model.parameters() if p.grad is not None).grad.view(-1)[0] = float("nan")
 
-    def step_end(self, step: int, model, metrics=None) -> None:
+    def step_end(self, result, model) -> None:
         """After the optimizer step: this rank's first parameter moved by one ulp."""
-        if self.faults and self.due("ulp", step):
+        if self.faults and self.due("ulp", result.step):
             log.warning("fault injection: %s nudged by one ulp", nudge_one_ulp(model))
 
 

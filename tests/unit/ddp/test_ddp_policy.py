@@ -203,7 +203,7 @@ def test_reentrant_module_whose_inputs_need_no_grad_is_switched_and_trained(targ
                         doctor=True)
     doctor.close()
     assert doctor.report.unused == [] and doctor.decision.safe
-    assert doctor._activation_checkpointing.mode == "non_reentrant"
+    assert doctor.activation_checkpointing.mode == "non_reentrant"
     assert any("non_reentrant" in r and "'adapter'" in r for r in doctor.decision.reasons), doctor.decision.reasons
     model = FrozenThenAdapter()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}

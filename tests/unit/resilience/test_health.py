@@ -12,6 +12,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from framework.ddp.policy import unwrap
 from framework.resilience.consistency import ConsistencyCheck, first_divergent, model_sha256, parameter_hashes
 from framework.resilience.watchdog import Watchdog
+from framework.config.schema import RecoverySection
 
 
 def small_model(seed: int = 0) -> nn.Module:
@@ -135,9 +136,9 @@ def log_file(tmp_path):
         yield f
 
 
-def watchdog(log_file, **kw):
-    return Watchdog(**{"step_timeout_s": 60.0, "factor": 3.0, "log_file": log_file, "rank": 0, "world_size": 1,
-                       **kw})
+def watchdog(log_file, *, step_timeout_s=60.0, factor=3.0, **kw):
+    return Watchdog(RecoverySection(step_timeout_s=step_timeout_s, step_timeout_factor=factor),
+                    **{"log_file": log_file, "rank": 0, "world_size": 1, **kw})
 
 
 def test_deadline_is_the_larger_of_minimum_and_factor_times_median(log_file):

@@ -220,8 +220,8 @@ def test_a_rollback_stays_within_its_epoch(tmp_path):
     trainer = DDPTrainer(cfg, rank=0, world_size=1)
     trainer.train()
     assert trainer.sampler.epoch == 1
-    assert trainer._checkpointer.roll_back(before=6) is None  # the newest before it is of epoch 0
-    assert trainer._checkpointer.roll_back(before=7) == 6 and trainer.step == 6
+    assert trainer.checkpointer.roll_back(before=6) is None  # the newest before it is of epoch 0
+    assert trainer.checkpointer.roll_back(before=7) == 6 and trainer.step == 6
 
 
 def one_process_spike(tmp_path, overrides: dict | None = None, /, **compact):

@@ -58,7 +58,7 @@ def test_resume_with_another_batch_size_recomputes_the_schedule(tmp_path):
     trainer = DDPTrainer(tiny(tmp_path, num_epochs=2, batch_size=16))
     # 48 of 128 samples done in epoch 0: 5 more steps of 16, then 8 in epoch 1 (not 2 x 8 = 16 in all).
     assert trainer.step == 6 and trainer.sampler.batch_size == 16
-    assert trainer._total_steps == trainer._schedule.total_steps == 19
+    assert trainer.total_steps == trainer.schedule.total_steps == 19
     summary = trainer.train()
     assert summary["steps"] == 19 and summary["epochs"] == 2.0
     # The last step ran at its place on the recomputed cosine, not past its end.
@@ -254,10 +254,10 @@ def test_a_rollback_takes_only_its_own_lineages_checkpoints(tmp_path):
     (other_lineage,) = lineages(ck)
     trainer = DDPTrainer(tiny(tmp_path, {"train.max_steps": 8, "checkpoint.every_steps": 2,
                                          "checkpoint.resume": "none", "spike.guard": "rollback"}))
-    assert trainer._checkpointer.roll_back(before=9) is None and trainer.step == 0  # nothing of its own yet
+    assert trainer.checkpointer.roll_back(before=9) is None and trainer.step == 0  # nothing of its own yet
     trainer.train()
-    assert trainer._checkpointer.manager.lineage != other_lineage
-    assert trainer._checkpointer.roll_back(before=7) == 6  # its own
+    assert trainer.checkpointer.manager.lineage != other_lineage
+    assert trainer.checkpointer.roll_back(before=7) == 6  # its own
     assert {p.name: p.read_bytes() for p in ck.glob("step_*.pt") if p.name in other} == other
 
 
@@ -269,11 +269,11 @@ def test_recorded_exclusions_apply_only_to_their_own_lineage(tmp_path):
     (ck / exclusions.FILE).write_text(json.dumps({"samples": [5, 6], "rollbacks": [rollback],
                                                   "lineage": "0therrun0000"}))
     trainer = DDPTrainer(tiny(tmp_path, {"train.max_steps": 8}))  # resumes this lineage's step 4
-    assert trainer.step == 4 and trainer._spike_guard.excluded == set()
+    assert trainer.step == 4 and trainer.spike_guard.excluded == set()
     trainer.close()
     (ck / exclusions.FILE).write_text(json.dumps({"samples": [5, 6], "rollbacks": [rollback], "lineage": own}))
     trainer = DDPTrainer(tiny(tmp_path, {"train.max_steps": 8}))
-    assert trainer.step == 4 and trainer._spike_guard.excluded == {5, 6}
+    assert trainer.step == 4 and trainer.spike_guard.excluded == {5, 6}
     trainer.close()
 
 

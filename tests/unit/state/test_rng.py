@@ -122,10 +122,10 @@ def test_buffer_watch_gives_the_buffers_as_at_the_step_start():
     """A forward changes BatchNorm's running statistics (without bumping the tensors' versions)
     before any collective can fail: the save alone writes them as they were at the step's start;
     off rank 0 only buffers that no step changes (DDP's buffers are rank 0's)."""
-    from framework.state.checkpointer import BufferWatch
+    from framework.state.checkpointer import StepStartBuffers
 
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
-    watch = BufferWatch(model)
+    watch = StepStartBuffers(model)
     assert sorted(watch.buffers) == ["1.num_batches_tracked", "1.running_mean", "1.running_var"]
     assert watch.model_state(is_main=True) == (None, "no step started yet")
     for _ in range(2):
@@ -143,7 +143,7 @@ def test_buffer_watch_gives_the_buffers_as_at_the_step_start():
         watch.at_step_start()
         model(torch.randn(8, 3))
     assert watch.model_state(is_main=False)[1] is None
-    plain = BufferWatch(torch.nn.Linear(3, 4))  # no persistent buffer: nothing is copied
+    plain = StepStartBuffers(torch.nn.Linear(3, 4))  # no persistent buffer: nothing is copied
     plain.at_step_start()
     assert plain.copies is None and plain.model_state(is_main=False)[1] is None
 
@@ -174,10 +174,10 @@ def test_buffer_watch_reads_buffers_and_extra_state_by_name_at_each_step_start()
     """Issue 33, bug 2: the watch kept the tensors it saw at construction, so a buffer updated out
     of place or a new extra state was saved with its construction-time value, and off rank 0 the
     frozen copies always compared equal."""
-    from framework.state.checkpointer import BufferWatch
+    from framework.state.checkpointer import StepStartBuffers
 
     model = OutOfPlace()
-    watch = BufferWatch(model)
+    watch = StepStartBuffers(model)
     for _ in range(3):
         watch.at_step_start()
         at_start = copy.deepcopy(model.state_dict())
