@@ -51,7 +51,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from framework.observability.metrics import read_samples  # noqa: E402
-from framework.testing.launch import free_port, kill_matching, processes_matching, torchrun_cmd, worker_env  # noqa: E402
+from harness.launch import free_port, kill_matching, processes_matching, torchrun_cmd, worker_env  # noqa: E402
 
 # --- the run every cell trains ----------------------------------------------------------------
 # 2 ranks x batch 40 = 80 samples per step over 2,560 sequences: 32 steps per epoch, so 48 steps cross

@@ -49,7 +49,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))
 
 from fault_campaign import LogWatch  # noqa: E402  (tails the rank logs, timing each line)
-from framework.testing.launch import cli_args, free_port, kill_matching, torchrun_cmd, worker_env  # noqa: E402
+from harness.launch import cli_args, free_port, kill_matching, torchrun_cmd, worker_env  # noqa: E402
 
 # The fault campaign's model (about 60 ms a step on 2 ranks here), trained without end: the bench
 # stops it. A checkpoint every 40 steps (about 3 s), asynchronous.

@@ -42,7 +42,7 @@ def timed(fn, repeat=50) -> float:
 def allgather_ms() -> float:
     """The median time of the straggler check's all-gather (4 float64 per rank) on 2 gloo ranks."""
     import subprocess
-    from framework.testing.launch import torchrun_cmd, worker_env
+    from harness.launch import torchrun_cmd, worker_env
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "allgather.json"
         subprocess.run(torchrun_cmd(Path(__file__), ["--allgather-worker", str(out)], nproc=2), cwd=ROOT,

@@ -46,7 +46,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from framework.observability.metrics import read_samples  # noqa: E402
-from framework.testing.launch import (cli_args, free_port, kill_matching, processes_matching,  # noqa: E402
+from harness.launch import (cli_args, free_port, kill_matching, processes_matching,  # noqa: E402
                                       torchrun_cmd, worker_env)
 
 # 512 samples, 16 a step (data.global_batch_size: 4 ranks x 4, or 2 ranks x 4 x 2 accumulation,

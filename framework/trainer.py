@@ -38,7 +38,7 @@ from .resilience.watchdog import Watchdog
 from .state import atomic, export, rng
 from .state.checkpoint_files import CheckpointDirLocked, CheckpointError
 from .state.checkpointer import StepStartBuffers, Checkpointer, guard_restart_loop, open_manager
-from .testing.faults import FaultPlan
+from .resilience.faults import FaultPlan
 from .train.callbacks import UserCallbacks, user_stateful
 from .train.events import EventBus, StepResult
 from .train.control import Agreement, agree

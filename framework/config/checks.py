@@ -57,7 +57,7 @@ def check_values(cfg: TrainConfig) -> list[str]:
         problems.append(f"checkpoint.resume={cfg.checkpoint.resume!r}: allowed: auto, none, or an existing "
                         "checkpoint file")
     if cfg.recovery.fault_inject:
-        from ..testing.faults import parse
+        from ..resilience.faults import parse
         problems += _unparsable("recovery.fault_inject", cfg.recovery.fault_inject, parse)
     problems += _check_run_health_and_speed(cfg)
     if cfg.precision.autocast == "true" and cfg.precision.dtype == "fp16" and not _cuda_available():

@@ -26,10 +26,10 @@ from transformers import EarlyStoppingCallback, TrainerCallback, TrainingArgumen
 from framework.config.schema import ConfigError  # noqa: E402
 from framework.hf import Trainer  # noqa: E402
 from framework.hf import arguments  # noqa: E402
-from framework.testing.hf_script import StrideBytes, build_model  # noqa: E402
-from framework.testing.launch import ROOT, launch  # noqa: E402
+from harness.hf_script import StrideBytes, build_model  # noqa: E402
+from harness.launch import ROOT, launch  # noqa: E402
 
-SCRIPT = ROOT / "framework" / "testing" / "hf_script.py"
+SCRIPT = ROOT / "harness" / "hf_script.py"
 
 
 def targs(tmp_path, **overrides) -> TrainingArguments:

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from framework.testing.faults import ANY_RESTART, KINDS, Fault, FaultPlan, middle_module, nudge_one_ulp, parse
+from framework.resilience.faults import ANY_RESTART, KINDS, Fault, FaultPlan, middle_module, nudge_one_ulp, parse
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -281,7 +281,7 @@ def test_sigterm_fault_signals_this_process_once_at_its_step():
 
 
 def test_sigkill_fault_kills_the_process():
-    code = ("from framework.testing.faults import FaultPlan\n"
+    code = ("from framework.resilience.faults import FaultPlan\n"
             "plan = FaultPlan('sigkill@step=1', 0, 0)\n"
             "plan.fire_process_faults(0)\n"
             "print('step 0 ok', flush=True)\n"
@@ -346,7 +346,7 @@ def test_production_code_calls_the_seam_never_the_fault_plan():
     it to the run's moments."""
     import ast
     framework = ROOT / "framework"
-    importers = sorted(str(p.relative_to(framework)) for p in framework.rglob("*.py") if p.parent.name != "testing"
+    importers = sorted(str(p.relative_to(framework)) for p in framework.rglob("*.py") if p.name != "faults.py"
                        and any(isinstance(node, ast.ImportFrom) and "FaultPlan" in [a.name for a in node.names]
                                for node in ast.walk(ast.parse(p.read_text()))))
     assert importers == ["trainer.py"]

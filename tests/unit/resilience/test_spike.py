@@ -12,7 +12,7 @@ import pytest
 from framework.resilience import exclusions
 from framework.config import ConfigError, resolve_config
 from framework.data.sampler import ResumableDistributedSampler
-from framework.testing.faults import FaultPlan
+from framework.resilience.faults import FaultPlan
 from framework.resilience.markers import FatalError
 from framework.observability.metrics import read_metrics
 from framework.resilience.spike_guard import SpikeGuard, loss_z

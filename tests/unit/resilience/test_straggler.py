@@ -7,7 +7,7 @@ import socket
 import pytest
 import torch
 
-from framework.testing.faults import parse
+from framework.resilience.faults import parse
 from framework.observability.metrics import read_metrics
 from framework.config import StragglerSection
 from framework.ddp.process_group import DistEnv
