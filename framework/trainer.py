@@ -37,11 +37,11 @@ from .resilience.straggler import StragglerMonitor
 from .resilience.watchdog import Watchdog
 from .state import atomic, export, rng
 from .state.checkpoint_files import CheckpointDirLocked, CheckpointError
-from .state.checkpointer import StepStartBuffers, Checkpointer, guard_restart_loop, open_manager
+from .state.checkpointer import StepStartBuffers, Checkpointer, guard_restart_loop, open_store
 from .resilience.faults import FaultPlan
 from .train.callbacks import UserCallbacks, user_stateful
 from .train.events import EventBus, StepResult
-from .train.control import Agreement, agree
+from .train.agreement import Agreement, agree
 from .train.evaluation import Evaluator
 from .train.optim import Precision, optimizer_and_schedule
 from .train.step import SkipBudget, TrainStep, apply_recorded_micro_batch, prepare_model
@@ -170,7 +170,7 @@ class DDPTrainer:
 
     def _build(self, model, train_dataset, val_dataset, loss_fn, doctor: bool) -> None:
         builtin_data = train_dataset is None  # checkpoint_dir's lock first: its markers may be a live run's
-        self.checkpointer = Checkpointer(self.config, self.env, open_manager(self.config, self.env), {},
+        self.checkpointer = Checkpointer(self.config, self.env, open_store(self.config, self.env), {},
                                           builtin_data=builtin_data, builtin_model=model is None,
                                           on_save=self.events.saved)
         markers.check_at_start(self.config.checkpoint.dir, restart_count=process_group.incarnation(),

@@ -27,7 +27,7 @@ from ..resilience import markers
 from ..resilience.markers import FatalError
 from ..train.events import Listener
 from . import checkpoint_files, rng
-from .checkpoint_files import CheckpointDirLocked, CheckpointError, CheckpointManager, CheckpointUnreadable
+from .checkpoint_files import CheckpointDirLocked, CheckpointError, CheckpointStore, CheckpointUnreadable
 
 log = logging.getLogger(__name__)
 
@@ -147,8 +147,8 @@ def guard_restart_loop(cfg: TrainConfig, env, resumed_step: int) -> None:
         raise FatalError(verdict[0])
 
 
-def open_manager(cfg: TrainConfig, env) -> CheckpointManager:
-    """The checkpoint manager; rank 0 takes checkpoint_dir's lock, and every rank learns if it
+def open_store(cfg: TrainConfig, env) -> CheckpointStore:
+    """The checkpoint store; rank 0 takes checkpoint_dir's lock, and every rank learns if it
     could not (the others would otherwise wait for it in the first collective). A restart waits
     for a process of its own run that still holds the lock (a survivor of the last incarnation
     writing its save alone, which can outlast the rendezvous's last call) for up to half the
@@ -156,7 +156,7 @@ def open_manager(cfg: TrainConfig, env) -> CheckpointManager:
     error = None
     wait = (cfg.ddp.init_timeout_s or cfg.ddp.timeout_s) / 2 if process_group.incarnation() > 0 else 0
     try:
-        manager = CheckpointManager(cfg.checkpoint.dir, keep_last=cfg.checkpoint.keep_last, rank=env.rank,
+        store = CheckpointStore(cfg.checkpoint.dir, keep_last=cfg.checkpoint.keep_last, rank=env.rank,
                                     wait_for_run_s=wait)
     except CheckpointDirLocked as err:
         error = str(err)
@@ -166,7 +166,7 @@ def open_manager(cfg: TrainConfig, env) -> CheckpointManager:
         error = box[0]
     if error is not None:
         raise CheckpointDirLocked(error)
-    return manager
+    return store
 
 
 class StepStartBuffers(Listener):
@@ -248,7 +248,7 @@ def _same(a, b) -> bool:
 
 
 class Checkpointer:
-    """Saves the union of ``components``' states through ``manager`` when the configuration says
+    """Saves the union of ``components``' states through ``store`` when the configuration says
     so, and restores it. ``components`` maps a name in the checkpoint to a Stateful; "model"
     must be the unwrapped model.
 
@@ -257,9 +257,9 @@ class Checkpointer:
     no checkpoint yet does ``resume`` choose again. A rollback takes only these lineages'
     checkpoints, or the one the run started from."""
 
-    def __init__(self, cfg: TrainConfig, env, manager: CheckpointManager, components: dict[str, Stateful], *,
+    def __init__(self, cfg: TrainConfig, env, store: CheckpointStore, components: dict[str, Stateful], *,
                  builtin_data: bool, builtin_model: bool = True, on_save: Callable[[int], None] | None = None):
-        self.cfg, self.env, self.manager = cfg, env, manager
+        self.cfg, self.env, self.store = cfg, env, store
         self.components = components
         self.builtin_data, self.builtin_model = builtin_data, builtin_model
         self.on_save = on_save
@@ -269,7 +269,7 @@ class Checkpointer:
         self._last_save = time.monotonic()  # checkpoint.every_minutes counts from here
 
     def attach(self, cfg: TrainConfig, components: dict[str, Stateful]) -> None:
-        """The resolved configuration and the pieces to save (a manager is opened, and its lock
+        """The resolved configuration and the pieces to save (a store is opened, and its lock
         taken, before anything else is built)."""
         self.cfg = cfg
         self.components.update(components)
@@ -295,7 +295,7 @@ class Checkpointer:
     def save(self, step: int, *, blocking: bool = False) -> None:
         """Every rank calls this at the same step (the RNG states are gathered); rank 0 writes."""
         with self._disk_errors_are_fatal():
-            self.manager.save(self.state(), step, blocking=blocking)
+            self.store.save(self.state(), step, blocking=blocking)
         self._last_save = time.monotonic()
         if self.on_save is not None:
             self.on_save(step)
@@ -346,19 +346,19 @@ class Checkpointer:
         The state is the live one, which the interrupted step has not changed. It holds no RNG
         state: every rank's generators are seeded from (seed, rank, step) at each step's start
         (rng.seed_step); ``model_state`` is the model's as it stood at the step's start (see
-        StepStartBuffers). Only one survivor writes (see CheckpointManager.write_alone); returns the
+        StepStartBuffers). Only one survivor writes (see CheckpointStore.write_alone); returns the
         path, or None when this rank did not write."""
-        lineage, began_from = self.manager.lineage, self.manager.began_from
+        lineage, began_from = self.store.lineage, self.store.began_from
         if not self.env.is_main:
-            record = markers.recorded_lineages(self.manager.directory)
+            record = markers.recorded_lineages(self.store.directory)
             if record is None:
-                log.info("not saving step %d alone: rank 0 recorded no lineage in %s", step, self.manager.directory)
+                log.info("not saving step %d alone: rank 0 recorded no lineage in %s", step, self.store.directory)
                 return None
             lineage, began_from = record["current"], record["began_from"]
         state = self._state(rngs=[None] * self.env.world_size, model_state=model_state,
                             saved_alone_by=self.env.rank)
         with self._disk_errors_are_fatal():
-            return self.manager.write_alone(state, step, lineage=lineage, began_from=began_from)
+            return self.store.write_alone(state, step, lineage=lineage, began_from=began_from)
 
     def load(self, before: int | None = None) -> dict | None:
         """Rank 0 picks the checkpoint (see the class; with ``before``, the newest of this run's
@@ -392,34 +392,34 @@ class Checkpointer:
 
     def _choose(self, before: int | None = None) -> tuple[Path | None, dict | None]:
         if before is not None:
-            files = {self.origin, self.manager.resumed_from} - {None}
-            found = self.manager.latest_valid(before, lineages={*self.lineages, self.manager.lineage}, files=files)
+            files = {self.origin, self.store.resumed_from} - {None}
+            found = self.store.latest_valid(before, lineages={*self.lineages, self.store.lineage}, files=files)
             if found is not None:
-                self.manager.mark_resumed(found[0])
+                self.store.mark_resumed(found[0])
                 self._record_lineages(self.lineages)
             return found or (None, None)
         ours = self._launch_lineages()
-        found = self.manager.latest_valid(lineages=ours) if ours else None
+        found = self.store.latest_valid(lineages=ours) if ours else None
         if found is not None:
             log.info("restart %d of this launch: continuing its own lineage from %s (resume=%s chose the launch's "
                      "start)", process_group.incarnation(), found[0].name, self.cfg.checkpoint.resume)
         elif self.cfg.checkpoint.resume == "auto":
-            found = self.manager.latest_valid()
+            found = self.store.latest_valid()
         elif self.cfg.checkpoint.resume != "none":
             found = Path(self.cfg.checkpoint.resume), checkpoint_files.load_file(self.cfg.checkpoint.resume)
-        if found is None and self.cfg.checkpoint.resume != "none" and (began := self.manager.beginning_of_newest()):
+        if found is None and self.cfg.checkpoint.resume != "none" and (began := self.store.beginning_of_newest()):
             # Every checkpoint this directory's newest run wrote is unusable, and that run began
             # from a checkpoint elsewhere (resume=PATH): going back there loses only its own steps,
             # where starting afresh would silently train another model.
             log.warning("no checkpoint in %s is usable; its newest run began from %s: resuming from there",
-                        self.manager.directory, began)
+                        self.store.directory, began)
             found = began, checkpoint_files.load_file(began)
         path, state = found or (None, None)
         if path is not None:
-            self.manager.mark_resumed(path)  # protected from pruning; a restart continues its lineage
-            if path.resolve().parent == self.manager.directory.resolve():
+            self.store.mark_resumed(path)  # protected from pruning; a restart continues its lineage
+            if path.resolve().parent == self.store.directory.resolve():
                 self.origin = path.name
-            self.resumed_lineage = self.manager.lineage_of(path)
+            self.resumed_lineage = self.store.lineage_of(path)
         self._record_lineages(ours)
         return path, state
 
@@ -427,14 +427,14 @@ class Checkpointer:
         """A restart's: the lineages its launch has written in."""
         if process_group.incarnation() == 0:
             return []
-        record = markers.recorded_lineages(self.manager.directory, restart=True)
+        record = markers.recorded_lineages(self.store.directory, restart=True)
         return [] if record is None else record["lineages"]
 
     def _record_lineages(self, earlier: list[str]) -> None:
-        current = self.manager.lineage
+        current = self.store.lineage
         self.lineages = [x for x in earlier if x != current] + [current]
-        markers.record_lineages(self.manager.directory, current=current, lineages=self.lineages,
-                                resumed=self.resumed_lineage, began_from=self.manager.began_from)
+        markers.record_lineages(self.store.directory, current=current, lineages=self.lineages,
+                                resumed=self.resumed_lineage, began_from=self.store.began_from)
 
     def restore(self, state: dict) -> None:
         """Load ``state`` into the components (the RNG is ``restore_rng``'s, last of all)."""
@@ -500,4 +500,4 @@ class Checkpointer:
     def close(self) -> None:
         """Wait for the write in flight (raising its error)."""
         with self._disk_errors_are_fatal():
-            self.manager.close()
+            self.store.close()

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from ..data.batches import batch_loss, fetch, num_samples, to_device
 from ..data.sampler import eval_indices
-from .control import agree
+from .agreement import agree
 from .events import EventBus
 
 log = logging.getLogger(__name__)

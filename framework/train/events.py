@@ -36,12 +36,12 @@ from typing import Any, Callable
 @dataclass(frozen=True)
 class StepResult:
     """A committed step: its number (steps done), the epoch, the agreement of the ranks (the mean
-    loss and the control flags: framework/train/control.py), the learning rate, the gradient norm
+    loss and the control flags: framework/train/agreement.py), the learning rate, the gradient norm
     (a tensor), the tokens of every rank, and the sample indices this rank trained on."""
 
     step: int
     epoch: int
-    agreed: Any  # framework.train.control.Agreement
+    agreed: Any  # framework.train.agreement.Agreement
     lr: float
     grad_norm: Any
     tokens: int

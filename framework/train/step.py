@@ -26,7 +26,7 @@ from ..resilience import markers
 from ..resilience.markers import FatalError
 from ..resilience.memory import is_oom
 from ..resilience.straggler import SectionTimer, off_the_clock_buffer_broadcast
-from .control import Agreement, agree
+from .agreement import Agreement, agree
 from .events import EventBus
 
 log = logging.getLogger(__name__)

@@ -218,7 +218,7 @@ def test_on_gradients_puts_one_nan_only_when_due():
 
 
 def result_of(step):
-    from framework.train.control import Agreement
+    from framework.train.agreement import Agreement
     from framework.train.events import StepResult
     return StepResult(step, 0, Agreement(1.0, False, False, False, False), 0.1, torch.tensor(1.0), 64, [])
 
@@ -297,7 +297,7 @@ def test_the_moments_reach_every_listener_in_order_and_a_fault_at_export_fires_b
                                                                                                   monkeypatch):
     from framework import DDPTrainer
     from tests.tiny import tiny
-    from framework.train.control import Agreement
+    from framework.train.agreement import Agreement
     from framework.train.events import EventBus, Listener, StepResult
 
     heard = []

@@ -127,10 +127,10 @@ def test_a_fatal_message_stays_the_original_cause_on_every_restart(tmp_path):
 
 def test_a_second_launch_into_a_live_runs_checkpoint_dir_changes_none_of_its_markers(tmp_path):
     from framework import DDPTrainer
-    from framework.state.checkpoint_files import CheckpointDirLocked, CheckpointManager
+    from framework.state.checkpoint_files import CheckpointDirLocked, CheckpointStore
 
     ck = tmp_path / "ck"
-    live = CheckpointManager(ck)  # the live run holds checkpoint_dir's lock
+    live = CheckpointStore(ck)  # the live run holds checkpoint_dir's lock
     markers.record_micro_batch(ck, 4, 2, "out of memory at step 3")
     markers.note_restart(ck, 8, limit=3)
     markers.record_error(ck, 1, RuntimeError("the live run's last error"))

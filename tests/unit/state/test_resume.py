@@ -256,7 +256,7 @@ def test_a_rollback_takes_only_its_own_lineages_checkpoints(tmp_path):
                                          "checkpoint.resume": "none", "spike.guard": "rollback"}))
     assert trainer.checkpointer.roll_back(before=9) is None and trainer.step == 0  # nothing of its own yet
     trainer.train()
-    assert trainer.checkpointer.manager.lineage != other_lineage
+    assert trainer.checkpointer.store.lineage != other_lineage
     assert trainer.checkpointer.roll_back(before=7) == 6  # its own
     assert {p.name: p.read_bytes() for p in ck.glob("step_*.pt") if p.name in other} == other
 
