@@ -4,7 +4,7 @@
 Each trial draws, from ``random.Random(seed + trial)``, a configuration (topology, restarts, resume
 mode, directory layout, another run's checkpoints in checkpoint_dir, data kind, spike guard,
 accumulation, activation checkpointing, tiled MLP, comm hook, save schedule, keep_last, stop
-rule, the save alone on a peer's loss, a world-size change at the relaunch, a node range,
+rule, the survivor checkpoint on a peer's loss, a world-size change at the relaunch, a node range,
 train.loss_average, the HF drop-in instead of ddp_training.py, timed checkpoints), a fault and a
 moment. It trains the
 tiny built-in GPT (10 or 12 steps, 6 steps an epoch; an HF trial: a tiny Llama, bench/explore_hf.py)
@@ -14,7 +14,7 @@ user or a scheduler would; at the other world size of a world_change), and check
 - nothing_lost: files outside the run's own directories, and another lineage's checkpoints, are
   unchanged; every manifest entry exists; the logs and the export exist after a finished run;
   an uninterrupted run writes every checkpoint its schedule makes due; a survivor slowed in its
-  save alone (kill9_slow_save) still writes it;
+  survivor checkpoint (kill9_slow_save) still writes it;
 - equivalence: the final model_sha256 equals an uninterrupted reference run of the same
   configuration (cached by the configuration's key); bit-exact, for the faults the README promises
   it (not after nan, bad_data, full_disk: those change the result by design); after a world-size
@@ -84,13 +84,13 @@ HANG_TIMEOUTS = dict(step_timeout_s=3, step_timeout_factor=2)
 # peer is stopped (the hang watchdog is armed from the first step on).
 STOPPED_PEER_TIMEOUT_S = 20
 # A node range on loopback, as tests/integration/test_elastic.py runs it: a round with its minimum waits 2 s for
-# more nodes; each step slowed to >= 600 ms (every incarnation) so that a lost node can rejoin mid-run.
+# more nodes; each step slowed to >= 600 ms (every restart) so that a lost node can rejoin mid-run.
 RDZV_CONF = "join_timeout=30,last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3"
 REJOIN_SLOW = "slow@step=0,ms=600,restart=*"
 # A world-size change sums the same gradients in another order: the final weights within this of
 # the uninterrupted run's (tests/integration/test_elastic.py's bound; the attention key biases left out).
 WORLD_CHANGE_TOLERANCE = 1e-5
-SLOW_SAVE_S = 6.0  # kill9_slow_save: how long the survivor is frozen while it holds the lock to save alone
+SLOW_SAVE_S = 6.0  # kill9_slow_save: how long the survivor is frozen holding the lock for its survivor checkpoint
 REJOIN_AFTER_S = 20.0  # the lost node's agent starts again once the survivor trains alone, or this long after
 RESTARTS_ONE_RANK_ERROR = 3  # crash_one_rank: launch_training.sh --max-restarts
 FOREIGN_LR, FOREIGN_STEPS = 5e-3, 4  # the other run whose checkpoints a checkpoint_dir may hold
@@ -170,7 +170,7 @@ FAULTS = {
     "sigstop_worker": Fault("SIGSTOP of the last rank's worker (never continued): the other ranks' hang watchdog "
                             "or collective timeout must end the group (step_timeout_s=3, factor 2, timeout_s=20)",
                             ("startup", "mid_step", "epoch_boundary", "eval", "ckpt_write", "final_save")),
-    "crash_one_rank": Fault("a deterministic error on rank 1 in every incarnation (crash@step=K,rank=1,restart=*) "
+    "crash_one_rank": Fault("a deterministic error on rank 1 in every restart (crash@step=K,rank=1,restart=*) "
                             "under ./launch_training.sh --max-restarts 3, max_no_progress_restarts 1: exit 1 with "
                             "a FATAL, no NODE_LOST, no 75", ("mid_step", "epoch_boundary"),
                             transient=False, exact=False),
@@ -339,10 +339,10 @@ def issue33_applicable(cfg: dict, fault: str, moment: str) -> str | None:
         return "SIGSTOP of the only process: nothing is left to notice (the watchdog is stopped with it)"
     if fault == "kill9_slow_save":
         if cfg["topology"] == "1":
-            return "the save alone needs a survivor (2 ranks)"
+            return "the survivor checkpoint needs a survivor (2 ranks)"
         why = save_alone_skipped(cfg)
         if why:
-            return f"no save alone to slow: {why}"
+            return f"no survivor checkpoint to slow: {why}"
     if fault == "crash_one_rank":
         if cfg["topology"] != "1x2" or cfg["data"] == "stream":
             return "crash_one_rank: launch_training.sh starts one node of 2 ddp_training.py processes"
@@ -358,7 +358,7 @@ def issue33_applicable(cfg: dict, fault: str, moment: str) -> str | None:
 
 
 def save_alone_skipped(cfg: dict) -> str | None:
-    """Why a survivor would not save alone (the trainer's _save_alone), or None."""
+    """Why a survivor would not write the survivor checkpoint (the trainer's _save_survivor_checkpoint), or None."""
     return ("checkpoint.save_on_peer_loss=false" if not cfg.get("save_on_peer_loss", True) else
             "a stream's state is every rank's" if cfg["data"] == "stream" else
             "PowerSGD's state is every rank's" if cfg["comm_hook"] == "powersgd" else None)
@@ -478,7 +478,7 @@ def injected(trial: dict) -> str:
              "bad_data": "bad_data", "kill_dl_worker": "kill_worker"}
     if hf(cfg):
         return ""  # a script has no fault_inject: its faults are signals
-    if fault == "crash_one_rank":  # fails the same way in every incarnation: no restart can help
+    if fault == "crash_one_rank":  # fails the same way in every restart: no restart can help
         return f"crash@step={k},rank=1,restart=*"
     if fault == "kill9_slow_save":  # rank 0 killed; the last rank survives and saves alone
         return f"sigkill@step={k},rank=0"
@@ -693,14 +693,14 @@ def bound_s(trial: dict) -> float:
     """How long one launch may take before it counts as a hang: start-up under load, the steps,
     each torchrun restart, and the hang watchdog."""
     cfg, fault = trial["config"], trial["fault"]
-    per_incarnation = 45.0 + 3.0 * total_steps(cfg) * cfg["accum"]
+    per_restart = 45.0 + 3.0 * total_steps(cfg) * cfg["accum"]
     if rejoins(trial):
-        per_incarnation += 0.6 * total_steps(cfg) + REJOIN_AFTER_S  # REJOIN_SLOW
+        per_restart += 0.6 * total_steps(cfg) + REJOIN_AFTER_S  # REJOIN_SLOW
     restarts = RESTARTS_ONE_RANK_ERROR if fault == "crash_one_rank" else cfg["max_restarts"]
     # A stopped worker ignores torchrun's SIGTERM: its agent sends SIGKILL 30 s later.
     extra = {"hang": 20.0, "sigstop_worker": 20.0 + STOPPED_PEER_TIMEOUT_S + 30.0,
              "kill9_slow_save": SLOW_SAVE_S}.get(fault, 0.0)
-    return per_incarnation * (1 + restarts) + extra
+    return per_restart * (1 + restarts) + extra
 
 
 # --- reading what a run left --------------------------------------------------------------------
@@ -838,7 +838,7 @@ def run_trial(trial: dict, workdir: Path, *, reference: bool = False) -> dict:
             relaunch_mode = "auto" if newest_own_step_file(lay, set(foreign_files)) else None
             args = config_args(trial, lay, resume=relaunch_mode if attempt else None, foreign_path=foreign_path)
             if attempt:
-                args.pop("fault_inject", None)  # fault_inject fires in the first incarnation only, anyway
+                args.pop("fault_inject", None)  # fault_inject fires in the first start (restart 0) only, anyway
                 if relaunch_world(cfg) != world(cfg):
                     res["world_changed"] = f"{world(cfg)} -> {relaunch_world(cfg)} ranks"
             job = Job(trial, args, work, f"launch{attempt}", world_size=relaunch_world(cfg) if attempt else None)
@@ -861,7 +861,7 @@ def run_trial(trial: dict, workdir: Path, *, reference: bool = False) -> dict:
             if not res["hit"]:
                 res["notes"].append("fault_inject never fired")
         res.update(verdict_inputs(trial, lay, sentinels, foreign_files))
-        # A survivor of a peer's loss saved the last finished step alone (the trainer's _save_alone).
+        # A survivor of a peer's loss saved the last finished step alone (the trainer's _save_survivor_checkpoint).
         logs = [p.read_text(errors="replace") for p in lay.logs.glob("rank_*.log")]
         res["saved_alone"] = any("the last step every rank finished, alone" in text for text in logs)
         # A restart's rank 0 waited for the lock of a survivor of its run (checkpoint_files._locked_fd).
@@ -1061,7 +1061,7 @@ def dump_stacks(marker: str, path: Path) -> str | None:
 
 def freeze_in_save(trial: dict, job: Job, lay: Layout, res: dict, done: threading.Event) -> None:
     """kill9_slow_save: once the survivor (the last rank; rank 0 is the one killed) holds
-    checkpoint_dir's lock, which only its save alone takes, stop it for SLOW_SAVE_S: a save that
+    checkpoint_dir's lock, which only its survivor checkpoint takes, stop it for SLOW_SAVE_S: a save that
     outlasts the next round's start (a large model on a slow disk)."""
     last, lock, survivor = world(trial["config"]) - 1, lay.ck / ".lock", None
     while not done.is_set():
@@ -1219,9 +1219,9 @@ class Context:
         # So do they when the rollback moment came at a natural spike before the injected one, and
         # the launch that would have injected it ended first (seed 9000's trial 240): the reference
         # keeps that spike, the trial never saw it.
-        # And when a checkpoint the fault added (a save alone, a preemption's) became a rollback's
+        # And when a checkpoint the fault added (a survivor checkpoint, a preemption's) became a rollback's
         # target: the guard goes back to the newest checkpoint before the spike (seed 9000's trial
-        # 751 rolled back to its save alone of step 4, the reference to step 3).
+        # 751 rolled back to its survivor checkpoint of step 4, the reference to step 3).
         mine, theirs = res.get("rollback_targets"), (ref or {}).get("rollback_targets")
         self.guard_on_other_losses = self.cfg["spike_guard"] == "rollback" and (
             bool(self.cfg.get("save_every_minutes")) or bool(res.get("world_changes"))
@@ -1274,8 +1274,8 @@ def nothing_lost(c: Context) -> str | None:
             if skipped:
                 problems.append(f"due checkpoints never written: steps {skipped}")
     if res.get("froze_survivor") and not res.get("saved_alone"):
-        problems.append("the survivor held checkpoint_dir's lock to save alone, was slowed, and never wrote its "
-                        "checkpoint")
+        problems.append("the survivor held checkpoint_dir's lock for its survivor checkpoint, was slowed, and never "
+                        "wrote it")
     return joined(problems)
 
 

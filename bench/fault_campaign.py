@@ -668,7 +668,7 @@ def run_cell(cell: Cell, ref: dict, workdir: Path, timeout: float) -> dict:
         resumed = watch.first("resumed from step", 0, after=t_fault) if t_fault is not None else None
         res["recover_s"] = round((resumed if resumed is not None else end) - t_fault, 1) if t_fault else None
         res["recover_to"] = "resume" if resumed is not None else "end"
-    res["incarnations"] = sum(1 for _, r, line in watch.lines if r == 0 and "process group up" in line)
+    res["restarts"] = sum(1 for _, r, line in watch.lines if r == 0 and "process group up" in line)
     res["resumed_from"] = [int(m.group(1)) for _, r, line in watch.lines
                            if r == 0 and (m := re.search(r"resumed from step (\d+)", line))]
     res["unusable"] = sorted({m.group(1) for _, r, line in watch.lines
@@ -733,8 +733,8 @@ def row(cell: Cell) -> list[str]:
     details = [r["reason"]] if r["reason"] else []
     if r.get("first_run"):
         details.append(f"first run: {r['first_run']}")
-    if r.get("incarnations", 1) > 1:
-        details.append(f"{r['incarnations']} incarnations")
+    if r.get("restarts", 1) > 1:
+        details.append(f"{r['restarts']} restarts")
     if r.get("resumed_from"):
         details.append(f"resumed from {', '.join(map(str, r['resumed_from']))}")
     if r.get("unusable"):

@@ -15,7 +15,7 @@ Each cell reports:
   stopped cleanly; one relaunch of the surviving node's command, as a scheduler would do,
   finished it, with nothing lost), ``clean stop`` (a stop with a one-line reason and no relaunch
   could finish), ``HANG`` or ``FAILED``;
-- seconds from the loss to the moment every surviving process has ended or the new incarnation's
+- seconds from the loss to the moment every surviving process has ended or the new restart's
   rank 0 has ended its first step ("to training or stop"), the issue's bound being 30 s;
 - left: processes of the cell still alive after it (must be 0).
 
@@ -198,7 +198,7 @@ def run_cell(topology: str, backend: str, lost: int, moment: str, port: int, ref
         # To training again (a step line after a resume in rank 0's log), or every survivor ended.
         settled = None
         while time.monotonic() - lost_at < 120:
-            # A new incarnation's rank 0 logs its start-up at the end of its first step.
+            # A new restart's rank 0 logs its start-up at the end of its first step.
             if "start-up took" in rank0_log(run_dir)[len(before):]:
                 settled = "training again"
                 break

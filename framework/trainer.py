@@ -173,7 +173,7 @@ class DDPTrainer:
         self.checkpointer = Checkpointer(self.config, self.env, open_store(self.config, self.env), {},
                                           builtin_data=builtin_data, builtin_model=model is None,
                                           on_save=self.events.saved)
-        markers.check_at_start(self.config.checkpoint.dir, restart_count=process_group.incarnation(),
+        markers.check_at_start(self.config.checkpoint.dir, group_restarts=process_group.group_restarts(),
                                is_main=self.env.is_main, is_local_main=self.env.local_rank == 0)
         if self.config.train.deterministic:
             rng.use_deterministic_kernels()
@@ -227,7 +227,7 @@ class DDPTrainer:
         if self.sampler.steps_remaining() == 0:  # saved at the end of an epoch
             self.sampler.set_epoch(self.sampler.epoch + 1)
             self.skips.new_epoch()
-        if process_group.incarnation() > 0:
+        if process_group.group_restarts() > 0:
             apply_recorded_micro_batch(self.sampler, cfg.checkpoint.dir)
         return state
 
@@ -290,7 +290,7 @@ class DDPTrainer:
         self.step_start_buffers = StepStartBuffers(self.raw_model)
         self.consistency = ConsistencyCheck(self.raw_model, interval=cfg.recovery.consistency_check_interval,
                                             device=env.device, distributed=env.distributed, phase=self.watchdog.phase)
-        self.faults = FaultPlan(cfg.recovery.fault_inject, env.rank, process_group.incarnation())
+        self.faults = FaultPlan(cfg.recovery.fault_inject, env.rank, process_group.group_restarts())
         for listener in (self.step_start_buffers, self.watchdog, self.stragglers, self.spike_guard, self._startup,
                          self.faults, self.callbacks, self.consistency):
             self.events.attach(listener)
@@ -456,7 +456,7 @@ class DDPTrainer:
         self.events.data_ready(self.step, micro)
         if micro is None:
             return None
-        with self._save_alone_if_a_peer_is_lost():
+        with self._survivor_checkpoint_if_a_peer_is_lost():
             loss = self.train_step.forward_backward_with_retry(micro, self.step)
         self.events.gradients(self.step, self.raw_model)
         agreed, lr, grad_norm = self.optimizer_step(loss, preempt=self._preemption.requested is not None)
@@ -473,26 +473,26 @@ class DDPTrainer:
     def _seed_step(self, step: int) -> None:
         """Every rank's generators from (train.seed, rank, step), before each step and each retry
         of it (TrainStep's ``reseed``): what a step draws is known without any saved random state
-        (a survivor's save alone has no other rank's), and nothing drawn between steps (an
+        (a survivor checkpoint has no other rank's), and nothing drawn between steps (an
         evaluation, a callback) shifts it."""
         rng.seed_step(self.config.train.seed, self.env.rank, step)
 
     @contextlib.contextmanager
-    def _save_alone_if_a_peer_is_lost(self):
+    def _survivor_checkpoint_if_a_peer_is_lost(self):
         """A step's forward and backward change nothing that a checkpoint holds but buffers that
         a forward updates, copied at the step's start (StepStartBuffers); the generators are seeded
         anew at each step. When a collective in them fails because a peer process went away
         (killed, or its node lost), this rank still holds the whole state of the last step that
         every rank finished: it writes that step's checkpoint alone before the error ends it, so
-        that the restart redoes no step (Checkpointer.save_alone)."""
+        that the restart redoes no step (Checkpointer.save_survivor)."""
         try:
             yield
         except Exception as err:
             if markers.peer_lost(err):
-                self._save_alone()
+                self._save_survivor_checkpoint()
             raise
 
-    def _save_alone(self) -> None:
+    def _save_survivor_checkpoint(self) -> None:
         step = self.step
         model_state, buffers_not = self.step_start_buffers.model_state(is_main=self.env.is_main)
         why_not = (
@@ -509,8 +509,8 @@ class DDPTrainer:
             return
         start = time.monotonic()
         try:
-            with self.watchdog.phase("save alone", scale=10):
-                path = self.checkpointer.save_alone(step, model_state=model_state)
+            with self.watchdog.phase("survivor checkpoint", scale=10):
+                path = self.checkpointer.save_survivor(step, model_state=model_state)
         except Exception as err:  # noqa: BLE001  (best effort: the peer's loss is the error the run ends with)
             log.error("a peer went away in step %d; saving step %d alone failed: %s: %s", step + 1, step,
                       type(err).__name__, err)
@@ -599,7 +599,7 @@ class DDPTrainer:
         cfg, env = self.config, self.env
         summary = step_log.summary(step=self.step, epochs=self.sampler.epochs_done(), world_size=env.world_size,
                                    model_sha256=model_sha256(self.raw_model), preempted=preempted,
-                                   skipped_steps=self.skips.total, restarts=process_group.incarnation(),
+                                   skipped_steps=self.skips.total, restarts=process_group.group_restarts(),
                                    **self.spike_guard.summary())
         # After the last save, so that an agent's death up to here is known to every rank: they all
         # exit non-zero then (train raises PeerLost), and no surviving agent waits in torchrun's

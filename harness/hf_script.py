@@ -7,7 +7,7 @@ constant stride, so the loss falls within tens of steps.
         [--max-steps N | --epochs E] [--resume] [--epoch-intervals [--on-rank-0-only]]
         [--kill-rank R --kill-step S]
 
-``--kill-*``: the rank sends itself SIGKILL after step S in the first incarnation (torchrun's
+``--kill-*``: the rank sends itself SIGKILL after step S in the first start (restart 0) (torchrun's
 restart count 0). Each rank writes result_rank{N}.json into TEST_OUT_DIR (default OUT): the
 trainable weights' sha256, the log history, the steps done and the restart count."""
 

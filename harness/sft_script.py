@@ -9,7 +9,7 @@ imports ``trl``'s SFTConfig and SFTTrainer, else ``framework.hf``'s: the one lin
     torchrun --nproc-per-node 2 harness/sft_script.py OUT [--plain] [--max-steps N]
         [--kill-rank R --kill-step S] [--data text|prompt_completion|conversational] [--packing]
 
-``--kill-*``: that rank sends itself SIGKILL after step S in the first incarnation. Each rank
+``--kill-*``: that rank sends itself SIGKILL after step S in the first start (restart 0). Each rank
 writes result_rank{N}.json into TEST_OUT_DIR (default OUT): the trainable weights' sha256, the log
 history, the steps, the restart count and whether this rank tokenised the data.
 

@@ -136,7 +136,7 @@ class Metrics:
 
     def end_step(self) -> None:
         """Write the step's row now: a rank killed after it finished a step must not take the row
-        with it, as the next incarnation may resume after that step (a save alone). A value added
+        with it, as the next restart may resume after that step (a survivor checkpoint). A value added
         for the step later (its evaluation) goes in a line of its own, which readers merge."""
         if self.jsonl is not None:
             self.jsonl.flush()
@@ -335,8 +335,8 @@ class SampleLog(Listener):
     @staticmethod
     def purge_absent_ranks(log_dir: Path, world_size: int, from_step: int) -> None:
         """Rank 0, at the start of a run on ``world_size`` ranks: the files of ranks this run does
-        not have (an earlier incarnation had more) get ``{"purge_from": from_step}``. Their lines of
-        later steps were written by an incarnation that died before its next checkpoint, and no
+        not have (an earlier restart had more) get ``{"purge_from": from_step}``. Their lines of
+        later steps were written by a restart that died before its next checkpoint, and no
         rank of this run would purge them; a rank that exists purges its own file at its first step."""
         for path in log_dir.glob("samples_rank_*.jsonl"):
             rank = path.stem.removeprefix("samples_rank_")

@@ -2,8 +2,8 @@
 ``nan@step=5,rank=1; oom@step=8; sigterm@step=4; sigkill@step=6,rank=1; hang@step=10,rank=0``.
 
 A fault fires once, at the given step, on the given rank (all ranks if none), and only in the
-first incarnation of the group (restart count 0) unless it says ``restart=N``, or ``restart=*``
-(in every incarnation: a failure that a restart cannot fix). ``slow@step=K,rank=R,ms=M`` is the
+first start of the group (restart 0) unless it says ``restart=N``, or ``restart=*``
+(in every restart: a failure that a restart cannot fix). ``slow@step=K,rank=R,ms=M`` is the
 exception: it delays every forward from step K on by M ms (a straggler). The process faults
 (sigterm, sigkill, crash, hang) fire at the start of step K, or with ``at=eval`` at the start of
 the evaluation after K steps, or with ``at=save`` once the checkpoint of step K is handed to its
@@ -37,7 +37,7 @@ class Fault:
     kind: str
     step: int
     rank: int | None = None
-    restart: int = 0  # ANY_RESTART: every incarnation
+    restart: int = 0  # ANY_RESTART: every restart
     micro: int | None = None  # oom: the micro-step whose backward fails (default: the last)
     ms: int = 0  # slow: the delay added to each forward from ``step`` on
     at: str = "step"  # process faults: the start of step K, or of the evaluation, checkpoint save or export after it
@@ -84,20 +84,20 @@ def parse(spec: str) -> list[Fault]:
 
 
 class FaultPlan(Listener):
-    """The faults planned for this rank and incarnation, attached to the run's moments
+    """The faults planned for this rank and restart, attached to the run's moments
     (framework/train/events.py): the start of a step, a micro-batch, a micro-step's forward and
     backward, the gradients, the end of a step, an evaluation, a checkpoint save, the export."""
 
-    def __init__(self, spec: str, rank: int, restart_count: int):
+    def __init__(self, spec: str, rank: int, group_restarts: int):
         self.rank = rank
-        self.restart_count = restart_count
+        self.group_restarts = group_restarts
         self.faults = parse(spec) if spec else []
         self.fired: set[Fault] = set()
         self.eager_now = False  # an injected OOM hook is on for the current micro-step
 
     def due(self, kind: str, step: int, micro: int | None = None, last_micro: int = 0, at: str = "step") -> bool:
         """True once for each fault of ``kind`` planned for ``step`` (and micro-step, and moment) on
-        this rank and incarnation."""
+        this rank and restart."""
         for fault in self.faults:
             if (fault.kind == kind and fault.step == step and fault.at == at and fault not in self.fired
                     and self._mine(fault)
@@ -110,7 +110,7 @@ class FaultPlan(Listener):
         return False
 
     def _mine(self, fault: Fault) -> bool:
-        return fault.rank in (None, self.rank) and fault.restart in (ANY_RESTART, self.restart_count)
+        return fault.rank in (None, self.rank) and fault.restart in (ANY_RESTART, self.group_restarts)
 
     def step_start(self, step: int) -> None:
         self.fire_process_faults(step)

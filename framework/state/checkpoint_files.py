@@ -244,10 +244,10 @@ class CheckpointStore:
             self.wait()
         return path
 
-    def write_alone(self, state: dict, step: int, *, lineage: str, began_from: str | None = None) -> Path | None:
+    def write_survivor(self, state: dict, step: int, *, lineage: str, began_from: str | None = None) -> Path | None:
         """Write ``state`` as ``step``'s checkpoint of ``lineage`` now, from any rank, without a
         collective and without pruning: the save of a rank whose peers are gone (see
-        Checkpointer.save_alone). On rank 0 the pending write finishes first. Returns the path
+        Checkpointer.save_survivor). On rank 0 the pending write finishes first. Returns the path
         written, or None (logged) when another process holds the directory's lock (or, on
         another rank, where the file system cannot lock it), or the lineage already has a
         checkpoint of ``step`` or later (another survivor wrote it). ``began_from``: the
@@ -310,7 +310,7 @@ class CheckpointStore:
 
     def _acquire(self, wait_for_run_s: float = 0) -> None:
         """Take the directory's lock. ``wait_for_run_s``: how long to wait for a holder of this
-        same torchrun run (a survivor of the last incarnation still writing its save alone); a
+        same torchrun run (a survivor of the last restart still writing its survivor checkpoint); a
         holder of another run fails at once."""
         self._lock = _DirLock(self.lock_path, wait_for_run_s)
         # Only under the lock: another live run's temp files are its writes in progress.
@@ -639,7 +639,7 @@ def _locked_fd(path: Path, wait_for_run_s: float = 0) -> int | None:
                 collected = True
                 continue
             if run_id is not None and run_id == os.environ.get("TORCHELASTIC_RUN_ID") and time.monotonic() < deadline:
-                # A process of this same run, from its last incarnation: a survivor still writing
+                # A process of this same run, from its last restart: a survivor still writing
                 # the step it saves alone. The new round waits for it (bounded) instead of failing.
                 if waiting_since is None:
                     waiting_since = time.monotonic()

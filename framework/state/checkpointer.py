@@ -38,12 +38,12 @@ FORMAT = 2
 def _unreadable(message: str, env) -> OSError | CheckpointError:
     """The error for a checkpoint that cannot be read now (EIO, ESTALE, EACCES), raised on every rank
     (a collective). It may pass, so while torchrun has a restart left the run fails retriably and
-    the restart reads again; the last incarnation stops with a CheckpointError (a FATAL)
+    the restart reads again; the last restart stops with a CheckpointError (a FATAL)
     instead, which names the file, rather than fail the same way once more with a traceback (or
     start afresh beside a checkpoint it never read). The fewest restarts any node's agent has left
     decides: the agents count their own, and an agent restarted for another node's failure does
-    not count it (see process_group.restart_count)."""
-    left = torch.tensor([process_group.restarts_left()], device=env.device)
+    not count it (see process_group.agent_restarts)."""
+    left = torch.tensor([process_group.agent_restarts_left()], device=env.device)
     if env.distributed:
         dist.all_reduce(left, op=dist.ReduceOp.MIN)
     if int(left) > 0:
@@ -137,7 +137,7 @@ def gather_rng(distributed: bool, world_size: int) -> list[dict]:
 def guard_restart_loop(cfg: TrainConfig, env, resumed_step: int) -> None:
     """After an elastic restart: stop with FATAL when more than max_no_progress_restarts restarts
     in a row resumed from the same step (rank 0 counts in checkpoint_dir and tells the others)."""
-    if process_group.incarnation() == 0:
+    if process_group.group_restarts() == 0:
         return
     verdict = [markers.note_restart(cfg.checkpoint.dir, resumed_step, cfg.recovery.max_no_progress_restarts)
                if env.is_main else None]
@@ -150,11 +150,11 @@ def guard_restart_loop(cfg: TrainConfig, env, resumed_step: int) -> None:
 def open_store(cfg: TrainConfig, env) -> CheckpointStore:
     """The checkpoint store; rank 0 takes checkpoint_dir's lock, and every rank learns if it
     could not (the others would otherwise wait for it in the first collective). A restart waits
-    for a process of its own run that still holds the lock (a survivor of the last incarnation
-    writing its save alone, which can outlast the rendezvous's last call) for up to half the
+    for a process of its own run that still holds the lock (a survivor of the last restart
+    writing its survivor checkpoint, which can outlast the rendezvous's last call) for up to half the
     collective timeout the other ranks wait under meanwhile."""
     error = None
-    wait = (cfg.ddp.init_timeout_s or cfg.ddp.timeout_s) / 2 if process_group.incarnation() > 0 else 0
+    wait = (cfg.ddp.init_timeout_s or cfg.ddp.timeout_s) / 2 if process_group.group_restarts() > 0 else 0
     try:
         store = CheckpointStore(cfg.checkpoint.dir, keep_last=cfg.checkpoint.keep_last, rank=env.rank,
                                     wait_for_run_s=wait)
@@ -171,14 +171,14 @@ def open_store(cfg: TrainConfig, env) -> CheckpointStore:
 
 class StepStartBuffers(Listener):
     """The model's state other than its parameters (persistent buffers and modules' extra state)
-    as it stood at the current step's start, for a save alone. A step's forward changes some of it
+    as it stood at the current step's start, for a survivor checkpoint. A step's forward changes some of it
     before any collective can fail: BatchNorm's running statistics in place (in C++ kernels that
     do not bump the tensors' versions), a buffer reassigned out of place (``self.n = self.n + 1``),
     a module's ``get_extra_state()`` that returns a new object each call (fp8 scaling histories).
     So at each step's start the state is read anew by name from ``state_dict`` and copied (a few
     KB for BatchNorm; nothing for the many transformers without such state), with the copy of the
     step before, which tells whether it changes at all. Beyond ``LIMIT`` bytes, or for an extra
-    state that cannot be copied, nothing is copied and a save alone is not made. On the event bus:
+    state that cannot be copied, nothing is copied and a survivor checkpoint is not made. On the event bus:
     read at each step's start."""
 
     LIMIT = 64 * 2**20
@@ -217,7 +217,7 @@ class StepStartBuffers(Listener):
             self.copies = {name: v.detach().clone() if torch.is_tensor(v) else copy.deepcopy(v)
                            for name, v in state.items()}
             self.why_not = None
-        except Exception as err:  # noqa: BLE001  (an extra state deepcopy cannot copy: no save alone)
+        except Exception as err:  # noqa: BLE001  (an extra state deepcopy cannot copy: no survivor checkpoint)
             self.copies, self.why_not = None, f"its extra state cannot be copied ({type(err).__name__}: {err})"
 
     def model_state(self, *, is_main: bool) -> tuple[dict | None, str | None]:
@@ -252,7 +252,7 @@ class Checkpointer:
     so, and restores it. ``components`` maps a name in the checkpoint to a Stateful; "model"
     must be the unwrapped model.
 
-    ``resume`` chooses the checkpoint of a launch; a restart of the launch (torchrun's incarnation
+    ``resume`` chooses the checkpoint of a launch; a restart of the launch (torchrun's restart
     > 0) continues the lineages the launch has written (markers.LINEAGE), and only when they hold
     no checkpoint yet does ``resume`` choose again. A rollback takes only these lineages'
     checkpoints, or the one the run started from."""
@@ -340,13 +340,13 @@ class Checkpointer:
                 "config": as_dict(self.cfg, builtin_model=self.builtin_model, builtin_data=self.builtin_data),
                 "world_size": self.env.world_size, **extra}
 
-    def save_alone(self, step: int, *, model_state: dict) -> Path | None:
+    def save_survivor(self, step: int, *, model_state: dict) -> Path | None:
         """Write ``step``'s state from this rank alone, without a collective: for a rank whose peer
-        went away in the step after ``step`` (the trainer's ``_save_alone_if_a_peer_is_lost``).
+        went away in the step after ``step`` (the trainer's ``_survivor_checkpoint_if_a_peer_is_lost``).
         The state is the live one, which the interrupted step has not changed. It holds no RNG
         state: every rank's generators are seeded from (seed, rank, step) at each step's start
         (rng.seed_step); ``model_state`` is the model's as it stood at the step's start (see
-        StepStartBuffers). Only one survivor writes (see CheckpointStore.write_alone); returns the
+        StepStartBuffers). Only one survivor writes (see CheckpointStore.write_survivor); returns the
         path, or None when this rank did not write."""
         lineage, began_from = self.store.lineage, self.store.began_from
         if not self.env.is_main:
@@ -358,7 +358,7 @@ class Checkpointer:
         state = self._state(rngs=[None] * self.env.world_size, model_state=model_state,
                             saved_alone_by=self.env.rank)
         with self._disk_errors_are_fatal():
-            return self.store.write_alone(state, step, lineage=lineage, began_from=began_from)
+            return self.store.write_survivor(state, step, lineage=lineage, began_from=began_from)
 
     def load(self, before: int | None = None) -> dict | None:
         """Rank 0 picks the checkpoint (see the class; with ``before``, the newest of this run's
@@ -402,7 +402,7 @@ class Checkpointer:
         found = self.store.latest_valid(lineages=ours) if ours else None
         if found is not None:
             log.info("restart %d of this launch: continuing its own lineage from %s (resume=%s chose the launch's "
-                     "start)", process_group.incarnation(), found[0].name, self.cfg.checkpoint.resume)
+                     "start)", process_group.group_restarts(), found[0].name, self.cfg.checkpoint.resume)
         elif self.cfg.checkpoint.resume == "auto":
             found = self.store.latest_valid()
         elif self.cfg.checkpoint.resume != "none":
@@ -425,7 +425,7 @@ class Checkpointer:
 
     def _launch_lineages(self) -> list[str]:
         """A restart's: the lineages its launch has written in."""
-        if process_group.incarnation() == 0:
+        if process_group.group_restarts() == 0:
             return []
         record = markers.recorded_lineages(self.store.directory, restart=True)
         return [] if record is None else record["lineages"]

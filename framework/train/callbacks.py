@@ -2,7 +2,7 @@
 with ``state_dict()``/``load_state_dict()`` is saved in checkpoints and restored on resume. One
 whose state no step's forward or backward touches (it changes in the hooks only) says so with
 ``changes_mid_step = False``: a survivor of a peer lost mid-step may then save the run alone
-(DDPTrainer's save alone; a ``stateful`` object can say the same)."""
+(DDPTrainer's survivor checkpoint; a ``stateful`` object can say the same)."""
 
 from __future__ import annotations
 

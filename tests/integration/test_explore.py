@@ -156,7 +156,7 @@ def test_the_checker_judges_issue_33s_dimensions_and_faults():
     assert violations(explore.check({**spiked, "fault": "nan"}, guard, None)) == {}
     assert "FATAL after a transient fault" in violations(explore.check({**spiked, "fault": "kill9_worker"}, guard,
                                                                        ref))["explained"]
-    # a survivor slowed while it held the lock to save alone, whose checkpoint never came
+    # a survivor slowed while it held the lock to write the survivor checkpoint, whose checkpoint never came
     slow = {**base, "config": {**SIMPLEST, "topology": "1x2"}, "fault": "kill9_slow_save"}
     res = copy.deepcopy(good)
     res.update(froze_survivor=True, saved_alone=True)
@@ -232,10 +232,10 @@ _SLICE_CONFIG = {"topology": "1", "max_restarts": 2, "resume": "path", "layout":
                  "stop": "num_epochs", "save_on_peer_loss": True, "world_change": "none", "nnodes": "fixed",
                  "loss_average": "micro_batch", "trainer": "builtin", "save_every_minutes": 0.002}
 # Issue 33's, on the simplest configuration otherwise: a worker killed mid-step on 2 ranks with the
-# save alone off (steps redone) and the run relaunched on 1 rank, averaging over tokens; a worker
+# survivor checkpoint off (steps redone) and the run relaunched on 1 rank, averaging over tokens; a worker
 # stopped (SIGSTOP) on 2 nodes, the other's watchdog ending the group. (A deterministic error on
 # rank 1 under launch_training.sh, crash_one_rank, is tests/integration/test_launch.py's
-# test_a_launch_whose_last_incarnation_lost_no_node_does_not_exit_75: the same launch, 20 s less.)
+# test_a_launch_whose_last_restart_lost_no_node_does_not_exit_75: the same launch, 20 s less.)
 _ISSUE33 = {k: v[0] for k, v in explore.DIMS.items()}
 SLICE = [
     {"config": _SLICE_CONFIG, "fault": "kill9_worker", "moment": "ckpt_write"},
@@ -312,7 +312,7 @@ def test_a_guard_stop_is_judged_against_the_uninterrupted_run():
     assert explore.check(early, relaunched, stopped_too)["equivalence"] == "n/a"
     relaunched["injected_spike"] = True  # it fired: the trial's losses are the reference's
     assert "the uninterrupted run stopped" in violations(explore.check(early, relaunched, stopped_too))["equivalence"]
-    # A save alone of step 4 became the rollback's target, where the reference went back to step 3
+    # A survivor checkpoint of step 4 became the rollback's target, where the reference went back to step 3
     # (seed 9000's trial 751): other checkpoints, so other weights; the same targets are compared.
     alone = {**trial, "fault": "kill9_worker", "moment": "eval"}
     other = copy.deepcopy(clean_result(alone["config"]))

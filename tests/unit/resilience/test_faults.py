@@ -88,7 +88,7 @@ def test_process_faults_take_a_moment_and_others_refuse_one():
 
 
 def test_an_eval_fault_fires_in_the_evaluation_not_at_the_step():
-    plan = FaultPlan("crash@step=4,at=eval", rank=0, restart_count=0)
+    plan = FaultPlan("crash@step=4,at=eval", rank=0, group_restarts=0)
     plan.fire_process_faults(4)  # the start of step 4: not its moment
     with pytest.raises(RuntimeError, match=r"fault injection: crash at step 4 \(eval\)"):
         plan.fire_process_faults(4, at="eval")
@@ -98,20 +98,20 @@ def test_an_eval_fault_fires_in_the_evaluation_not_at_the_step():
 # --- due -------------------------------------------------------------------------------------
 def test_due_fires_once_on_the_planned_step_rank_and_restart():
     spec = "nan@step=3,rank=1; oom@step=4; ulp@step=5,restart=2"
-    plan = FaultPlan(spec, rank=1, restart_count=0)
+    plan = FaultPlan(spec, rank=1, group_restarts=0)
     assert not plan.due("nan", 2) and not plan.due("oom", 3) and not plan.due("ulp", 5)
     assert plan.due("nan", 3)
     assert not plan.due("nan", 3)  # once
     assert plan.due("oom", 4) and not plan.due("oom", 4)
 
-    other_rank = FaultPlan(spec, rank=0, restart_count=0)
+    other_rank = FaultPlan(spec, rank=0, group_restarts=0)
     assert not other_rank.due("nan", 3)  # planned for rank 1 only
     assert other_rank.due("oom", 4)  # no rank: every rank
 
-    restarted = FaultPlan(spec, rank=1, restart_count=1)
+    restarted = FaultPlan(spec, rank=1, group_restarts=1)
     assert not restarted.due("nan", 3) and not restarted.due("oom", 4)  # restart 0 only
     assert not restarted.due("ulp", 5)
-    assert FaultPlan(spec, rank=1, restart_count=2).due("ulp", 5)
+    assert FaultPlan(spec, rank=1, group_restarts=2).due("ulp", 5)
 
 
 def test_due_micro_defaults_to_the_last_micro_step():
@@ -336,7 +336,7 @@ def test_the_moments_reach_every_listener_in_order_and_a_fault_at_export_fires_b
         DDPTrainer(cfg).train()
     assert list((tmp_path / "ck").glob("step_00000002*.pt"))  # the final save came first
     assert not (tmp_path / "export").exists()
-    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # a fault fires in the first incarnation only
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # a fault fires in the first start (restart 0) only
     summary = DDPTrainer(cfg).train()
     assert summary["steps"] == 2 and (tmp_path / "export").is_dir()
 

@@ -114,10 +114,10 @@ def test_the_cooldown_ramps_the_learning_rate_back_linearly(tmp_path):
 def test_bad_data_randomizes_one_rank_s_targets_the_same_way_every_time():
     import torch
     x, y = torch.zeros(4, 8, dtype=torch.long), torch.arange(32).view(4, 8) % 16
-    a = FaultPlan("bad_data@step=3,rank=1", rank=1, restart_count=0).micro_batch(3, 0, (x, y))
-    b = FaultPlan("bad_data@step=3,rank=1", rank=1, restart_count=0).micro_batch(3, 0, (x, y))
+    a = FaultPlan("bad_data@step=3,rank=1", rank=1, group_restarts=0).micro_batch(3, 0, (x, y))
+    b = FaultPlan("bad_data@step=3,rank=1", rank=1, group_restarts=0).micro_batch(3, 0, (x, y))
     assert torch.equal(a[1], b[1]) and not torch.equal(a[1], y) and a[0] is x
-    assert FaultPlan("bad_data@step=3,rank=1", rank=0, restart_count=0).micro_batch(3, 0, (x, y))[1] is y
+    assert FaultPlan("bad_data@step=3,rank=1", rank=0, group_restarts=0).micro_batch(3, 0, (x, y))[1] is y
 
 
 @pytest.mark.parametrize("over, problem", [

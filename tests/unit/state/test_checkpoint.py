@@ -599,18 +599,18 @@ def test_lock_goes_with_the_manager_and_a_save_after_close_takes_it_again(tmp_pa
 
 
 def test_a_save_alone_continues_the_lineage_takes_the_lock_and_prunes_nothing(tmp_path):
-    """A survivor of a peer's loss writes alone (Checkpointer.save_alone): from rank 0, after its
+    """A survivor of a peer's loss writes alone (Checkpointer.save_survivor): from rank 0, after its
     pending write; from another rank only once rank 0 (and its lock) is gone; once per step."""
     rank0 = CheckpointStore(tmp_path, keep_last=1)
     rank0.save(state_at(4), 4)
-    rank0.save(state_at(8), 8)  # pending in the background when the save alone comes
+    rank0.save(state_at(8), 8)  # pending in the background when the survivor checkpoint comes
     lineage = rank0.lineage
     other = CheckpointStore(tmp_path, keep_last=1, rank=1)
-    assert other.write_alone(state_at(9), 9, lineage=lineage) is None  # rank 0 holds the lock
-    assert rank0.write_alone(state_at(9), 9, lineage=lineage) == tmp_path / "step_00000009.pt"
+    assert other.write_survivor(state_at(9), 9, lineage=lineage) is None  # rank 0 holds the lock
+    assert rank0.write_survivor(state_at(9), 9, lineage=lineage) == tmp_path / "step_00000009.pt"
     rank0.close()  # rank 0 gone, and its lock
-    assert other.write_alone(state_at(9), 9, lineage=lineage) is None  # its lineage has step 9
-    assert other.write_alone(state_at(10), 10, lineage=lineage) == tmp_path / "step_00000010.pt"
+    assert other.write_survivor(state_at(9), 9, lineage=lineage) is None  # its lineage has step 9
+    assert other.write_survivor(state_at(10), 10, lineage=lineage) == tmp_path / "step_00000010.pt"
     assert not (tmp_path / ".lock").exists()
     # No pruning (keep_last=1): a survivor does not know which file the run resumed from.
     assert [(e["step"], e["lineage"]) for e in manifest(tmp_path)] == [(8, lineage), (9, lineage), (10, lineage)]
@@ -633,10 +633,10 @@ def test_a_save_alone_writes_a_lineages_origin_and_never_without_a_real_lock(tmp
 
     origin = str(tmp_path / "elsewhere" / "step_00000004.pt")
     ck = tmp_path / "ck"
-    assert CheckpointStore(ck, rank=1).write_alone(state_at(5), 5, lineage="aaa", began_from=origin)
+    assert CheckpointStore(ck, rank=1).write_survivor(state_at(5), 5, lineage="aaa", began_from=origin)
     assert manifest(ck)[0]["began_from"] == origin
     monkeypatch.setattr(checkpoint_files, "_locked_fd", lambda *args: None)  # ENOLCK: no lock, a warning
-    assert CheckpointStore(ck, rank=1).write_alone(state_at(6), 6, lineage="aaa") is None
+    assert CheckpointStore(ck, rank=1).write_survivor(state_at(6), 6, lineage="aaa") is None
     assert [e["step"] for e in manifest(ck)] == [5]
 
 
@@ -676,7 +676,7 @@ HOLD_LOCK_FOR = ("import sys, time\n"
 @pytest.mark.dist
 @pytest.mark.parametrize("holder_run", ["job7", "other"])
 def test_a_restart_waits_for_a_survivor_of_its_run_that_still_holds_the_lock(tmp_path, monkeypatch, holder_run):
-    """Issue 33, bug 4: a survivor's save alone of a large model outlasts the next round's last
+    """Issue 33, bug 4: a survivor checkpoint of a large model outlasts the next round's last
     call; the new rank 0 got CheckpointDirLocked, exited 2 and burnt a restart (or ended the run).
     A restart waits for a holder of its own torchrun run; another run's fails at once."""
     from framework.config import resolve_config

@@ -47,7 +47,7 @@ def test_config_changes_split_refused_from_warned():
 
 def test_save_timing_by_steps_and_epochs():
     cfg = build_config({"checkpoint.every_steps": 5, "save_interval": 2}, env={})
-    ck = Checkpointer(cfg, SimpleNamespace(), manager=None, components={}, builtin_data=True)
+    ck = Checkpointer(cfg, SimpleNamespace(), store=None, components={}, builtin_data=True)
     assert [s for s in range(1, 16) if ck.should_save(s, epoch=0, epoch_ended=False)] == [5, 10, 15]
     assert ck.should_save(3, epoch=1, epoch_ended=True) and not ck.should_save(3, epoch=0, epoch_ended=True)
 
@@ -227,9 +227,9 @@ def test_a_transient_read_error_with_nothing_else_to_resume_is_retried_not_fatal
 
 
 @pytest.mark.parametrize("torchrun", [True, False])
-def test_the_last_incarnation_stops_on_an_unreadable_checkpoint_with_a_fatal_naming_it(tmp_path, monkeypatch,
+def test_the_last_restart_stops_on_an_unreadable_checkpoint_with_a_fatal_naming_it(tmp_path, monkeypatch,
                                                                                       torchrun):
-    """The explorer's trial 100: every incarnation failed retriably on the only checkpoint (unreadable),
+    """The explorer's trial 100: every restart failed retriably on the only checkpoint (unreadable),
     and the last one ended in a traceback and no FATAL. Without a restart left, nothing will read it
     again: an explained stop, with the file left as it was."""
     DDPTrainer(tiny(tmp_path, {"train.max_steps": 4})).train()

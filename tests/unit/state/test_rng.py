@@ -101,7 +101,7 @@ def test_seed_step_depends_on_seed_rank_and_step_alone():
 
 def test_what_is_drawn_between_steps_does_not_shift_the_next_steps_dropout(tmp_path):
     """Each step seeds every rank's generators from (seed, rank, step) at its start: a resumed run,
-    or one restarted from a survivor's save alone, skips what was drawn between the steps before
+    or one restarted from a survivor checkpoint, skips what was drawn between the steps before
     (an evaluation, a callback), and must still draw each step's dropout as the uninterrupted run."""
     from framework import DDPTrainer
     from tests.tiny import tiny
@@ -120,7 +120,7 @@ def test_what_is_drawn_between_steps_does_not_shift_the_next_steps_dropout(tmp_p
 
 def test_buffer_watch_gives_the_buffers_as_at_the_step_start():
     """A forward changes BatchNorm's running statistics (without bumping the tensors' versions)
-    before any collective can fail: the save alone writes them as they were at the step's start;
+    before any collective can fail: the survivor checkpoint writes them as they were at the step's start;
     off rank 0 only buffers that no step changes (DDP's buffers are rank 0's)."""
     from framework.state.checkpointer import StepStartBuffers
 
