@@ -58,13 +58,13 @@ from harness.launch import free_port, kill_matching, processes_matching, torchru
 # an epoch boundary. The validation set is 256 sequences (a tenth of the data), all evaluated: an
 # evaluation costs about one training step, long enough to land a fault in.
 STEPS, SAVE_EVERY, EVAL_EVERY = 48, 8, 16
-CONFIG = dict(vocab_size=64, hidden_size=96, num_heads=2, num_layers=2, seq_len=48, dataset_size=2560,
-              batch_size=40, dropout=0.1, max_steps=STEPS, save_every_steps=SAVE_EVERY, keep_last=3,
-              log_interval=1, eval_interval=EVAL_EVERY, eval_steps=7, num_workers=0, deterministic=True,
-              record_samples=True, tensorboard=True, target_loss=0.0, learning_rate=2e-3, warmup_steps=4,
-              seed=5, resume="auto")
+CONFIG = {"vocab_size": 64, "hidden_size": 96, "num_heads": 2, "num_layers": 2, "seq_len": 48, "dataset_size": 2560,
+          "batch_size": 40, "dropout": 0.1, "train.max_steps": STEPS, "checkpoint.every_steps": SAVE_EVERY,
+          "checkpoint.keep_last": 3, "log_interval": 1, "eval.interval": EVAL_EVERY, "eval.steps": 7, "num_workers": 0,
+          "train.deterministic": True, "logging.record_samples": True, "logging.tensorboard": True, "target_loss": 0.0,
+          "learning_rate": 2e-3, "optim.warmup_steps": 4, "train.seed": 5, "checkpoint.resume": "auto"}
 MAX_RESTARTS = 2
-HANG_TIMEOUTS = dict(step_timeout_s=3, step_timeout_factor=2)  # the hang cells' watchdog
+HANG_TIMEOUTS = {"recovery.step_timeout_s": 3, "recovery.step_timeout_factor": 2}  # the hang cells' watchdog
 SCHEDULER_DELAY_S = 2.0  # how long "the scheduler" takes to notice a dead agent and relaunch it
 
 # --- the moments ------------------------------------------------------------------------------
@@ -157,7 +157,7 @@ TMP_FILE = re.compile(r"\.step_(\d{8})\.pt\.tmp\.\w+$")  # framework.state.atomi
 
 # --- one run: its agents, their outputs, and the rank logs as they grow ------------------------
 def train_args(run_dir: Path, extra: dict) -> list[str]:
-    cfg = {**CONFIG, "log_dir": str(run_dir / "logs"), "checkpoint_dir": str(run_dir / "ck"), **extra}
+    cfg = {**CONFIG, "logging.dir": str(run_dir / "logs"), "checkpoint.dir": str(run_dir / "ck"), **extra}
     return [part for key, value in cfg.items()
             for part in (f"--{key.replace('_', '-')}", str(value).lower() if isinstance(value, bool) else str(value))]
 

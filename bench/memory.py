@@ -205,10 +205,10 @@ class SavedCounter:
 def build_trainer(mode: str, workdir: Path, seq_len: int, steps: int):
     from framework.trainer import DDPTrainer
     ckpt, chunks = MODES[mode]
-    cfg = dict(MODEL, seq_len=seq_len, gradient_checkpointing=ckpt, tiled_mlp_chunks=chunks,
-               data="synthetic", dataset_size=max(4, steps), num_workers=0, max_steps=steps,
-               target_loss=0.0, eval_interval=0, tensorboard=False, progress_bar="false",
-               log_dir=str(workdir / "logs"), checkpoint_dir=str(workdir / "checkpoints"))
+    cfg = {**MODEL, "seq_len": seq_len, "memory.activation_checkpointing": ckpt, "memory.tiled_mlp_chunks": chunks,
+           "data.source": "synthetic", "dataset_size": max(4, steps), "num_workers": 0, "train.max_steps": steps,
+           "target_loss": 0.0, "eval.interval": 0, "logging.tensorboard": False, "logging.progress_bar": "false",
+           "logging.dir": str(workdir / "logs"), "checkpoint.dir": str(workdir / "checkpoints")}
     return DDPTrainer(cfg)
 
 

@@ -96,8 +96,8 @@ def load_cfg(workdir: Path, total_steps: int, overrides: dict | None = None):
     from framework.config import ALIASES, build_config, load_config_file
     values = {f"{section}.{key}": value for section, keys in load_config_file(CONFIG).items()
               for key, value in keys.items()}
-    run = dict(max_steps=total_steps, eval_interval=0, eval_steps=1, tensorboard=True,
-               log_dir=str(workdir / "logs"), checkpoint_dir=str(workdir / "checkpoints"), **(overrides or {}))
+    run = {"train.max_steps": total_steps, "eval.interval": 0, "eval.steps": 1, "logging.tensorboard": True,
+           "logging.dir": str(workdir / "logs"), "checkpoint.dir": str(workdir / "checkpoints"), **(overrides or {})}
     values.update({ALIASES.get(key, key): value for key, value in run.items()})  # flat names -> section.key
     return build_config(values, env={})
 
@@ -545,7 +545,7 @@ def orchestrate_compile(args) -> int:
     print(f"torch {torch.__version__}; warm-up {args.warmup} steps, timed {args.steps} steps, {args.repeats} "
           f"repeat(s); CPU busy before start {busy_before:.0%}", flush=True)
     variants = {f"{kind} {n} process{'es' if n > 1 else ''}": (n, overrides) for n in (1, 2)[:args.max_procs]
-                for kind, overrides in (("eager", {}), ("compiled", {"compile": True}))}
+                for kind, overrides in (("eager", {}), ("compiled", {"compile.enabled": True}))}
     runs: dict[str, list[dict]] = {k: [] for k in variants}
     with tempfile.TemporaryDirectory(prefix="bench_compile_") as tmpdir:
         for i in range(args.repeats):
