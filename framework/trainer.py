@@ -44,7 +44,7 @@ from .train.events import EventBus, StepResult
 from .train.agreement import Agreement, agree
 from .train.evaluation import Evaluator
 from .train.optim import Precision, optimizer_and_schedule
-from .train.step import SkipBudget, TrainStep, apply_recorded_micro_batch, prepare_model
+from .train.step import SkipBudget, TrainStep, apply_recorded_micro_batch, oom_recovery_enabled, prepare_model
 
 log = logging.getLogger(__name__)
 
@@ -269,12 +269,11 @@ class DDPTrainer:
 
     def _wrap(self, doctor: bool) -> None:
         cfg, env = self.config, self.env
-        self._oom_recovery = cfg.recovery.oom == "true" or (cfg.recovery.oom == "auto" and env.device.type == "cuda")
         self.model, self._report, self._decision = prepare_model(
             lambda: policy.prepare(self.raw_model, self._peek, self.loss_fn, self._autocast, cfg,
                                    env.device, distributed=env.distributed, doctor=doctor,
                                    comm_hook=self.comm_hook),
-            self.sampler, cfg.checkpoint.dir, oom_recovery=self._oom_recovery)
+            self.sampler, cfg.checkpoint.dir, oom_recovery=oom_recovery_enabled(cfg, env.device))
         self.model = self.model if doctor else compile_model(self.model, cfg.compile)
 
     def _build_run_health(self) -> None:
@@ -288,23 +287,20 @@ class DDPTrainer:
                                  world_size=env.world_size, store=process_group.STORE)
         self.stragglers = StragglerMonitor(cfg.straggler, env, phase=self.watchdog.phase)
         self.step_start_buffers = StepStartBuffers(self.raw_model)
-        self.consistency = ConsistencyCheck(self.raw_model, interval=cfg.recovery.consistency_check_interval,
-                                            device=env.device, distributed=env.distributed, phase=self.watchdog.phase)
+        self.consistency = ConsistencyCheck(cfg.recovery, model=self.raw_model, device=env.device,
+                                            distributed=env.distributed, phase=self.watchdog.phase)
         self.faults = FaultPlan(cfg.recovery.fault_inject, env.rank, process_group.group_restarts())
         for listener in (self.step_start_buffers, self.watchdog, self.stragglers, self.spike_guard, self._startup,
                          self.faults, self.callbacks, self.consistency):
             self.events.attach(listener)
-        self.train_step = TrainStep(model=self.model, raw_model=self.raw_model, optimizer=self.optimizer,
-                                     scaler=self.precision.scaler, schedule=self.schedule, loss_fn=self.loss_fn,
-                                     autocast=self._autocast, env=env, sampler=self.sampler, stream=self.stream,
-                                     events=self.events, skips=self.skips, grad_clip=cfg.optim.grad_clip,
-                                     agree_nonfinite=cfg.recovery.agree_nonfinite, checkpoint_dir=cfg.checkpoint.dir,
-                                     oom_recovery=self._oom_recovery, loss_average=cfg.train.loss_average,
-                                     lr_factor=self.spike_guard.lr_factor, timer=self.stragglers.timer,
-                                     reseed=self._seed_step)
-        self.evaluator = Evaluator(self.raw_model, self.val_dataset, self.loss_fn, cfg.eval,
-                                    batch_size=cfg.data.batch_size, env=env,
-                                    autocast=self._autocast, sampler=self.sampler, events=self.events)
+        self.train_step = TrainStep(cfg, model=self.model, raw_model=self.raw_model, optimizer=self.optimizer,
+                                    precision=self.precision, schedule=self.schedule, loss_fn=self.loss_fn, env=env,
+                                    sampler=self.sampler, stream=self.stream, events=self.events, skips=self.skips,
+                                    lr_factor=self.spike_guard.lr_factor, timer=self.stragglers.timer,
+                                    reseed=self._seed_step)
+        self.evaluator = Evaluator(cfg.eval, model=self.raw_model, dataset=self.val_dataset, loss_fn=self.loss_fn,
+                                   batch_size=cfg.data.batch_size, env=env, autocast=self._autocast,
+                                   sampler=self.sampler, events=self.events)
 
     def _peek(self) -> list:
         return self.stream.peek(2, self.env.device)

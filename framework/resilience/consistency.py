@@ -63,10 +63,11 @@ class ConsistencyCheck(Listener):
     bit-identical parameters; a difference is fatal and names the first parameter. On the event
     bus: at a step's end, in ``phase("consistency check")`` (the watchdog's)."""
 
-    def __init__(self, model: torch.nn.Module, *, interval: int, device: torch.device, distributed: bool,
-                 phase=None):
+    def __init__(self, section, *, model: torch.nn.Module, device: torch.device, distributed: bool, phase=None):
+        """``section``: the configuration's recovery section (``consistency_check_interval``)."""
         self.phase = phase or (lambda name: contextlib.nullcontext())
         self.model = model
+        interval = section.consistency_check_interval
         self.interval = interval if distributed else 0
         self.device = device
 

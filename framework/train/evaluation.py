@@ -67,7 +67,7 @@ def _agreed(stop: Callable[[], bool], *, device: torch.device, world_size: int, 
 class Evaluator:
     """The validation loss every ``eval_interval`` steps (0: only at the end), on every rank."""
 
-    def __init__(self, model: torch.nn.Module, dataset, loss_fn, section, *, batch_size: int, env, autocast, sampler,
+    def __init__(self, section, *, model: torch.nn.Module, dataset, loss_fn, batch_size: int, env, autocast, sampler,
                  events: EventBus | None = None):
         """``section``: the configuration's eval section; ``batch_size``: data.batch_size (eval.steps counts
         batches of it)."""

@@ -109,7 +109,8 @@ def test_first_divergent_on_one_rank_is_none():
     one_process_group()
     try:
         assert first_divergent(model, torch.device("cpu")) is None
-        check = ConsistencyCheck(model, interval=2, device=torch.device("cpu"), distributed=True)
+        check = ConsistencyCheck(RecoverySection(consistency_check_interval=2), model=model, device=torch.device("cpu"),
+                                 distributed=True)
         for step in range(5):
             check.maybe_check(step)  # every rank agrees with itself: no FatalError
     finally:
@@ -119,11 +120,11 @@ def test_first_divergent_on_one_rank_is_none():
 def test_consistency_check_interval():
     model = small_model()
     cpu = torch.device("cpu")
-    check = ConsistencyCheck(model, interval=3, device=cpu, distributed=True)
+    check = ConsistencyCheck(RecoverySection(consistency_check_interval=3), model=model, device=cpu, distributed=True)
     assert [s for s in range(1, 11) if check.should_run(s)] == [3, 6, 9]
-    never = ConsistencyCheck(model, interval=0, device=cpu, distributed=True)
+    never = ConsistencyCheck(RecoverySection(consistency_check_interval=0), model=model, device=cpu, distributed=True)
     assert not any(never.should_run(s) for s in range(10))
-    single = ConsistencyCheck(model, interval=3, device=cpu, distributed=False)
+    single = ConsistencyCheck(RecoverySection(consistency_check_interval=3), model=model, device=cpu, distributed=False)
     assert not any(single.should_run(s) for s in range(10))
     for step in range(10):
         single.maybe_check(step)  # off: no collective without a group
