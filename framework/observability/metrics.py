@@ -413,7 +413,7 @@ def log_run_start(cfg, env, sampler, *, model: torch.nn.Module, amp: bool, total
         log.info("rank %d share: %d steps/epoch x %d samples = %d of %d samples per epoch; %d loader workers",
                  env.rank, s.steps_per_epoch, s.batch_size * s.accumulation,
                  s.steps_per_epoch * s.batch_size * s.accumulation, s.num_samples, num_workers)
-    log.info("schedule: %d steps (%d per epoch, num_epochs=%d, max_steps=%d)", total_steps,
+    log.info("schedule: %d steps (%d per epoch, train.num_epochs=%d, train.max_steps=%d)", total_steps,
              s.steps_per_epoch, cfg.train.num_epochs, cfg.train.max_steps)
     if env.is_main:
         atomic.write_bytes(Path(cfg.logging.dir) / "config.json",

@@ -196,7 +196,7 @@ def _raise_oom_in_backward(module, args, output) -> None:
     import torch
 
     def raise_oom(grad):
-        raise torch.OutOfMemoryError("injected OOM (fault_inject) in backward")
+        raise torch.OutOfMemoryError("injected OOM (recovery.fault_inject) in backward")
 
     out = output[0] if isinstance(output, tuple) else output
     if out.requires_grad:

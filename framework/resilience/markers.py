@@ -135,7 +135,7 @@ def note_restart(directory: str | Path, resumed_step: int, limit: int) -> str | 
         return None
     error = read(directory, LAST_ERROR) or "none recorded (killed by a signal? see the rank logs)"
     return (f"{count} restarts in a row resumed from step {resumed_step} with no progress in between "
-            f"(max_no_progress_restarts={limit}); the last error: {error}")
+            f"(recovery.max_no_progress_restarts={limit}); the last error: {error}")
 
 
 def record_micro_batch(directory: str | Path, batch_size: int, accumulation: int, reason: str) -> None:

@@ -191,7 +191,7 @@ class StragglerMonitor(Listener):
                    f"fastest rank in {section} (median {medians[rank][i]:.1f} ms against {fastest:.1f} ms) for "
                    f"{self.streak[rank]} checks in a row, up to step {step}")
         if self.action == "fatal":
-            raise FatalError(f"{message} (straggler_action=fatal)")
+            raise FatalError(f"{message} (straggler.action=fatal)")
         log.warning("%s", message)
 
     def scalars(self) -> dict[str, float]:

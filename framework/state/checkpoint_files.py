@@ -144,7 +144,7 @@ class CheckpointStore:
 
     def __init__(self, directory: str | Path, keep_last: int = 3, rank: int = 0, *, wait_for_run_s: float = 0):
         if keep_last < 1:
-            raise ValueError(f"keep_last={keep_last}: must be at least 1")
+            raise ValueError(f"checkpoint.keep_last={keep_last}: must be at least 1")
         self.directory = Path(directory)
         self.keep_last = keep_last
         self.rank = rank
@@ -415,7 +415,7 @@ class CheckpointStore:
         for entry in dropped:
             if entry["file"] not in listed:
                 path = self.directory / entry["file"]
-                log.info("removing old checkpoint %s (keep_last=%d)", path, self.keep_last)
+                log.info("removing old checkpoint %s (checkpoint.keep_last=%d)", path, self.keep_last)
                 try:
                     path.unlink(missing_ok=True)
                 except OSError as e:

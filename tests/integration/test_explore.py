@@ -139,7 +139,8 @@ def test_the_checker_judges_issue_33s_dimensions_and_faults():
     crash = {**base, "config": {**SIMPLEST, "topology": "1x2"}, "fault": "crash_one_rank"}
     stopped = copy.deepcopy(good)
     stopped.update(summary=None, fatal="rank 0: FatalError: 2 restarts in a row resumed from step 3 with no progress "
-                   "in between (max_no_progress_restarts=1); the last error: rank 1: RuntimeError: fault injection",
+                   "in between (recovery.max_no_progress_restarts=1); the last error: rank 1: RuntimeError: "
+                   "fault injection",
                    launches=[{"codes": [1], "timed_out": False, "wall_s": 9.0, "left_behind": 0, "stderr": ""}])
     assert violations(explore.check(crash, stopped, None)) == {}
     stopped.update(node_lost_marker=True)
@@ -147,7 +148,7 @@ def test_the_checker_judges_issue_33s_dimensions_and_faults():
     found = violations(explore.check(crash, stopped, None))["explained"]
     assert "exited [75], not 1" in found and "left NODE_LOST" in found
     # the explorer's twitchy spike guard past max_rollbacks after an injected spike: the guard's doing
-    fatal = "rank 1: FatalError: more than max_rollbacks=3 loss-spike rollbacks: step 5; step 7; step 8; step 8"
+    fatal = "rank 1: FatalError: more than spike.max_rollbacks=3 loss-spike rollbacks: step 5; step 7; step 8; step 8"
     guard = copy.deepcopy(good)
     guard.update(summary=None, fatal=fatal, launches=stopped["launches"][:1])
     guard["launches"][0]["codes"] = [1, 1]
@@ -273,7 +274,7 @@ def test_a_guard_stop_is_judged_against_the_uninterrupted_run():
     same FATAL (the same spikes and samples), and a failure when it did not; with timed
     checkpoints, a rollback's target is the clock's, so the weights are not compared."""
     trial = {"config": {**SIMPLEST, "spike_guard": "rollback"}, "fault": "sigstop_worker", "moment": "ckpt_write"}
-    fatal = "more than max_rollbacks=3 loss-spike rollbacks: step 5 (samples [37, 18]); step 8 (samples [6, 4])"
+    fatal = "more than spike.max_rollbacks=3 loss-spike rollbacks: step 5 (samples [37, 18]); step 8 (samples [6, 4])"
     res = copy.deepcopy(clean_result(trial["config"]))
     res.update(summary=None, fatal=f"rank 1: FatalError: {fatal}")
     res["launches"][0]["codes"] = [1]

@@ -197,7 +197,8 @@ def test_a_crash_after_every_restart_stops_after_max_no_progress_restarts(tmp_pa
                 torchrun_extra=["--max-restarts", "3"])
     assert run.returncode != 0
     marker = (tmp_path / "ck" / "FATAL").read_text()
-    assert "2 restarts in a row resumed from step 8 with no progress in between (max_no_progress_restarts=1)" in marker
+    assert ("2 restarts in a row resumed from step 8 with no progress in between "
+            "(recovery.max_no_progress_restarts=1)") in marker
     assert "the last error: rank " in marker and "RuntimeError: fault injection: crash at step 10" in marker
     # The first launch and 1 restart trained; the second restart stopped; the last one stopped at once.
     assert rank_log(tmp_path).count("fault injection: crash at step 10 on rank 0") == 2

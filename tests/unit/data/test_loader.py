@@ -110,7 +110,7 @@ def test_more_than_max_restarts_in_an_epoch_fails():
         stream.next_step()
         assert stream.restarts_this_epoch == 1
         kill_and_wait(stream)
-        with pytest.raises(LoaderFailure, match=r"more than max_loader_restarts=1 loader restarts in epoch 0"):
+        with pytest.raises(LoaderFailure, match=r"more than recovery.max_loader_restarts=1 loader restarts in epoch 0"):
             stream.next_step()
     finally:
         stream.shutdown()
@@ -202,7 +202,7 @@ def test_resumed_budget_counts_toward_max_restarts():
         stream.start_epoch()
         assert samples(stream.next_step()) == expected_step(sampler, 1)
         kill_and_wait(stream)
-        with pytest.raises(LoaderFailure, match="max_loader_restarts=1"):
+        with pytest.raises(LoaderFailure, match="recovery.max_loader_restarts=1"):
             stream.next_step()
     finally:
         stream.shutdown()

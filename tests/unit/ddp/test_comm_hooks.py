@@ -197,5 +197,5 @@ def test_one_process_ignores_the_hook_and_says_so(tmp_path):
            "checkpoint.dir": str(tmp_path / "ck")}
     summary = DDPTrainer(cfg, rank=0, world_size=1).train()
     assert summary["steps"] == 2
-    assert "ddp_comm_hook=powersgd: not used by one process" in (tmp_path / "logs" / "rank_0.log").read_text()
+    assert "ddp.comm_hook=powersgd: not used by one process" in (tmp_path / "logs" / "rank_0.log").read_text()
     assert torch.load(tmp_path / "ck" / "step_00000002.pt", weights_only=True)["comm_hook"] == {}

@@ -54,7 +54,7 @@ def test_no_setting_fits_multi_fire_with_changing_graph():
 def test_forced_settings_are_kept_and_flagged():
     static, unused, safe, reasons = choose(report(unused=["head.weight"]), unused="false")
     assert (static, unused, safe) == (False, False, False)
-    assert "find_unused_parameters forced false (the probe suggests true)" in reasons
+    assert "ddp.find_unused_parameters forced false (the probe suggests true)" in reasons
     assert choose(report(hidden=["w"]), unused="true", ckpt="reentrant")[2] is False
     assert choose(report(), static="true")[:3] == (True, False, True)
 

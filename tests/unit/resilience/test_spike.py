@@ -89,8 +89,8 @@ def test_rollback_keeps_what_the_run_learnt_when_the_older_checkpoint_loads(tmp_
 def test_more_than_max_rollbacks_is_fatal_naming_steps_and_samples(tmp_path):
     g = guard(tmp_path, {"spike.warmup": 3, "spike.max_rollbacks": 0})
     spike = feed(g, [2.0, 1.9, 1.8, 1.7, 9.0])[-1]
-    with pytest.raises(FatalError, match=re.escape(f"more than max_rollbacks=0 loss-spike rollbacks: step 5 (samples "
-                                                   f"{spike.samples})")):
+    with pytest.raises(FatalError, match=re.escape(f"more than spike.max_rollbacks=0 loss-spike rollbacks: step 5 "
+                                                   f"(samples {spike.samples})")):
         g.roll_back(spike, restored_step=4)
 
 
@@ -170,15 +170,15 @@ def test_with_warn_the_spike_is_only_logged(spikes):
     got = case(spikes, "warn")["summary"]
     assert (got["loss_spikes"], got["rollbacks"], got["excluded_samples"]) == (1, 0, 0)
     assert got["max_loss_z"] > BASE["spike.threshold"]
-    assert "spike_guard=warn: continuing" in (spikes[0] / "warn" / "logs" / "rank_0.log").read_text()
+    assert "spike.guard=warn: continuing" in (spikes[0] / "warn" / "logs" / "rank_0.log").read_text()
 
 
 @pytest.mark.dist
 def test_too_many_rollbacks_stop_every_rank_with_fatal(spikes):
     for rank in (0, 1):
-        assert "more than max_rollbacks=0 loss-spike rollbacks: step 31 (samples [" in case(
+        assert "more than spike.max_rollbacks=0 loss-spike rollbacks: step 31 (samples [" in case(
             spikes, "too_many_rollbacks", rank)["error"]
-    assert "max_rollbacks=0" in (spikes[0] / "too_many_rollbacks" / "ck" / "FATAL").read_text()
+    assert "spike.max_rollbacks=0" in (spikes[0] / "too_many_rollbacks" / "ck" / "FATAL").read_text()
 
 
 @pytest.mark.dist

@@ -84,7 +84,7 @@ def test_a_slowed_rank_is_named_with_its_section_and_host_within_two_checks(stra
 def test_straggler_action_fatal_stops_every_rank_naming_the_rank(stragglers):
     for rank in (0, 1):
         assert "FatalError: straggler: rank 1 on host" in case(stragglers, "fatal", rank)["error"]
-    assert "(straggler_action=fatal)" in (stragglers[0] / "fatal" / "ck" / "FATAL").read_text()
+    assert "(straggler.action=fatal)" in (stragglers[0] / "fatal" / "ck" / "FATAL").read_text()
 
 
 @pytest.mark.dist
