@@ -210,7 +210,7 @@ class DDPTrainer:
         self.spike_guard = SpikeGuard(cfg.spike, checkpoint_dir=cfg.checkpoint.dir,
                                        exclude_samples=cfg.data.exclude_samples, is_main=env.is_main)
         self.spike_guard.attach(self.sampler)
-        self.comm_hook = CommHook(cfg.ddp, env, seed=cfg.train.seed)
+        self.comm_hook = CommHook(cfg.ddp, env=env, seed=cfg.train.seed)
         self.checkpointer.attach(cfg, {
             "trainer": _Saved(self._state_dict, self._load_state_dict), "model": self.raw_model,
             "optimizer": self.optimizer, "scaler": self.precision.scaler, "schedule": self.schedule,
@@ -285,7 +285,7 @@ class DDPTrainer:
         cfg, env = self.config, self.env
         self.watchdog = Watchdog(cfg.recovery, log_file=log_file_stream(self.log_path), rank=env.rank,
                                  world_size=env.world_size, store=process_group.STORE)
-        self.stragglers = StragglerMonitor(cfg.straggler, env, phase=self.watchdog.phase)
+        self.stragglers = StragglerMonitor(cfg.straggler, env=env, phase=self.watchdog.phase)
         self.step_start_buffers = StepStartBuffers(self.raw_model)
         self.consistency = ConsistencyCheck(cfg.recovery, model=self.raw_model, device=env.device,
                                             distributed=env.distributed, phase=self.watchdog.phase)

@@ -86,7 +86,7 @@ class CommHook:
     whose ``state_dict`` gathers every rank's state (a collective) and whose ``load_state_dict``
     keeps this rank's until ``register`` creates the hook, before the first step."""
 
-    def __init__(self, ddp, env, *, seed: int):
+    def __init__(self, ddp, *, env, seed: int):
         self.name, self.ddp, self.env, self.seed = ddp.comm_hook, ddp, env, seed
         self.state: PowerSGDState | None = None
         self._saved: dict | None = None

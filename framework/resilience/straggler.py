@@ -124,7 +124,7 @@ class StragglerMonitor(Listener):
     ready, the step's timing ends at its end, where the periodic check runs in ``phase("straggler
     check")`` (the watchdog's, which the bus has disarmed before: it comes first)."""
 
-    def __init__(self, cfg, env, *, phase=None):
+    def __init__(self, cfg, *, env, phase=None):
         self.phase = phase or (lambda name: contextlib.nullcontext())
         self.interval, self.threshold = cfg.interval, cfg.threshold
         self.patience, self.min_ms, self.action = cfg.patience, cfg.min_ms, cfg.action

@@ -173,7 +173,7 @@ def test_powersgd_state_loaded_after_registration_applies_at_once():
     from framework.config import resolve_config
 
     cfg = resolve_config({"ddp.comm_hook": "powersgd", "ddp.powersgd_rank": 2, "ddp.powersgd_start_iter": 3})
-    hook = CommHook(cfg.ddp, SimpleNamespace(rank=0, world_size=1, distributed=False, device=torch.device("cpu")),
+    hook = CommHook(cfg.ddp, env=SimpleNamespace(rank=0, world_size=1, distributed=False, device=torch.device("cpu")),
                     seed=cfg.train.seed)
     registered = []
     hook.register(SimpleNamespace(register_comm_hook=lambda state, fn: registered.append((state, fn))))

@@ -40,7 +40,7 @@ def test_every_step_is_timed_on_the_cpu_and_the_last_ten_before_a_check_on_cuda(
 
 def test_one_process_scores_1_without_a_collective():
     env = DistEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"), backend=None)
-    monitor = StragglerMonitor(StragglerSection(interval=50), env)
+    monitor = StragglerMonitor(StragglerSection(interval=50), env=env)
     assert [s for s in range(1, 101) if monitor.should_check(s)] == [50, 100]
     monitor.check(50)  # with no process group, a collective would raise
     assert monitor.scalars() == {**{f"straggler/{s}/rank0": 1.0 for s in SECTIONS}, "straggler/max_score": 1.0}
@@ -117,7 +117,7 @@ def test_the_medians_are_gathered_from_the_rank_s_device(monkeypatch):
     monkeypatch.setattr("framework.resilience.straggler.dist.all_gather", all_gather)
     monkeypatch.setattr("framework.resilience.straggler.dist.all_gather_object",
                         lambda out, host: out.__setitem__(0, "a"))
-    monitor = StragglerMonitor(StragglerSection(interval=5), env)
+    monitor = StragglerMonitor(StragglerSection(interval=5), env=env)
     monitor.check(5)
     assert devices == [torch.device("meta")]
     assert monitor.scalars()["straggler/forward_backward/rank1"] == 1.5
