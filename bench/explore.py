@@ -340,7 +340,7 @@ def issue33_applicable(cfg: dict, fault: str, moment: str) -> str | None:
     if fault == "kill9_slow_save":
         if cfg["topology"] == "1":
             return "the survivor checkpoint needs a survivor (2 ranks)"
-        why = save_alone_skipped(cfg)
+        why = survivor_checkpoint_skipped(cfg)
         if why:
             return f"no survivor checkpoint to slow: {why}"
     if fault == "crash_one_rank":
@@ -357,7 +357,7 @@ def issue33_applicable(cfg: dict, fault: str, moment: str) -> str | None:
     return None
 
 
-def save_alone_skipped(cfg: dict) -> str | None:
+def survivor_checkpoint_skipped(cfg: dict) -> str | None:
     """Why a survivor would not write the survivor checkpoint (the trainer's _save_survivor_checkpoint), or None."""
     return ("checkpoint.save_on_peer_loss=false" if not cfg.get("save_on_peer_loss", True) else
             "a stream's state is every rank's" if cfg["data"] == "stream" else

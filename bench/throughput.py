@@ -2,7 +2,7 @@
 """Training throughput of DDPTrainer against a bare PyTorch loop, on CPU, in one run.
 
 With CUDA, both run on the GPU of their local rank (NCCL between ranks), the bare loop with the
-framework's autocast and GradScaler (framework.train.optim.precision), and every step's stamp is taken
+framework's autocast and GradScaler (framework.train.optim.Precision), and every step's stamp is taken
 after torch.cuda.synchronize(). One GPU cannot hold 2 NCCL ranks: there, run 1-process variants
 only (--variants ab, --compile --max-procs 1), as bench/gpu_check.py does.
 
@@ -154,7 +154,7 @@ def run_bare(cfg, clock: Clock, seed_offset: int = 0) -> dict:
     from framework.data.datasets import build_datasets
     from framework.ddp.process_group import select_device
     from framework.model.gpt import GPT, GPTConfig, lm_loss
-    from framework.train.optim import build_optimizer, lr_at, precision
+    from framework.train.optim import Precision, build_optimizer, lr_at
     world = int(os.environ.get("WORLD_SIZE", 1))
     cuda = torch.cuda.is_available()
     device = select_device(int(os.environ.get("LOCAL_RANK", 0)), cuda, torch.cuda.device_count() if cuda else 0)
@@ -172,7 +172,8 @@ def run_bare(cfg, clock: Clock, seed_offset: int = 0) -> dict:
     model = torch.nn.parallel.DistributedDataParallel(raw, device_ids=ids) if world > 1 else raw
     opt = build_optimizer(raw, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay,
                           betas=(cfg.optim.beta1, cfg.optim.beta2), impl=cfg.optim.impl)  # the framework's kernels
-    amp, amp_dtype, scaler = precision(cfg, device)  # the framework's autocast and GradScaler
+    mixed = Precision(cfg.precision, device=device)  # the framework's autocast and GradScaler
+    amp, amp_dtype, scaler = mixed.autocast, mixed.dtype, mixed.scaler
     gen = torch.Generator().manual_seed(cfg.train.seed + 1 + rank + 100 * seed_offset)
     offsets = torch.arange(cfg.model.seq_len + 1)
     B, T = cfg.data.batch_size, cfg.model.seq_len

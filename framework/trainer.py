@@ -69,7 +69,7 @@ class DDPTrainer:
     the run. ``doctor=True`` only runs the DDP preflight (``report``, ``decision``). A non-retriable
     error, here or in ``train``, leaves a FATAL marker in checkpoint_dir.
 
-    Public attributes (everything else is private and may change):
+    Public attributes (the rest is private and may change):
 
     - ``model``: the model that trains: the DDP wrapper (compiled when ``compile`` says so) or, on
       one process, the model itself;
@@ -79,7 +79,14 @@ class DDPTrainer:
     - ``step``: the number of optimizer steps done (an int);
     - ``config``: the resolved TrainConfig (``cfg`` is a read-only alias);
     - ``env``: the process's place in the run (rank, world_size, device, distributed);
-    - ``report``, ``decision``: the DDP preflight's findings and the settings it chose.
+    - ``report``, ``decision``: the DDP preflight's findings and the settings it chose;
+    - the components, each built from its configuration section: ``stream`` (each step's
+      micro-batches), ``checkpointer`` (what is saved, when, and the resume), ``train_step``,
+      ``evaluator``, ``precision`` (autocast, dtype, GradScaler), ``schedule``, ``skips``,
+      ``comm_hook``, ``activation_checkpointing``, and what surrounds a step: ``watchdog``,
+      ``stragglers``, ``spike_guard``, ``consistency``, ``step_start_buffers``, ``faults``;
+    - ``events``: the run's event bus (framework/train/events.py); ``events.attach(listener)``
+      adds a ``Listener`` after the others.
 
     Methods: ``train()``, ``evaluate()``, ``save_checkpoint()``, ``request_stop()``, ``close()``, and one step by hand
     with ``forward_backward()`` and ``optimizer_step()``."""
@@ -279,19 +286,21 @@ class DDPTrainer:
     def _build_run_health(self) -> None:
         """What surrounds a step, on the event bus in this order (framework/train/events.py): the
         step-start buffers, the watchdog (armed at a step's start, disarmed first at its end), the
-        straggler timing and check, the spike guard, the start-up clock; then (in ``train``) the
-        sample and step logs; then fault injection, the user's callbacks and the consistency check,
-        which so sees a fault or a callback of the same step."""
+        straggler timing and check, the spike guard; then (in ``train``) the sample and step logs;
+        then fault injection, the user's callbacks, the start-up clock and the consistency check,
+        which so sees a fault or a callback of the same step (and skips a step about to be rolled
+        back, as the loop did before it listened)."""
         cfg, env = self.config, self.env
         self.watchdog = Watchdog(cfg.recovery, log_file=log_file_stream(self.log_path), rank=env.rank,
                                  world_size=env.world_size, store=process_group.STORE)
         self.stragglers = StragglerMonitor(cfg.straggler, env=env, phase=self.watchdog.phase)
         self.step_start_buffers = StepStartBuffers(self.raw_model)
         self.consistency = ConsistencyCheck(cfg.recovery, model=self.raw_model, device=env.device,
-                                            distributed=env.distributed, phase=self.watchdog.phase)
+                                            distributed=env.distributed, phase=self.watchdog.phase,
+                                            skip=lambda: self.spike_guard.pending is not None)
         self.faults = FaultPlan(cfg.recovery.fault_inject, env.rank, process_group.group_restarts())
-        for listener in (self.step_start_buffers, self.watchdog, self.stragglers, self.spike_guard, self._startup,
-                         self.faults, self.callbacks, self.consistency):
+        for listener in (self.step_start_buffers, self.watchdog, self.stragglers, self.spike_guard, self.faults,
+                         self.callbacks, self._startup, self.consistency):
             self.events.attach(listener)
         self.train_step = TrainStep(cfg, model=self.model, raw_model=self.raw_model, optimizer=self.optimizer,
                                     precision=self.precision, schedule=self.schedule, loss_fn=self.loss_fn, env=env,

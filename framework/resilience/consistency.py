@@ -63,16 +63,20 @@ class ConsistencyCheck(Listener):
     bit-identical parameters; a difference is fatal and names the first parameter. On the event
     bus: at a step's end, in ``phase("consistency check")`` (the watchdog's)."""
 
-    def __init__(self, section, *, model: torch.nn.Module, device: torch.device, distributed: bool, phase=None):
-        """``section``: the configuration's recovery section (``consistency_check_interval``)."""
+    def __init__(self, section, *, model: torch.nn.Module, device: torch.device, distributed: bool, phase=None,
+                 skip=lambda: False):
+        """``section``: the configuration's recovery section (``consistency_check_interval``);
+        ``skip()``: True for a step about to be undone (a loss-spike rollback restores every rank's
+        weights from one checkpoint), which is not checked."""
         self.phase = phase or (lambda name: contextlib.nullcontext())
+        self.skip = skip
         self.model = model
         interval = section.consistency_check_interval
         self.interval = interval if distributed else 0
         self.device = device
 
     def step_end(self, result, model) -> None:
-        if self.should_run(result.step):
+        if self.should_run(result.step) and not self.skip():
             with self.phase("consistency check"):
                 self.maybe_check(result.step)
 

@@ -2,11 +2,11 @@
 
 The training code announces each moment once, through ``EventBus``; it never calls what listens.
 What surrounds a step listens: the step-start buffer snapshot, the watchdog, the straggler timing,
-the spike guard, the step and sample logs, the consistency check (framework/trainer.py attaches
-them, in that order), then fault injection (``framework.resilience.faults.FaultPlan``), which acts on
-the process, the batch, the gradients or the weights, and the user's callbacks
-(``framework.train.callbacks.UserCallbacks``), which are told what happened. Listeners are called
-in the order they were attached.
+the spike guard, the sample and step logs; then fault injection
+(``framework.resilience.faults.FaultPlan``), which acts on the process, the batch, the gradients or
+the weights; the user's callbacks (``framework.train.callbacks.UserCallbacks``), which are told what
+happened; the start-up clock and the consistency check (framework/trainer.py attaches them, in
+that order). Listeners are called in the order they were attached.
 
 The moments, in the order a step meets them:
 

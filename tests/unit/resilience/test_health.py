@@ -221,3 +221,24 @@ def test_every_rank_stuck_report(log_file, caplog):
             caplog.records[1].getMessage()
     finally:
         w.close()
+
+
+def test_the_consistency_check_listens_at_step_end_and_skips_a_step_about_to_be_rolled_back():
+    from framework.train.agreement import Agreement
+    from framework.train.events import StepResult
+    pending = []
+    check = ConsistencyCheck(RecoverySection(consistency_check_interval=2), model=small_model(),
+                             device=torch.device("cpu"), distributed=True, skip=lambda: bool(pending))
+    checked = []
+    check.maybe_check = checked.append
+
+    def end(step):
+        check.step_end(StepResult(step, 0, Agreement(1.0, False, False, False, False), 0.1, torch.tensor(1.0), 8, []),
+                       None)
+    end(1)
+    end(2)
+    pending.append("spike at step 4")  # the spike guard holds a spike: the loop rolls step 4 back
+    end(4)
+    pending.clear()
+    end(6)
+    assert checked == [2, 6]

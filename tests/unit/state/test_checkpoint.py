@@ -598,7 +598,7 @@ def test_lock_goes_with_the_manager_and_a_save_after_close_takes_it_again(tmp_pa
     assert store.latest_valid()[1]["step"] == 2
 
 
-def test_a_save_alone_continues_the_lineage_takes_the_lock_and_prunes_nothing(tmp_path):
+def test_a_survivor_checkpoint_continues_the_lineage_takes_the_lock_and_prunes_nothing(tmp_path):
     """A survivor of a peer's loss writes alone (Checkpointer.save_survivor): from rank 0, after its
     pending write; from another rank only once rank 0 (and its lock) is gone; once per step."""
     rank0 = CheckpointStore(tmp_path, keep_last=1)
@@ -625,7 +625,7 @@ def test_a_save_alone_continues_the_lineage_takes_the_lock_and_prunes_nothing(tm
     restarted.close()
 
 
-def test_a_save_alone_writes_a_lineages_origin_and_never_without_a_real_lock(tmp_path, monkeypatch):
+def test_a_survivor_checkpoint_writes_a_lineages_origin_and_never_without_a_real_lock(tmp_path, monkeypatch):
     """The first entry of a lineage that began from a file elsewhere (resume=PATH) names it, so a
     resume can go back there; another rank writes only while it really holds the lock (two
     survivors on a file system without flock would write side by side)."""

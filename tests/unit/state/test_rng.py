@@ -118,7 +118,7 @@ def test_what_is_drawn_between_steps_does_not_shift_the_next_steps_dropout(tmp_p
     assert shas[0] == shas[1]
 
 
-def test_buffer_watch_gives_the_buffers_as_at_the_step_start():
+def test_step_start_buffers_gives_the_buffers_as_at_the_step_start():
     """A forward changes BatchNorm's running statistics (without bumping the tensors' versions)
     before any collective can fail: the survivor checkpoint writes them as they were at the step's start;
     off rank 0 only buffers that no step changes (DDP's buffers are rank 0's)."""
@@ -170,7 +170,7 @@ class OutOfPlace(torch.nn.Module):
         self.history = state["history"].tolist()
 
 
-def test_buffer_watch_reads_buffers_and_extra_state_by_name_at_each_step_start():
+def test_step_start_buffers_reads_buffers_and_extra_state_by_name_at_each_step_start():
     """Issue 33, bug 2: the watch kept the tensors it saw at construction, so a buffer updated out
     of place or a new extra state was saved with its construction-time value, and off rank 0 the
     frozen copies always compared equal."""
