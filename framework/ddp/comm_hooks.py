@@ -25,6 +25,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
 
+from ..config.schema import DDPSection
+
 log = logging.getLogger(__name__)
 
 
@@ -85,6 +87,8 @@ class CommHook:
     (seeded by ``seed``, the run's ``train.seed``): a Stateful
     whose ``state_dict`` gathers every rank's state (a collective) and whose ``load_state_dict``
     keeps this rank's until ``register`` creates the hook, before the first step."""
+
+    Config = DDPSection  # the configuration's ``ddp`` section, its first argument
 
     def __init__(self, ddp, *, env, seed: int):
         self.name, self.ddp, self.env, self.seed = ddp.comm_hook, ddp, env, seed

@@ -4,13 +4,13 @@ bitwise equal under DDP."""
 from __future__ import annotations
 
 import contextlib
-
 import hashlib
 import logging
 
 import torch
 import torch.distributed as dist
 
+from ..config.schema import RecoverySection
 from ..ddp.policy import unwrap
 from ..train.events import Listener
 from .markers import FatalError
@@ -62,6 +62,8 @@ class ConsistencyCheck(Listener):
     """Every ``interval`` steps (0: never), one all-reduce checks that every rank holds
     bit-identical parameters; a difference is fatal and names the first parameter. On the event
     bus: at a step's end, in ``phase("consistency check")`` (the watchdog's)."""
+
+    Config = RecoverySection  # the configuration's ``recovery`` section, its first argument
 
     def __init__(self, section, *, model: torch.nn.Module, device: torch.device, distributed: bool, phase=None,
                  skip=lambda: False):

@@ -16,6 +16,7 @@ import logging
 import math
 from dataclasses import dataclass
 
+from ..config.schema import SpikeSection
 from ..train.events import Listener
 from . import exclusions
 from .markers import FatalError
@@ -50,6 +51,8 @@ class SpikeGuard(Listener):
     """Observes each step's agreed loss; ``observe`` returns the Spike to roll back, if any. On the
     event bus: each step's end observes its loss, and ``pending`` holds the spike to roll back
     until the trainer takes it."""
+
+    Config = SpikeSection  # the configuration's ``spike`` section, its first argument
 
     pending: Spike | None = None
 

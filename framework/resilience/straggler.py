@@ -18,7 +18,6 @@ each check are timed there. With one process there is no collective and every sc
 from __future__ import annotations
 
 import contextlib
-
 import logging
 import socket
 import statistics
@@ -28,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from ..config.schema import StragglerSection
 from ..observability.logs import DETAIL
 from ..train.events import Listener
 from .markers import FatalError
@@ -123,6 +123,8 @@ class StragglerMonitor(Listener):
     event bus: the step's timing begins at its start, the data section ends when the data is
     ready, the step's timing ends at its end, where the periodic check runs in ``phase("straggler
     check")`` (the watchdog's, which the bus has disarmed before: it comes first)."""
+
+    Config = StragglerSection  # the configuration's ``straggler`` section, its first argument
 
     def __init__(self, cfg, *, env, phase=None):
         self.phase = phase or (lambda name: contextlib.nullcontext())

@@ -12,6 +12,7 @@ import threading
 import time
 from collections import deque
 
+from ..config.schema import RecoverySection
 from ..train.events import Listener
 
 log = logging.getLogger(__name__)
@@ -36,6 +37,8 @@ class Watchdog(Listener):
 
     On the event bus: armed at a step's start, disarmed at its end (or when the data ran out).
     ``section``: the ``recovery`` section (``step_timeout_s``, ``step_timeout_factor``)."""
+
+    Config = RecoverySection  # the configuration's ``recovery`` section, its first argument
 
     def __init__(self, section, *, log_file, rank: int, world_size: int, store=None):
         step_timeout_s = section.step_timeout_s

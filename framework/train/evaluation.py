@@ -9,6 +9,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from ..config.schema import EvalSection
 from ..data.batches import batch_loss, fetch, num_samples, to_device
 from ..data.sampler import eval_indices
 from .agreement import agree
@@ -66,6 +67,8 @@ def _agreed(stop: Callable[[], bool], *, device: torch.device, world_size: int, 
 
 class Evaluator:
     """The validation loss every ``eval_interval`` steps (0: only at the end), on every rank."""
+
+    Config = EvalSection  # the configuration's ``eval`` section, its first argument
 
     def __init__(self, section, *, model: torch.nn.Module, dataset, loss_fn, batch_size: int, env, autocast, sampler,
                  events: EventBus | None = None):

@@ -6,6 +6,8 @@ import math
 
 import torch
 
+from ..config.schema import PrecisionSection
+
 
 def lr_at(step: int, *, lr: float, warmup_steps: int, total_steps: int, min_lr: float) -> float:
     """Linear warmup from 0 to ``lr`` over ``warmup_steps``, then cosine decay to ``min_lr`` at
@@ -72,6 +74,8 @@ class Precision:
     """The run's mixed precision, from the ``precision`` section: ``autocast`` (on or off),
     ``dtype`` (bf16 or fp16) and ``scaler`` (a GradScaler, enabled for fp16 only);
     ``context()`` is the autocast context a forward runs in."""
+
+    Config = PrecisionSection  # the configuration's ``precision`` section, its first argument
 
     def __init__(self, section, *, device: torch.device):
         self.device_type = device.type

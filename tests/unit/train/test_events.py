@@ -62,3 +62,19 @@ def test_attach_before_puts_a_listener_ahead_of_another():
     bus.detach(third)
     bus.detach(third)  # detaching twice is harmless
     assert bus.listeners == [first, second]
+
+
+def test_each_component_names_its_configuration_section_and_is_built_from_it(tmp_path):
+    cfg = tiny(tmp_path, {"recovery.step_timeout_s": 77.0, "straggler.interval": 7, "spike.threshold": 4.5,
+                          "recovery.consistency_check_interval": 9, "eval.interval": 11})
+    trainer = DDPTrainer(cfg)
+    try:
+        owners = {"watchdog": "recovery", "stragglers": "straggler", "spike_guard": "spike", "consistency": "recovery",
+                  "evaluator": "eval", "precision": "precision", "comm_hook": "ddp"}
+        for attribute, section in owners.items():
+            assert type(getattr(trainer, attribute)).Config is type(getattr(trainer.config, section)), attribute
+        assert trainer.watchdog.minimum == 77.0 and trainer.stragglers.interval == 7
+        assert trainer.spike_guard.threshold == 4.5 and trainer.evaluator.interval == 11
+        assert trainer.consistency.interval == 0  # one process: nothing to compare
+    finally:
+        trainer.close()
