@@ -74,12 +74,12 @@ from fault_campaign import (  # noqa: E402  (its launch helpers, shared with the
 # --- the trial's run: the tiny model, 6 steps an epoch ------------------------------------------
 STEPS_PER_EPOCH, MAX_STEPS, NUM_EPOCHS, EVAL_EVERY = 6, 10, 2, 4
 BATCH = 4
-BASE = dict(vocab_size=32, hidden_size=32, num_layers=2, num_heads=2, seq_len=16, batch_size=BATCH, dropout=0.1,
-            eval_interval=EVAL_EVERY, eval_steps=1, log_interval=1, deterministic=True, record_samples=True,
-            tensorboard=False, target_loss=0.0, learning_rate=2e-3, warmup_steps=2, seed=5,
-            spike_warmup=3, spike_window=3, spike_threshold=4.0, straggler_interval=0,
-            consistency_check_interval=0)
-HANG_TIMEOUTS = dict(step_timeout_s=3, step_timeout_factor=2)
+BASE = {"vocab_size": 32, "hidden_size": 32, "num_layers": 2, "num_heads": 2, "seq_len": 16, "batch_size": BATCH,
+        "dropout": 0.1, "eval.interval": EVAL_EVERY, "eval.steps": 1, "log_interval": 1, "train.deterministic": True,
+        "logging.record_samples": True, "logging.tensorboard": False, "target_loss": 0.0, "learning_rate": 2e-3,
+        "optim.warmup_steps": 2, "train.seed": 5, "spike.warmup": 3, "spike.window": 3, "spike.threshold": 4.0,
+        "straggler.interval": 0, "recovery.consistency_check_interval": 0}
+HANG_TIMEOUTS = {"recovery.step_timeout_s": 3, "recovery.step_timeout_factor": 2}
 # sigstop_worker: the collective timeout too (600 s by default), which alone ends a start-up whose
 # peer is stopped (the hang watchdog is armed from the first step on).
 STOPPED_PEER_TIMEOUT_S = 20
@@ -428,12 +428,12 @@ def config_args(trial: dict, lay: Layout, *, resume: str | None = None, foreign_
                     save_steps=cfg["save_every_steps"], save_total_limit=cfg["keep_last"],
                     checkpointing=cfg["act_ckpt"], resume="auto" if (resume or cfg["resume"]) == "auto" else "none",
                     eval_steps=EVAL_EVERY, save_model=str(lay.export or lay.ck / "export"))
-    args = dict(BASE, dataset_size=BATCH * STEPS_PER_EPOCH * w * accum, gradient_accumulation_steps=accum,
-                num_workers=2 * w if cfg["data"] == "map2" else 0, spike_guard=cfg["spike_guard"],
-                gradient_checkpointing=cfg["act_ckpt"], tiled_mlp_chunks=cfg["tiled_mlp"],
-                ddp_comm_hook=cfg["comm_hook"], save_every_steps=cfg["save_every_steps"],
-                save_interval=cfg["save_interval"], keep_last=cfg["keep_last"],
-                checkpoint_dir=str(lay.ck), log_dir=str(lay.logs))
+    args = {**BASE, "dataset_size": BATCH * STEPS_PER_EPOCH * w * accum, "data.gradient_accumulation_steps": accum,
+            "num_workers": 2 * w if cfg["data"] == "map2" else 0, "spike.guard": cfg["spike_guard"],
+            "memory.activation_checkpointing": cfg["act_ckpt"], "memory.tiled_mlp_chunks": cfg["tiled_mlp"],
+            "ddp.comm_hook": cfg["comm_hook"], "checkpoint.every_steps": cfg["save_every_steps"],
+            "save_interval": cfg["save_interval"], "checkpoint.keep_last": cfg["keep_last"],
+            "checkpoint.dir": str(lay.ck), "logging.dir": str(lay.logs)}
     args["checkpoint.save_on_peer_loss"] = cfg.get("save_on_peer_loss", True)  # absent from older results
     args["train.loss_average"] = cfg.get("loss_average", "micro_batch")
     args["checkpoint.every_minutes"] = cfg.get("save_every_minutes", 0)
@@ -442,26 +442,26 @@ def config_args(trial: dict, lay: Layout, *, resume: str | None = None, foreign_
         # at another size with no checkpoint to take it from (a fresh start) keeps it too.
         args.update({"dropout": 0.0, "data.global_batch_size": BATCH * w * accum})
     if cfg["comm_hook"] == "powersgd":
-        args["powersgd_start_iter"] = 2
+        args["ddp.powersgd_start_iter"] = 2
     if lay.export is not None:
-        args["export_dir"] = str(lay.export)
+        args["checkpoint.export_dir"] = str(lay.export)
     if cfg["stop"] == "max_steps" or cfg["data"] == "stream":
-        args.update(max_steps=MAX_STEPS, num_epochs=NUM_EPOCHS)
+        args.update({"train.max_steps": MAX_STEPS, "num_epochs": NUM_EPOCHS})
     else:
-        args.update(max_steps=0, num_epochs=NUM_EPOCHS)
+        args.update({"train.max_steps": 0, "num_epochs": NUM_EPOCHS})
     mode = resume or cfg["resume"]
-    args["resume"] = str(foreign_path) if mode == "path" else mode
+    args["checkpoint.resume"] = str(foreign_path) if mode == "path" else mode
     spec = injected(trial)
     if spec:
-        args["fault_inject"] = spec
+        args["recovery.fault_inject"] = spec
     if fault in ("hang", "sigstop_worker"):
         args.update(HANG_TIMEOUTS)
     if fault == "sigstop_worker":  # a peer stopped before the first step is ended by the collective timeout
-        args["timeout_s"] = STOPPED_PEER_TIMEOUT_S
+        args["ddp.timeout_s"] = STOPPED_PEER_TIMEOUT_S
     if fault == "second_launch":  # slow steps (a sleep, the same model), so that the two launches overlap
-        args["fault_inject"] = "slow@step=0,ms=600,restart=*"
+        args["recovery.fault_inject"] = "slow@step=0,ms=600,restart=*"
     if rejoins(trial):
-        args["fault_inject"] = "; ".join(filter(None, [args.get("fault_inject"), REJOIN_SLOW]))
+        args["recovery.fault_inject"] = "; ".join(filter(None, [args.get("recovery.fault_inject"), REJOIN_SLOW]))
     if fault == "crash_one_rank":
         args["recovery.max_no_progress_restarts"] = 1
     if fault == "user_error":
@@ -769,10 +769,10 @@ def foreign_template(cfg: dict, workdir: Path) -> Path:
             return _foreign_cache[key]
         out = workdir / f"foreign-{w}-{accum}-{int(stream)}"
         shutil.rmtree(out, ignore_errors=True)
-        args = dict(BASE, learning_rate=FOREIGN_LR, dataset_size=BATCH * STEPS_PER_EPOCH * w * accum,
-                    gradient_accumulation_steps=accum, num_workers=0, max_steps=FOREIGN_STEPS, save_every_steps=2,
-                    keep_last=3, export_dir="none", checkpoint_dir=str(out / "ck"), log_dir=str(out / "logs"),
-                    resume="none")
+        args = {**BASE, "learning_rate": FOREIGN_LR, "dataset_size": BATCH * STEPS_PER_EPOCH * w * accum,
+                "data.gradient_accumulation_steps": accum, "num_workers": 0, "train.max_steps": FOREIGN_STEPS,
+                "checkpoint.every_steps": 2, "checkpoint.keep_last": 3, "checkpoint.export_dir": "none",
+                "checkpoint.dir": str(out / "ck"), "logging.dir": str(out / "logs"), "checkpoint.resume": "none"}
         out.mkdir(parents=True)
         launch = run_forked({"config": cfg, "fault": "none", "moment": "startup"}, args, out)
         if launch["codes"] != [0] * w:
@@ -838,7 +838,7 @@ def run_trial(trial: dict, workdir: Path, *, reference: bool = False) -> dict:
             relaunch_mode = "auto" if newest_own_step_file(lay, set(foreign_files)) else None
             args = config_args(trial, lay, resume=relaunch_mode if attempt else None, foreign_path=foreign_path)
             if attempt:
-                args.pop("fault_inject", None)  # fault_inject fires in the first start (restart 0) only, anyway
+                args.pop("recovery.fault_inject", None)  # a fault fires in the first start (restart 0) only, anyway
                 if relaunch_world(cfg) != world(cfg):
                     res["world_changed"] = f"{world(cfg)} -> {relaunch_world(cfg)} ranks"
             job = Job(trial, args, work, f"launch{attempt}", world_size=relaunch_world(cfg) if attempt else None)
@@ -1275,7 +1275,7 @@ def nothing_lost(c: Context) -> str | None:
                 problems.append(f"due checkpoints never written: steps {skipped}")
     if res.get("froze_survivor") and not res.get("saved_alone"):
         problems.append("the survivor held checkpoint_dir's lock for its survivor checkpoint, was slowed, and never "
-                        "wrote it")
+                        "wrote its checkpoint")
     return joined(problems)
 
 
