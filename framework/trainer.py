@@ -30,6 +30,7 @@ from .observability.metrics import SampleLog, StartupClock, StepLog, log_run_sta
 from .resilience import markers
 from .resilience.consistency import ConsistencyCheck, model_sha256
 from .resilience.markers import FatalError
+from .resilience.peers import PeerMonitor
 from .resilience.memory import GcPolicy
 from .resilience.preemption import PreemptionHandler
 from .resilience.spike_guard import SpikeGuard
@@ -299,8 +300,9 @@ class DDPTrainer:
                                             distributed=env.distributed, phase=self.watchdog.phase,
                                             skip=lambda: self.spike_guard.pending is not None)
         self.faults = FaultPlan(cfg.recovery.fault_inject, env.rank, process_group.group_restarts())
+        self.peers = PeerMonitor(cfg.recovery, env=env, store=process_group.STORE, checkpoint_dir=cfg.checkpoint.dir)
         for listener in (self.step_start_buffers, self.watchdog, self.stragglers, self.spike_guard, self.faults,
-                         self.callbacks, self._startup, self.consistency):
+                         self.callbacks, self._startup, self.consistency, self.peers):
             self.events.attach(listener)
         self.train_step = TrainStep(cfg, model=self.model, raw_model=self.raw_model, optimizer=self.optimizer,
                                     precision=self.precision, schedule=self.schedule, loss_fn=self.loss_fn, env=env,
@@ -659,6 +661,8 @@ class DDPTrainer:
             self.stream.shutdown()
         if getattr(self, "watchdog", None) is not None:
             self.watchdog.close()
+        if getattr(self, "peers", None) is not None:
+            self.peers.close()
         if self._owns_process_group:
             self._drop_ddp_wrapper()
             process_group.teardown()

@@ -5,7 +5,7 @@ A fault fires once, at the given step, on the given rank (all ranks if none), an
 first start of the group (restart 0) unless it says ``restart=N``, or ``restart=*``
 (in every restart: a failure that a restart cannot fix). ``slow@step=K,rank=R,ms=M`` is the
 exception: it delays every forward from step K on by M ms (a straggler). The process faults
-(sigterm, sigkill, crash, hang) fire at the start of step K, or with ``at=eval`` at the start of
+(sigterm, sigkill, sigstop, crash, hang) fire at the start of step K, or with ``at=eval`` at the start of
 the evaluation after K steps, or with ``at=save`` once the checkpoint of step K is handed to its
 background writer (the final save: before it is written), the final evaluation and save included,
 or with ``at=export`` before the final weights of a run that ended at step K are exported.
@@ -26,9 +26,9 @@ from ..train.events import Listener
 
 log = logging.getLogger(__name__)
 
-KINDS = ("nan", "oom", "kill_worker", "hang", "sigterm", "sigkill", "ulp", "bad_data", "crash", "slow")
+KINDS = ("nan", "oom", "kill_worker", "hang", "sigterm", "sigkill", "sigstop", "ulp", "bad_data", "crash", "slow")
 ANY_RESTART = -1
-PROCESS_KINDS = ("sigterm", "sigkill", "crash", "hang")
+PROCESS_KINDS = ("sigterm", "sigkill", "sigstop", "crash", "hang")
 MOMENTS = ("step", "eval", "save", "export")
 
 
@@ -63,10 +63,10 @@ def parse(spec: str) -> list[Fault]:
                 if at not in MOMENTS or (at != "step" and kind not in PROCESS_KINDS):
                     raise ValueError(f"fault {part!r}: at={at!r}: allowed: at=step, or at=eval|save|export for "
                                      f"{', '.join(PROCESS_KINDS)}")
-                if at == "export" and kind == "hang":
+                if at == "export" and kind in ("hang", "sigstop"):
                     # The export runs after the last collective, with the watchdog closed: rank 0
                     # writes files, and nothing waits on it that a deadline could end.
-                    raise ValueError(f"fault {part!r}: hang at=export: allowed: sigterm, sigkill or crash at=export "
+                    raise ValueError(f"fault {part!r}: {kind} at=export: allowed: sigterm, sigkill or crash at=export "
                                      "(the export runs after the watchdog is closed)")
                 continue
             if key not in ("step", "rank", "restart", "micro", "ms") or not eq or not value.strip().isdigit():
@@ -135,6 +135,10 @@ class FaultPlan(Listener):
             for handler in logging.getLogger().handlers:
                 handler.flush()
             os.kill(os.getpid(), signal.SIGKILL)
+        if self.due("sigstop", step, at=at):  # frozen: a peer hears nothing, not even a closed connection
+            for handler in logging.getLogger().handlers:
+                handler.flush()
+            os.kill(os.getpid(), signal.SIGSTOP)
         if self.due("crash", step, at=at):
             raise RuntimeError(f"fault injection: crash at step {step}" + ("" if at == "step" else f" ({at})"))
         if self.due("hang", step, at=at):

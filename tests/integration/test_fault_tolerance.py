@@ -1,6 +1,7 @@
 """Fault tolerance end to end on 2 gloo ranks, with real signals: kill -9 and elastic restart,
 SIGTERM to a worker and to launch_training.sh, damaged checkpoints, FATAL markers, 2 nodes."""
 
+import datetime
 import json
 import os
 import signal
@@ -92,6 +93,29 @@ def test_kill_9_then_elastic_restart_resumes_bit_exact(reference, tmp_path, kill
     rows = read_metrics(tmp_path / "logs" / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(1, 49))
     assert rows[-1]["train/loss"] == result["final_train_loss"] and result["restarts"] == 2
+    assert not run.leftovers
+
+
+def test_a_frozen_rank_is_named_in_seconds_and_the_restart_trains_on_bit_exact(reference, tmp_path):
+    """Rank 1 stops itself (SIGSTOP) at the start of step 13: nothing closes a connection, and its
+    peer would wait in the all-reduce for ddp.timeout_s (600 s). Rank 0's peer monitor names it
+    after recovery.peer_timeout_s and exits 75; torchrun ends the stopped rank and restarts the
+    group, which resumes from step 8 and ends as the uninterrupted run."""
+    run = train(tmp_path, {"recovery.fault_inject": "sigstop@step=12,rank=1", "recovery.peer_timeout_s": 3},
+                torchrun_extra=["--max-restarts", "1"], timeout=240)
+    assert run.returncode == 0, run.output[-4000:]
+    log0, log1 = rank_log(tmp_path), rank_log(tmp_path, 1)
+    assert "fault injection: sigstop at step 12 on rank 1" in log1
+    [silent] = [line for line in log0.splitlines() if "rank 1 went silent: no heartbeat for" in line]
+    stopped = next(line for line in log1.splitlines() if "fault injection: sigstop at step 12" in line)
+    waited = (datetime.datetime.fromisoformat(silent[:19]) - datetime.datetime.fromisoformat(stopped[:19]))
+    assert waited.total_seconds() <= 3 + 10  # the timeout, a beat and a loaded machine's slack; not 600 s
+    assert "ending this restart with exit 75" in silent
+    assert "resumed from step 8" in log0
+    result = summary(tmp_path)
+    assert result["steps"] == 48 and result["restarts"] == 1
+    assert result["model_sha256"] == reference
+    assert_each_sample_once_per_epoch(tmp_path)
     assert not run.leftovers
 
 

@@ -1,0 +1,147 @@
+"""A silent peer named in seconds: every rank beats in the run's store from a thread of its own,
+and a rank whose watched peer stops beating (a frozen process or host, a cut link: nothing tells
+the collectives, which wait for ``ddp.timeout_s``) names it and ends the restart with
+EXIT_PEER_LOST, so that torchrun restarts the group, or the launcher ends the run, at once."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import threading
+import time
+from typing import Callable
+
+import torch.distributed as dist
+
+from ..config.schema import RecoverySection
+from ..ddp import process_group
+from ..train.events import Listener
+from . import markers
+
+log = logging.getLogger(__name__)
+
+BEAT_S = 1.0
+"""How often a rank beats and looks at its peer's beat (more often under a short peer_timeout_s)."""
+
+
+class PeerLostSilently(RuntimeError):
+    """A peer stopped beating for ``recovery.peer_timeout_s``, or the run's store stopped answering."""
+
+
+def heartbeat_store(store: dist.Store | None, timeout_s: float) -> dist.Store | None:
+    """A client of its own to the TCPStore under ``store`` (the run's, or the default group's),
+    whose calls give up after ``timeout_s`` (the process group's client waits ``ddp.timeout_s``),
+    with keys of this run and this restart of the group only. None without a TCPStore."""
+    if store is None and dist.is_initialized():
+        store = dist.distributed_c10d._get_default_store()
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    if not isinstance(store, dist.TCPStore):
+        return None
+    client = dist.TCPStore(store.host, store.port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+    run = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    return dist.PrefixStore(f"ddp_framework/peers/{run}/{process_group.STORE_GENERATION or 0}/", client)
+
+
+class PeerMonitor(Listener):
+    """Rank r beats (a counter in the store) every BEAT_S from a daemon thread, whatever its main
+    thread does, and watches rank r+1's beat: each rank reads one key, so the store's load grows
+    with the world size, not its square. A watched peer whose counter has not moved for
+    ``recovery.peer_timeout_s`` by this rank's clock (no clocks are compared) is announced in the
+    store, so that every rank learns it within a beat; each rank then logs which peer went silent,
+    records the error for the restart and calls ``on_lost`` (``os._exit(EXIT_PEER_LOST)``: the main
+    thread may be inside a collective that would wait for ``ddp.timeout_s``). A store that stops
+    answering for as long means this rank is cut off: the same. A peer that finished training says
+    so first and is not watched any more.
+
+    On the event bus: beats from the start of training to its end. Only with a store (under
+    torchrun, or a default group on a TCPStore) and more than one rank; ``peer_timeout_s=0`` is off."""
+
+    Config = RecoverySection
+
+    def __init__(self, section, *, env, store: dist.Store | None, checkpoint_dir: str,
+                 on_lost: Callable[[str], None] | None = None):
+        self.timeout_s = section.peer_timeout_s
+        self.rank, self.world_size = env.rank, env.world_size
+        self.enabled = bool(self.timeout_s) and env.distributed and self.world_size > 1
+        self.store = heartbeat_store(store, self.timeout_s) if self.enabled else None
+        self.enabled = self.store is not None
+        self.checkpoint_dir = checkpoint_dir
+        self.on_lost = on_lost or self._exit
+        self.watched = (self.rank + 1) % self.world_size
+        self.lost: str | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # --- on the event bus ---------------------------------------------------------------------
+    def train_start(self) -> None:
+        if self.enabled and self._thread is None:
+            self.store.set(f"alive/{self.rank}", "0")
+            self.store.delete_key(f"done/{self.rank}")  # an earlier trainer's of this process (framework.hf)
+            self._thread = threading.Thread(target=self._run, name="peer-monitor", daemon=True)
+            self._thread.start()
+
+    def train_end(self, summary: dict) -> None:
+        self.close(finished=True)
+
+    def close(self, *, finished: bool = False) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._thread = None
+            if finished:
+                try:
+                    self.store.set(f"done/{self.rank}", "1")
+                except Exception:  # noqa: BLE001  (the run is over for this rank)
+                    pass
+        self.store = None
+
+    # --- the thread ---------------------------------------------------------------------------
+    def _run(self) -> None:
+        beats, seen, changed_at = 0, None, time.monotonic()
+        store_ok_at = time.monotonic()
+        while not self._stop.wait(min(BEAT_S, self.timeout_s / 4)):
+            try:
+                beats += 1
+                self.store.set(f"alive/{self.rank}", str(beats))
+                if self.store.check(["lost"]):
+                    return self._lose(self.store.get("lost").decode())
+                if self.store.check([f"done/{self.watched}"]):
+                    changed_at = time.monotonic()  # it finished: nothing more to hear from it
+                    continue
+                value = self.store.get(f"alive/{self.watched}").decode() if self.store.check(
+                    [f"alive/{self.watched}"]) else None
+                store_ok_at = time.monotonic()
+            except Exception as err:  # noqa: BLE001  (a store that fails for long is a cut link)
+                if self._stop.is_set():
+                    return
+                if time.monotonic() - store_ok_at > self.timeout_s:
+                    return self._lose(f"rank {self.rank} lost the run's store for {self.timeout_s:g} s "
+                                      f"({type(err).__name__}: {err})", announce=False)
+                continue
+            if value != seen:
+                seen, changed_at = value, time.monotonic()
+            elif time.monotonic() - changed_at > self.timeout_s:
+                what = (f"rank {self.watched} went silent: no heartbeat for {time.monotonic() - changed_at:.1f} s "
+                        f"(recovery.peer_timeout_s={self.timeout_s:g}; frozen, or cut off)")
+                return self._lose(what, announce=True)
+
+    def _lose(self, what: str, *, announce: bool = False) -> None:
+        if self._stop.is_set():
+            return
+        self.lost = what
+        if announce:
+            try:
+                self.store.set("lost", what)
+            except Exception:  # noqa: BLE001  (the others learn it from their own watch, or the store)
+                pass
+        self.on_lost(what)
+
+    def _exit(self, what: str) -> None:
+        log.error("%s: ending this restart with exit %d so that torchrun restarts the group (or the launcher "
+                  "ends the run) now, not after ddp.timeout_s", what, process_group.EXIT_PEER_LOST)
+        markers.record_error(self.checkpoint_dir, self.rank, PeerLostSilently(what))
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        os._exit(process_group.EXIT_PEER_LOST)
