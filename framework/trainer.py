@@ -496,7 +496,8 @@ class DDPTrainer:
             yield
         except Exception as err:
             if markers.peer_lost(err):
-                self._save_survivor_checkpoint()
+                with self.peers.holding():
+                    self._save_survivor_checkpoint()
             raise
 
     def _save_survivor_checkpoint(self) -> None:

@@ -5,6 +5,7 @@ EXIT_PEER_LOST, so that torchrun restarts the group, or the launcher ends the ru
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
@@ -72,7 +73,18 @@ class PeerMonitor(Listener):
         self.watched = (self.rank + 1) % self.world_size
         self.lost: str | None = None
         self._stop = threading.Event()
+        self._held = threading.Event()
         self._thread: threading.Thread | None = None
+
+    @contextlib.contextmanager
+    def holding(self):
+        """While the main thread handles a peer's loss itself (the survivor checkpoint, then exit
+        75), a silence found meanwhile is only logged: exiting would cut that checkpoint short."""
+        self._held.set()
+        try:
+            yield
+        finally:
+            self._held.clear()
 
     # --- on the event bus ---------------------------------------------------------------------
     def train_start(self) -> None:
@@ -131,6 +143,9 @@ class PeerMonitor(Listener):
         if self._stop.is_set():
             return
         self.lost = what
+        if self._held.is_set():
+            log.warning("%s; this rank is already handling a peer's loss, and ends the restart when done", what)
+            return
         if announce:
             try:
                 self.store.set("lost", what)

@@ -168,7 +168,7 @@ def test_the_checker_judges_issue_33s_dimensions_and_faults():
 
 def test_issue_33s_dimensions_and_faults_are_drawn_and_a_rerun_fills_them_with_their_simplest_values():
     drawn = [explore.draw(random.Random(5000 + i)) for i in range(400)]
-    for dim in ("world_change", "nnodes", "loss_average", "trainer", "save_every_minutes"):
+    for dim in ("world_change", "nnodes", "loss_average", "trainer", "save_every_minutes", "peer_timeout"):
         assert {t["config"][dim] for t in drawn} == set(explore.DIMS[dim]), dim
     assert {"sigstop_worker", "crash_one_rank", "kill9_slow_save"} <= {t["fault"] for t in drawn}
     hf = [t for t in drawn if t["config"]["trainer"] == "hf"]
@@ -179,7 +179,7 @@ def test_issue_33s_dimensions_and_faults_are_drawn_and_a_rerun_fills_them_with_t
     assert "2x1" in {t["config"]["topology"] for t in hf}
     # a trial of before these dimensions: --rerun gives each its first value, what it ran with
     old = {k: v for k, v in SIMPLEST.items()
-           if k not in ("world_change", "nnodes", "loss_average", "trainer", "save_every_minutes")}
+           if k not in ("world_change", "nnodes", "loss_average", "trainer", "save_every_minutes", "peer_timeout")}
     filled = {**SIMPLEST, **old}
     assert explore.applicable({"config": filled, "fault": "kill9_worker", "moment": "mid_step"}) is None
     args = explore.config_args({"config": filled, "fault": "none", "moment": "startup"},
@@ -234,7 +234,7 @@ _SLICE_CONFIG = {"topology": "1", "max_restarts": 2, "resume": "path", "layout":
                  "loss_average": "micro_batch", "trainer": "builtin", "save_every_minutes": 0.002}
 # Issue 33's, on the simplest configuration otherwise: a worker killed mid-step on 2 ranks with the
 # survivor checkpoint off (steps redone) and the run relaunched on 1 rank, averaging over tokens; a worker
-# stopped (SIGSTOP) on 2 nodes, the other's watchdog ending the group. (A deterministic error on
+# stopped (SIGSTOP) on 2 nodes, the other's peer monitor (issue 31's) ending the group. (A deterministic error on
 # rank 1 under launch_training.sh, crash_one_rank, is tests/integration/test_launch.py's
 # test_a_launch_whose_last_restart_lost_no_node_does_not_exit_75: the same launch, 20 s less.)
 _ISSUE33 = {k: v[0] for k, v in explore.DIMS.items()}
@@ -245,7 +245,7 @@ SLICE = [
     {"config": {**_SLICE_CONFIG, "topology": "1x2"}, "fault": "kill9_worker", "moment": "mid_step"},
     {"config": {**_ISSUE33, "topology": "1x2", "world_change": "2to1", "loss_average": "tokens",
                 "save_on_peer_loss": False}, "fault": "kill9_worker", "moment": "mid_step"},
-    {"config": {**_ISSUE33, "topology": "2x1"}, "fault": "sigstop_worker", "moment": "eval"},
+    {"config": {**_ISSUE33, "topology": "2x1", "peer_timeout": 4}, "fault": "sigstop_worker", "moment": "eval"},
 ]
 
 
