@@ -124,8 +124,8 @@ DIMS = {
     # saves every few steps, at steps that rank 0's clock chooses.
     "save_every_minutes": [0, 0.002],
     # Issue 31's peer monitor: recovery.peer_timeout_s at its default (30 s: never within a trial
-    # but a false alarm), or 4 s, which ends a stopped peer's group before the collective timeout.
-    "peer_timeout": [30, 4],
+    # but a false alarm), or 8 s, which ends a stopped peer's group before the collective timeout (20 s).
+    "peer_timeout": [30, 8],
 }
 LAYOUTS = {
     "apart": "checkpoint_dir, log_dir and export_dir side by side",
@@ -171,7 +171,7 @@ FAULTS = {
     "full_disk": Fault("checkpoint_dir on a tmpfs that fits two checkpoints", ("ckpt_write",),
                        transient=False, exact=False),
     "sigstop_worker": Fault("SIGSTOP of the last rank's worker (never continued): the other ranks' peer monitor "
-                            "(peer_timeout 4), hang watchdog or collective timeout must end the group "
+                            "(peer_timeout 8), hang watchdog or collective timeout must end the group "
                             "(step_timeout_s=3, factor 2, timeout_s=20)",
                             ("startup", "mid_step", "epoch_boundary", "eval", "ckpt_write", "final_save")),
     "crash_one_rank": Fault("a deterministic error on rank 1 in every restart (crash@step=K,rank=1,restart=*) "

@@ -286,6 +286,7 @@ class DDPTrainer:
 
     def _build_run_health(self) -> None:
         """What surrounds a step, on the event bus in this order (framework/train/events.py): the
+        peer monitor (first, so that it beats before anything else runs at the start), the
         step-start buffers, the watchdog (armed at a step's start, disarmed first at its end), the
         straggler timing and check, the spike guard; then (in ``train``) the sample and step logs;
         then fault injection, the user's callbacks, the start-up clock and the consistency check,
@@ -301,8 +302,8 @@ class DDPTrainer:
                                             skip=lambda: self.spike_guard.pending is not None)
         self.faults = FaultPlan(cfg.recovery.fault_inject, env.rank, process_group.group_restarts())
         self.peers = PeerMonitor(cfg.recovery, env=env, store=process_group.STORE, checkpoint_dir=cfg.checkpoint.dir)
-        for listener in (self.step_start_buffers, self.watchdog, self.stragglers, self.spike_guard, self.faults,
-                         self.callbacks, self._startup, self.consistency, self.peers):
+        for listener in (self.peers, self.step_start_buffers, self.watchdog, self.stragglers, self.spike_guard,
+                         self.faults, self.callbacks, self._startup, self.consistency):
             self.events.attach(listener)
         self.train_step = TrainStep(cfg, model=self.model, raw_model=self.raw_model, optimizer=self.optimizer,
                                     precision=self.precision, schedule=self.schedule, loss_fn=self.loss_fn, env=env,

@@ -103,7 +103,7 @@ def clear_if_earlier(directory: str | Path, name: str) -> None:
 def peer_lost(err: BaseException) -> bool:
     """Whether ``err`` is what a rank sees when a peer process went away (gloo's "Connection closed
     by peer", NCCL's DistBackendError): a consequence, whose cause is on the peer's side."""
-    return type(err).__name__ == "DistBackendError" or any(s in str(err) for s in _PEER_LOST)
+    return type(err).__name__ in ("DistBackendError", "PeerLostSilently") or any(s in str(err) for s in _PEER_LOST)
 
 
 def record_error(directory: str | Path, rank: int, err: BaseException) -> None:

@@ -24,6 +24,8 @@ log = logging.getLogger(__name__)
 
 BEAT_S = 1.0
 """How often a rank beats and looks at its peer's beat (more often under a short peer_timeout_s)."""
+LEFT = -1
+"""The counter of a rank that stopped monitoring on purpose."""
 
 
 class PeerLostSilently(RuntimeError):
@@ -46,18 +48,22 @@ def heartbeat_store(store: dist.Store | None, timeout_s: float) -> dist.Store | 
 
 
 class PeerMonitor(Listener):
-    """Rank r beats (a counter in the store) every BEAT_S from a daemon thread, whatever its main
-    thread does, and watches rank r+1's beat: each rank reads one key, so the store's load grows
-    with the world size, not its square. A watched peer whose counter has not moved for
-    ``recovery.peer_timeout_s`` by this rank's clock (no clocks are compared) is announced in the
-    store, so that every rank learns it within a beat; each rank then logs which peer went silent,
-    records the error for the restart and calls ``on_lost`` (``os._exit(EXIT_PEER_LOST)``: the main
-    thread may be inside a collective that would wait for ``ddp.timeout_s``). A store that stops
-    answering for as long means this rank is cut off: the same. A peer that finished training says
-    so first and is not watched any more.
+    """Rank r beats (adds 1 to its counter in the store) every BEAT_S from a daemon thread,
+    whatever its main thread does, and reads rank r+1's counter and the announcement key: three
+    store operations per rank and beat, so the store's load grows with the world size, not its
+    square. A watched peer whose counter has not moved for ``recovery.peer_timeout_s`` by this
+    rank's clock (no clocks are compared), once it has beaten at all, is announced in the store, so
+    that every rank learns it within a beat; each rank then logs which peer went silent, records
+    the error for the restart and calls ``on_lost`` (``os._exit(EXIT_PEER_LOST)``: the main thread
+    may be inside a collective that would wait for ``ddp.timeout_s``). A store that stops answering
+    for as long means this rank is cut off: the same. A rank that stops monitoring on purpose (its
+    training ended, or failed on its own) says so first, and is not missed: a process that exits
+    closes its connections, which its peers' collectives see at once.
 
     On the event bus: beats from the start of training to its end. Only with a store (under
-    torchrun, or a default group on a TCPStore) and more than one rank; ``peer_timeout_s=0`` is off."""
+    torchrun, or a default group on a TCPStore) and more than one rank; ``peer_timeout_s=0`` is
+    off. Under torchrun a group the user built (no store of this framework's, so no key prefix per
+    restart) is not monitored: an announcement would outlive its restart."""
 
     Config = RecoverySection
 
@@ -65,7 +71,8 @@ class PeerMonitor(Listener):
                  on_lost: Callable[[str], None] | None = None):
         self.timeout_s = section.peer_timeout_s
         self.rank, self.world_size = env.rank, env.world_size
-        self.enabled = bool(self.timeout_s) and env.distributed and self.world_size > 1
+        restarts_apart = process_group.STORE_GENERATION is not None or "TORCHELASTIC_RUN_ID" not in os.environ
+        self.enabled = bool(self.timeout_s) and env.distributed and self.world_size > 1 and restarts_apart
         self.store = heartbeat_store(store, self.timeout_s) if self.enabled else None
         self.enabled = self.store is not None
         self.checkpoint_dir = checkpoint_dir
@@ -89,53 +96,49 @@ class PeerMonitor(Listener):
     # --- on the event bus ---------------------------------------------------------------------
     def train_start(self) -> None:
         if self.enabled and self._thread is None:
-            self.store.set(f"alive/{self.rank}", "0")
-            self.store.delete_key(f"done/{self.rank}")  # an earlier trainer's of this process (framework.hf)
+            self.store.set(f"alive/{self.rank}", "0")  # 0: not beaten yet; -1: left on purpose
             self._thread = threading.Thread(target=self._run, name="peer-monitor", daemon=True)
             self._thread.start()
 
     def train_end(self, summary: dict) -> None:
-        self.close(finished=True)
+        self.close()
 
-    def close(self, *, finished: bool = False) -> None:
+    def close(self) -> None:
+        """Stop beating and say so (-1): the peer watching this rank does not miss it. Once closed,
+        the monitor stays off (a trainer's train() runs once)."""
         if self._thread is not None:
             self._stop.set()
             self._thread.join()
             self._thread = None
-            if finished:
-                try:
-                    self.store.set(f"done/{self.rank}", "1")
-                except Exception:  # noqa: BLE001  (the run is over for this rank)
-                    pass
-        self.store = None
+            try:
+                self.store.set(f"alive/{self.rank}", str(LEFT))
+            except Exception:  # noqa: BLE001  (the run is over for this rank)
+                pass
+        self.store, self.enabled = None, False
 
     # --- the thread ---------------------------------------------------------------------------
     def _run(self) -> None:
-        beats, seen, changed_at = 0, None, time.monotonic()
+        seen, changed_at = None, time.monotonic()
         store_ok_at = time.monotonic()
         while not self._stop.wait(min(BEAT_S, self.timeout_s / 4)):
+            now = time.monotonic()
             try:
-                beats += 1
-                self.store.set(f"alive/{self.rank}", str(beats))
+                self.store.add(f"alive/{self.rank}", 1)
+                value = self.store.add(f"alive/{self.watched}", 0)  # creates it (0) if it never beat
                 if self.store.check(["lost"]):
                     return self._lose(self.store.get("lost").decode())
-                if self.store.check([f"done/{self.watched}"]):
-                    changed_at = time.monotonic()  # it finished: nothing more to hear from it
-                    continue
-                value = self.store.get(f"alive/{self.watched}").decode() if self.store.check(
-                    [f"alive/{self.watched}"]) else None
-                store_ok_at = time.monotonic()
+                store_ok_at = now
             except Exception as err:  # noqa: BLE001  (a store that fails for long is a cut link)
-                if self._stop.is_set():
-                    return
-                if time.monotonic() - store_ok_at > self.timeout_s:
+                if self._stop.is_set() or seen == LEFT:
+                    continue  # nothing left to watch: the collectives tell of this rank's own peers
+                if now - store_ok_at > self.timeout_s:
                     return self._lose(f"rank {self.rank} lost the run's store for {self.timeout_s:g} s "
-                                      f"({type(err).__name__}: {err})", announce=False)
+                                      f"({type(err).__name__}: {err})")
                 continue
-            if value != seen:
-                seen, changed_at = value, time.monotonic()
-            elif time.monotonic() - changed_at > self.timeout_s:
-                what = (f"rank {self.watched} went silent: no heartbeat for {time.monotonic() - changed_at:.1f} s "
+            if value != seen or value <= 0:  # moved, left, or not started: a peer frozen before its
+                seen, changed_at = value, now  # first beat is the collective timeout's to end
+            elif now - changed_at > self.timeout_s:
+                what = (f"rank {self.watched} went silent: no heartbeat for {now - changed_at:.1f} s "
                         f"(recovery.peer_timeout_s={self.timeout_s:g}; frozen, or cut off)")
                 return self._lose(what, announce=True)
 

@@ -32,6 +32,13 @@ def monitors(store, tmp_path, world_size):
     return made, heard
 
 
+def freeze(monitor):
+    """What a frozen process (SIGSTOP) or a cut link looks like to the others: no more beats, and
+    no word of leaving."""
+    monitor._stop.set()
+    monitor._thread.join()
+
+
 def wait_for(condition, seconds):
     end = time.monotonic() + seconds
     while not condition() and time.monotonic() < end:
@@ -45,7 +52,7 @@ def test_a_silent_peer_is_named_within_the_timeout_and_every_rank_learns_it(stor
         time.sleep(TIMEOUT_S * 1.5)
         assert heard == {0: [], 1: [], 2: []}  # all beating: nobody is lost
         start = time.monotonic()
-        made[1].close()  # rank 1 stops beating without saying it finished: frozen, or cut off
+        freeze(made[1])
         assert wait_for(lambda: heard[0], TIMEOUT_S + 3)
         took = time.monotonic() - start
         assert heard[0][0].startswith("rank 1 went silent: no heartbeat for")
@@ -57,15 +64,58 @@ def test_a_silent_peer_is_named_within_the_timeout_and_every_rank_learns_it(stor
             m.close()
 
 
-def test_a_peer_that_finished_is_not_lost(store, tmp_path):
+@pytest.mark.parametrize("how", ["finished", "failed on its own"])
+def test_a_peer_that_left_on_purpose_is_not_lost_nor_a_store_error_after_it(store, tmp_path, how):
     made, heard = monitors(store, tmp_path, 2)
     try:
-        made[1].train_end({})  # finished: says so, then stops beating
-        time.sleep(TIMEOUT_S * 2)
+        if how == "finished":
+            made[1].train_end({})  # says so (-1), then stops beating
+        else:
+            made[1].close()  # the trainer's close() on an error of its own: the same word
+        time.sleep(TIMEOUT_S * 1.5)
+
+        class Unreachable:
+            def __getattr__(self, name):
+                def fail(*args):
+                    raise RuntimeError("connection reset")
+                return fail
+        made[0].store = Unreachable()  # nothing left to watch: a store error then is not a cut link
+        time.sleep(TIMEOUT_S * 1.5)
         assert heard == {0: [], 1: []}
     finally:
-        for m in made:
-            m.close()
+        made[0].store = None
+        made[0]._stop.set()
+
+
+def test_a_peer_that_never_beat_is_left_to_the_collective_timeout(store, tmp_path):
+    heard = []
+    alone = PeerMonitor(RecoverySection(peer_timeout_s=TIMEOUT_S),
+                        env=SimpleNamespace(rank=0, world_size=2, distributed=True), store=store,
+                        checkpoint_dir=str(tmp_path), on_lost=heard.append)
+    alone.train_start()  # rank 1 never starts (a slow start-up, a user's long on_train_start)
+    try:
+        time.sleep(TIMEOUT_S * 2)
+        assert heard == [] and alone.lost is None
+    finally:
+        alone.close()
+
+
+def test_a_rank_cut_off_from_the_store_says_so(store, tmp_path):
+    made, heard = monitors(store, tmp_path, 2)
+    try:
+        time.sleep(1.0)
+
+        class Unreachable:
+            def __getattr__(self, name):
+                def fail(*args):
+                    raise RuntimeError("connection reset")
+                return fail
+        made[0].store = Unreachable()
+        assert wait_for(lambda: heard[0], TIMEOUT_S + 3)
+        assert heard[0][0].startswith("rank 0 lost the run's store for 2 s (RuntimeError: connection reset)")
+    finally:
+        made[0]._stop.set()
+        made[1].close()
 
 
 def test_off_with_a_zero_timeout_or_one_process(store, tmp_path):
@@ -82,8 +132,9 @@ def test_off_with_a_zero_timeout_or_one_process(store, tmp_path):
 def test_a_silence_found_while_the_main_thread_saves_for_a_lost_peer_does_not_cut_it_short(store, tmp_path):
     made, heard = monitors(store, tmp_path, 2)
     try:
+        time.sleep(1.5)  # both beating
         with made[0].holding():  # the main thread writes the survivor checkpoint, then exits 75 itself
-            made[1].close()
+            freeze(made[1])
             assert wait_for(lambda: made[0].lost is not None, TIMEOUT_S + 3)
             assert heard[0] == [] and made[0].lost.startswith("rank 1 went silent")
     finally:

@@ -36,8 +36,8 @@ def test_a_listener_hears_each_step_in_order_with_its_result(tmp_path):
     recorder = Recorder()
     trainer.events.attach(recorder)
     names = [type(listener).__name__ for listener in trainer.events.listeners]
-    assert names == ["StepStartBuffers", "Watchdog", "StragglerMonitor", "SpikeGuard", "FaultPlan", "UserCallbacks",
-                     "StartupClock", "ConsistencyCheck", "Recorder"]
+    assert names == ["PeerMonitor", "StepStartBuffers", "Watchdog", "StragglerMonitor", "SpikeGuard", "FaultPlan",
+                     "UserCallbacks", "StartupClock", "ConsistencyCheck", "Recorder"]
     summary = trainer.train()
     kinds = [event[0] for event in recorder.heard]
     assert kinds == ["step_start", "data_ready", "gradients", "step_end"] * 3
