@@ -62,8 +62,8 @@ class PeerMonitor(Listener):
 
     On the event bus: beats from the start of training to its end. Only with a store (under
     torchrun, or a default group on a TCPStore) and more than one rank; ``peer_timeout_s=0`` is
-    off. Under torchrun a group the user built (no store of this framework's, so no key prefix per
-    restart) is not monitored: an announcement would outlive its restart."""
+    off. A group the user built on torchrun's agent store (no key prefix per restart) is not
+    monitored: an announcement would outlive its restart."""
 
     Config = RecoverySection
 
@@ -71,7 +71,10 @@ class PeerMonitor(Listener):
                  on_lost: Callable[[str], None] | None = None):
         self.timeout_s = section.peer_timeout_s
         self.rank, self.world_size = env.rank, env.world_size
-        restarts_apart = process_group.STORE_GENERATION is not None or "TORCHELASTIC_RUN_ID" not in os.environ
+        # A group the user built on torchrun's agent store (which outlives restarts) has no key prefix
+        # per restart; a default store hosted by rank 0's worker dies with each restart.
+        restarts_apart = (process_group.STORE_GENERATION is not None
+                          or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True")
         self.enabled = bool(self.timeout_s) and env.distributed and self.world_size > 1 and restarts_apart
         self.store = heartbeat_store(store, self.timeout_s) if self.enabled else None
         self.enabled = self.store is not None
@@ -96,7 +99,7 @@ class PeerMonitor(Listener):
     # --- on the event bus ---------------------------------------------------------------------
     def train_start(self) -> None:
         if self.enabled and self._thread is None:
-            self.store.set(f"alive/{self.rank}", "0")  # 0: not beaten yet; -1: left on purpose
+            self.store.set(f"alive/{self.rank}", "1")  # the first beat (0: not started yet; -1: left on purpose)
             self._thread = threading.Thread(target=self._run, name="peer-monitor", daemon=True)
             self._thread.start()
 

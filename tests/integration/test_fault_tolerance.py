@@ -97,7 +97,7 @@ def test_kill_9_then_elastic_restart_resumes_bit_exact(reference, tmp_path, kill
 
 
 def test_a_frozen_rank_is_named_in_seconds_and_the_restart_trains_on_bit_exact(reference, tmp_path):
-    """Rank 1 stops itself (SIGSTOP) at the start of step 13: nothing closes a connection, and its
+    """Rank 1 stops itself (SIGSTOP) at the start of step 13, 1 s into training: nothing closes a connection, and its
     peer would wait in the all-reduce for ddp.timeout_s (600 s). Rank 0's peer monitor names it
     after recovery.peer_timeout_s and exits 75; torchrun ends the stopped rank and restarts the
     group, which resumes from step 8 and ends as the uninterrupted run."""

@@ -140,3 +140,16 @@ def test_a_silence_found_while_the_main_thread_saves_for_a_lost_peer_does_not_cu
     finally:
         for m in made:
             m.close()
+
+
+def test_a_peer_frozen_right_after_it_started_is_named(store, tmp_path):
+    """Its start is its first beat: a tiny model's rank can freeze before its thread beat even once
+    (the 2-rank SIGSTOP test stopped 1 s after the start and was missed)."""
+    made, heard = monitors(store, tmp_path, 2)
+    try:
+        freeze(made[1])
+        assert wait_for(lambda: heard[0], TIMEOUT_S + 3)
+        assert heard[0][0].startswith("rank 1 went silent")
+    finally:
+        for m in made:
+            m.close()
