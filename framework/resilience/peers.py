@@ -84,7 +84,13 @@ class PeerMonitor(Listener):
         self.lost: str | None = None
         self._stop = threading.Event()
         self._held = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
+        # What the beat thread last learned, read by the judge thread (each a plain attribute: one
+        # writer, one reader).
+        self._seen: int | None = None
+        self._changed_at = self._ok_at = time.monotonic()
+        self._announced: str | None = None
+        self._store_error = ""
 
     @contextlib.contextmanager
     def holding(self):
@@ -98,10 +104,14 @@ class PeerMonitor(Listener):
 
     # --- on the event bus ---------------------------------------------------------------------
     def train_start(self) -> None:
-        if self.enabled and self._thread is None:
+        if self.enabled and self._threads == []:
             self.store.set(f"alive/{self.rank}", "1")  # the first beat (0: not started yet; -1: left on purpose)
-            self._thread = threading.Thread(target=self._run, name="peer-monitor", daemon=True)
-            self._thread.start()
+            now = time.monotonic()
+            self._ok_at = self._changed_at = now
+            self._threads = [threading.Thread(target=target, name=f"peer-monitor-{name}", daemon=True)
+                             for name, target in (("beat", self._beat), ("judge", self._judge))]
+            for thread in self._threads:
+                thread.start()
 
     def train_end(self, summary: dict) -> None:
         self.close()
@@ -109,41 +119,61 @@ class PeerMonitor(Listener):
     def close(self) -> None:
         """Stop beating and say so (-1): the peer watching this rank does not miss it. Once closed,
         the monitor stays off (a trainer's train() runs once)."""
-        if self._thread is not None:
+        if self._threads:
             self._stop.set()
-            self._thread.join()
-            self._thread = None
-            try:
-                self.store.set(f"alive/{self.rank}", str(LEFT))
-            except Exception:  # noqa: BLE001  (the run is over for this rank)
-                pass
+            for thread in self._threads:
+                thread.join(timeout=2 * BEAT_S)  # a store call that never returns is a daemon's to keep
+            self._threads = []
+            self._call(lambda: self.store.set(f"alive/{self.rank}", str(LEFT)), wait_s=BEAT_S)
         self.store, self.enabled = None, False
 
-    # --- the thread ---------------------------------------------------------------------------
-    def _run(self) -> None:
-        seen, changed_at = None, time.monotonic()
-        store_ok_at = time.monotonic()
-        while not self._stop.wait(min(BEAT_S, self.timeout_s / 4)):
-            now = time.monotonic()
+    # --- the threads --------------------------------------------------------------------------
+    def _beat(self) -> None:
+        """The store's side: beat, read the watched peer's counter and the announcement. A store
+        call can block for good (a server that is frozen or cut off keeps no client deadline), so
+        only this thread makes them, and the judge watches it."""
+        while not self._stop.wait(self._period()):
             try:
                 self.store.add(f"alive/{self.rank}", 1)
                 value = self.store.add(f"alive/{self.watched}", 0)  # creates it (0) if it never beat
-                if self.store.check(["lost"]):
-                    return self._lose(self.store.get("lost").decode())
-                store_ok_at = now
-            except Exception as err:  # noqa: BLE001  (a store that fails for long is a cut link)
-                if self._stop.is_set() or seen == LEFT:
-                    continue  # nothing left to watch: the collectives tell of this rank's own peers
-                if now - store_ok_at > self.timeout_s:
-                    return self._lose(f"rank {self.rank} lost the run's store for {self.timeout_s:g} s "
-                                      f"({type(err).__name__}: {err})")
+                announced = self.store.get("lost").decode() if self.store.check(["lost"]) else None
+            except Exception as err:  # noqa: BLE001  (the judge ends the rank if it lasts)
+                self._store_error = f"{type(err).__name__}: {err}"
                 continue
-            if value != seen or value <= 0:  # moved, left, or not started: a peer frozen before its
-                seen, changed_at = value, now  # first beat is the collective timeout's to end
-            elif now - changed_at > self.timeout_s:
-                what = (f"rank {self.watched} went silent: no heartbeat for {now - changed_at:.1f} s "
-                        f"(recovery.peer_timeout_s={self.timeout_s:g}; frozen, or cut off)")
-                return self._lose(what, announce=True)
+            now = time.monotonic()
+            self._ok_at = now
+            self._announced = announced
+            if value != self._seen or value <= 0:  # moved, left, or not started: a peer frozen before
+                self._seen, self._changed_at = value, now  # its first beat is the collective timeout's
+
+    def _judge(self) -> None:
+        while not self._stop.wait(self._period()):
+            now = time.monotonic()
+            if self._announced:
+                return self._lose(self._announced)
+            if self._seen == LEFT:
+                continue  # nothing left to watch: the collectives tell of this rank's own peers
+            if now - self._ok_at > self.timeout_s:
+                return self._lose(f"rank {self.rank} lost the run's store: no answer for {now - self._ok_at:.1f} s "
+                                  f"(recovery.peer_timeout_s={self.timeout_s:g}; "
+                                  f"{self._store_error or 'a call that did not return'})")
+            if now - self._changed_at > self.timeout_s:
+                return self._lose(f"rank {self.watched} went silent: no heartbeat for {now - self._changed_at:.1f} s "
+                                  f"(recovery.peer_timeout_s={self.timeout_s:g}; frozen, or cut off)", announce=True)
+
+    def _period(self) -> float:
+        return min(BEAT_S, self.timeout_s / 4)
+
+    def _call(self, action: Callable[[], object], *, wait_s: float) -> None:
+        """``action`` (a store call) from a thread of its own, waited for ``wait_s`` at most."""
+        def attempt():
+            try:
+                action()
+            except Exception:  # noqa: BLE001  (best effort: the others learn it from their own watch)
+                pass
+        thread = threading.Thread(target=attempt, name="peer-monitor-call", daemon=True)
+        thread.start()
+        thread.join(wait_s)
 
     def _lose(self, what: str, *, announce: bool = False) -> None:
         if self._stop.is_set():
@@ -153,10 +183,7 @@ class PeerMonitor(Listener):
             log.warning("%s; this rank is already handling a peer's loss, and ends the restart when done", what)
             return
         if announce:
-            try:
-                self.store.set("lost", what)
-            except Exception:  # noqa: BLE001  (the others learn it from their own watch, or the store)
-                pass
+            self._call(lambda: self.store.set("lost", what), wait_s=BEAT_S)
         self.on_lost(what)
 
     def _exit(self, what: str) -> None:
