@@ -32,6 +32,20 @@ def monitors(store, tmp_path, world_size):
     return made, heard
 
 
+class BrokenStore:
+    """A store every call of which raises ``fail_with``, or blocks until ``block_until`` is set."""
+
+    def __init__(self, *, fail_with: Exception | None = None, block_until=None):
+        self.fail_with, self.block_until = fail_with, block_until
+
+    def __getattr__(self, name):
+        def call(*args):
+            if self.block_until is not None:
+                self.block_until.wait()
+            raise self.fail_with or RuntimeError("released")
+        return call
+
+
 def freeze(monitor):
     """What a frozen process (SIGSTOP) or a cut link looks like to the others: no more beats, and
     no word of leaving."""
@@ -74,13 +88,8 @@ def test_a_peer_that_left_on_purpose_is_not_lost_nor_a_store_error_after_it(stor
         else:
             made[1].close()  # the trainer's close() on an error of its own: the same word
         time.sleep(TIMEOUT_S * 1.5)
-
-        class Unreachable:
-            def __getattr__(self, name):
-                def fail(*args):
-                    raise RuntimeError("connection reset")
-                return fail
-        made[0].store = Unreachable()  # nothing left to watch: a store error then is not a cut link
+        # nothing left to watch: a store error then is not a cut link
+        made[0].store = BrokenStore(fail_with=RuntimeError("connection reset"))
         time.sleep(TIMEOUT_S * 1.5)
         assert heard == {0: [], 1: []}
     finally:
@@ -106,12 +115,7 @@ def test_a_rank_cut_off_from_the_store_says_so(store, tmp_path):
     try:
         time.sleep(1.0)
 
-        class Unreachable:
-            def __getattr__(self, name):
-                def fail(*args):
-                    raise RuntimeError("connection reset")
-                return fail
-        made[0].store = Unreachable()
+        made[0].store = BrokenStore(fail_with=RuntimeError("connection reset"))
         assert wait_for(lambda: heard[0], TIMEOUT_S + 3)
         assert heard[0][0].startswith("rank 0 lost the run's store: no answer for")
         assert heard[0][0].endswith("(recovery.peer_timeout_s=2; RuntimeError: connection reset)")
@@ -166,12 +170,7 @@ def test_a_store_call_that_never_returns_is_a_lost_store(store, tmp_path):
     try:
         time.sleep(1.0)
 
-        class Silent:
-            def __getattr__(self, name):
-                def block(*args):
-                    release.wait()
-                return block
-        made[0].store = Silent()
+        made[0].store = BrokenStore(block_until=release)
         assert wait_for(lambda: heard[0], TIMEOUT_S + 3)
         assert heard[0][0].startswith("rank 0 lost the run's store: no answer for")
         assert heard[0][0].endswith("a call that did not return)")
