@@ -123,9 +123,10 @@ DIMS = {
     # Timed checkpoints (checkpoint.every_minutes, 10 by default: never within a trial): 0.002 min
     # saves every few steps, at steps that rank 0's clock chooses.
     "save_every_minutes": [0, 0.002],
-    # Issue 31's peer monitor: recovery.peer_timeout_s at its default (30 s: never within a trial
-    # but a false alarm), or 8 s, which ends a stopped peer's group before the collective timeout (20 s).
-    "peer_timeout": [30, 8],
+    # Issue 31's peer monitor: recovery.peer_timeout_s at its default (10 s: a stopped peer's group
+    # ends before the collective timeout, 20 s; elsewhere only a false alarm), or 0, off (the
+    # watchdog and the collective timeout alone, as before it).
+    "peer_timeout": [10, 0],
 }
 LAYOUTS = {
     "apart": "checkpoint_dir, log_dir and export_dir side by side",
@@ -171,7 +172,7 @@ FAULTS = {
     "full_disk": Fault("checkpoint_dir on a tmpfs that fits two checkpoints", ("ckpt_write",),
                        transient=False, exact=False),
     "sigstop_worker": Fault("SIGSTOP of the last rank's worker (never continued): the other ranks' peer monitor "
-                            "(peer_timeout 8), hang watchdog or collective timeout must end the group "
+                            "(peer_timeout_s 10, unless off), hang watchdog or collective timeout must end the group "
                             "(step_timeout_s=3, factor 2, timeout_s=20)",
                             ("startup", "mid_step", "epoch_boundary", "eval", "ckpt_write", "final_save")),
     "crash_one_rank": Fault("a deterministic error on rank 1 in every restart (crash@step=K,rank=1,restart=*) "
@@ -235,7 +236,7 @@ def hf(cfg: dict) -> bool:
 # has no fault_inject.
 HF_FIXED = {"foreign": False, "resume": "none", "layout": "nested", "data": "map0", "spike_guard": "off", "accum": 1,
             "tiled_mlp": 0, "comm_hook": "none", "save_interval": 0, "stop": "max_steps", "save_on_peer_loss": True,
-            "save_every_minutes": 0, "peer_timeout": 30,
+            "save_every_minutes": 0, "peer_timeout": 10,
             "world_change": "none", "nnodes": "fixed", "loss_average": "tokens"}
 HF_SHARE = 0.07
 HF_FAULTS = ("none", "kill9_worker", "kill9_agent", "kill9_node", "sigterm_worker")
@@ -441,7 +442,7 @@ def config_args(trial: dict, lay: Layout, *, resume: str | None = None, foreign_
     args["checkpoint.save_on_peer_loss"] = cfg.get("save_on_peer_loss", True)  # absent from older results
     args["train.loss_average"] = cfg.get("loss_average", "micro_batch")
     args["checkpoint.every_minutes"] = cfg.get("save_every_minutes", 0)
-    args["recovery.peer_timeout_s"] = cfg.get("peer_timeout", 30)  # absent from older results: the default
+    args["recovery.peer_timeout_s"] = cfg.get("peer_timeout", 0)  # absent from older results: off, as they ran
     if elastic(cfg):
         # The global batch named, as a user whose run may change its world size names it: a launch
         # at another size with no checkpoint to take it from (a fresh start) keeps it too.

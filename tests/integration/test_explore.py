@@ -245,7 +245,7 @@ SLICE = [
     {"config": {**_SLICE_CONFIG, "topology": "1x2"}, "fault": "kill9_worker", "moment": "mid_step"},
     {"config": {**_ISSUE33, "topology": "1x2", "world_change": "2to1", "loss_average": "tokens",
                 "save_on_peer_loss": False}, "fault": "kill9_worker", "moment": "mid_step"},
-    {"config": {**_ISSUE33, "topology": "2x1", "peer_timeout": 8}, "fault": "sigstop_worker", "moment": "eval"},
+    {"config": {**_ISSUE33, "topology": "2x1", "peer_timeout": 10}, "fault": "sigstop_worker", "moment": "eval"},
 ]
 
 

@@ -4,6 +4,7 @@ SIGTERM to a worker and to launch_training.sh, damaged checkpoints, FATAL marker
 import datetime
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -94,6 +95,20 @@ def test_kill_9_then_elastic_restart_resumes_bit_exact(reference, tmp_path, kill
     assert [r["step"] for r in rows] == list(range(1, 49))
     assert rows[-1]["train/loss"] == result["final_train_loss"] and result["restarts"] == 2
     assert not run.leftovers
+
+
+def test_a_step_slower_than_the_peer_timeout_is_not_a_loss(tmp_path):
+    """Rank 1's steps take 4 s from step 4 on (a sleep in each forward: a slow rank, not a frozen
+    one), longer than recovery.peer_timeout_s=2: its monitor thread beats on, so nobody is named
+    and the run ends as usual."""
+    run = train(tmp_path, {"recovery.fault_inject": "slow@step=3,rank=1,ms=4000", "recovery.peer_timeout_s": 2,
+                           "train.max_steps": 6})
+    assert run.returncode == 0, run.output[-4000:]
+    log0 = rank_log(tmp_path)
+    stamps = {int(m.group(2)): datetime.datetime.fromisoformat(m.group(1))
+              for m in re.finditer(r"^(\S+ \S+) \[rank 0\] .*step (\d+)/6 ", log0, re.M)}
+    assert (stamps[6] - stamps[4]).total_seconds() >= 2 * 4 - 1  # the slow steps outlast the timeout
+    assert "went silent" not in log0 + rank_log(tmp_path, 1) and summary(tmp_path)["steps"] == 6
 
 
 def test_a_frozen_rank_is_named_in_seconds_and_the_restart_trains_on_bit_exact(reference, tmp_path):
