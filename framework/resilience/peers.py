@@ -105,7 +105,8 @@ class PeerMonitor(Listener):
     # --- on the event bus ---------------------------------------------------------------------
     def train_start(self) -> None:
         if self.enabled and self._threads == []:
-            self.store.set(f"alive/{self.rank}", "1")  # the first beat (0: not started yet; -1: left on purpose)
+            # The first beat (0: not started yet; -1: left on purpose), never blocking the main thread.
+            self._call(lambda: self.store.set(f"alive/{self.rank}", "1"), wait_s=self._period())
             now = time.monotonic()
             self._ok_at = self._changed_at = now
             self._threads = [threading.Thread(target=target, name=f"peer-monitor-{name}", daemon=True)
