@@ -158,7 +158,8 @@ class PeerMonitor(Listener):
                 return self._lose(f"rank {self.rank} lost the run's store: no answer for {now - self._ok_at:.1f} s "
                                   f"(recovery.peer_timeout_s={self.timeout_s:g}; "
                                   f"{self._store_error or 'a call that did not return'})")
-            if now - self._changed_at > self.timeout_s:
+            # Judged on the reads that happened: a beat thread stuck in the store is the rule above's.
+            if self._ok_at - self._changed_at > self.timeout_s:
                 return self._lose(f"rank {self.watched} went silent: no heartbeat for {now - self._changed_at:.1f} s "
                                   f"(recovery.peer_timeout_s={self.timeout_s:g}; frozen, or cut off)", announce=True)
 
@@ -185,9 +186,16 @@ class PeerMonitor(Listener):
             return
         if announce:
             self._call(lambda: self.store.set("lost", what), wait_s=BEAT_S)
+            if self._held.is_set() or self._stop.is_set():  # a survivor checkpoint, or the end, came meanwhile
+                return
         self.on_lost(what)
 
     def _exit(self, what: str) -> None:
+        # Whatever blocks below (a log handler's lock, checkpoint_dir on a filesystem the cut link
+        # also cut), the exit comes.
+        deadline = threading.Timer(5.0, os._exit, (process_group.EXIT_PEER_LOST,))
+        deadline.daemon = True
+        deadline.start()
         log.error("%s: ending this restart with exit %d so that torchrun restarts the group (or the launcher "
                   "ends the run) now, not after ddp.timeout_s", what, process_group.EXIT_PEER_LOST)
         markers.record_error(self.checkpoint_dir, self.rank, PeerLostSilently(what))

@@ -99,9 +99,9 @@ def test_kill_9_then_elastic_restart_resumes_bit_exact(reference, tmp_path, kill
 
 def test_a_step_slower_than_the_peer_timeout_is_not_a_loss(tmp_path):
     """Rank 1's steps take 4 s from step 4 on (a sleep in each forward: a slow rank, not a frozen
-    one), longer than recovery.peer_timeout_s=2: its monitor thread beats on, so nobody is named
+    one), longer than recovery.peer_timeout_s=3: its monitor thread beats on, so nobody is named
     and the run ends as usual."""
-    run = train(tmp_path, {"recovery.fault_inject": "slow@step=3,rank=1,ms=4000", "recovery.peer_timeout_s": 2,
+    run = train(tmp_path, {"recovery.fault_inject": "slow@step=3,rank=1,ms=4000", "recovery.peer_timeout_s": 3,
                            "train.max_steps": 6})
     assert run.returncode == 0, run.output[-4000:]
     log0 = rank_log(tmp_path)
