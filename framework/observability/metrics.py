@@ -311,14 +311,21 @@ class SampleLog(Listener):
     JSON line per step, line-buffered so that a process killed with -9 keeps every line it wrote.
     A step written again (after a restart, a resume or a rollback), or the first step written to
     a used file, is preceded by ``{"purge_from": K}``, as in metrics.jsonl: ``read_samples``
-    drops the earlier lines of step >= K."""
+    drops the earlier lines of step >= K.
 
-    def __init__(self, path: Path | None):
+    On the event bus: a step is recorded once its gradients are computed, before the ranks agree
+    on it (optimizer_step's all-reduce). Once a peer has passed that agreement the step is
+    committed (a survivor checkpoint holds it, a restart does not redo it), so this rank's record
+    must exist even if this rank dies right after; a step that is not committed is redone, and its
+    line dropped by the redo's ``purge_from``. ``sampler``: the step's indices (``pending()``)."""
+
+    def __init__(self, path: Path | None, sampler=None):
         self.file, earlier = _open_appending(path) if path is not None else (None, False)
         self.last_step: float = math.inf if earlier else 0  # steps count from 1
+        self.sampler = sampler
 
-    def step_end(self, result, model) -> None:
-        self.write(result.epoch, result.step, result.indices)
+    def gradients(self, step: int, model) -> None:
+        self.write(self.sampler.epoch, step + 1, self.sampler.pending())
 
     def write(self, epoch: int, step: int, indices: list[int]) -> None:
         if self.file is None:

@@ -362,13 +362,13 @@ def test_a_steps_samples_are_recorded_before_the_ranks_agree_on_it(tmp_path):
     trainer = DDPTrainer(cfg)
     samples = tmp_path / "logs" / "samples_rank_0.jsonl"
     seen = []
-    agree_step = trainer._train_step.optimizer_step
+    agree_step = trainer.train_step.optimizer_step
 
     def recorded_then_agree(loss, step, **kwargs):
         lines = [json.loads(line) for line in samples.read_text().splitlines()] if samples.exists() else []
         seen.append((step + 1, [line.get("step") for line in lines]))
         return agree_step(loss, step, **kwargs)
-    trainer._train_step.optimizer_step = recorded_then_agree
+    trainer.train_step.optimizer_step = recorded_then_agree
     trainer.train()
     assert seen == [(1, [1]), (2, [1, 2]), (3, [1, 2, 3])]
     records = [json.loads(line) for line in samples.read_text().splitlines()]
