@@ -241,7 +241,7 @@ class Stepper:
 
             trainer.model = Counted(trainer.model)  # forward_backward only calls self.model(inputs)
             trainer.loss_fn = counted_loss
-            steps = getattr(trainer, "_train_step", None)  # TrainStep runs the step with its own references
+            steps = getattr(trainer, "train_step", None)  # TrainStep runs the step with its own references
             if steps is not None:
                 steps.model, steps.loss_fn = trainer.model, counted_loss
         trainer.model.train()
