@@ -83,7 +83,7 @@ def test_process_faults_take_a_moment_and_others_refuse_one():
     assert parse("hang@step=3,at=step") == [Fault("hang", 3)]
     for spec in ("nan@step=3,at=eval", "crash@step=3,at=end"):
         with pytest.raises(ValueError, match=re.escape("allowed: at=step, or at=eval|save|export for sigterm, "
-                                                       "sigkill, crash, hang")):
+                                                       "sigkill, sigstop, crash, hang")):
             parse(spec)
 
 
