@@ -244,7 +244,7 @@ elif [[ $max_nodes -gt 1 ]]; then
   if [[ $min_nodes -lt $max_nodes || $rdzv_backend == etcd-v2 ]]; then
     # torch 2.13's shared agent store cannot admit a node into a running job (the newcomer waits
     # forever for bootstrap keys of an earlier round), and under etcd it would live in the node of
-    # rank 0: off, and the workers agree on their incarnation in the rendezvous's own store
+    # rank 0: off, and the workers agree on their restart in the rendezvous's own store
     # instead (framework/ddp/process_group.py, RDZV_STORE_ENV).
     export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 RDZV_STORE_ENDPOINT="$rdzv_backend://$rdzv_endpoint"
   fi

@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from framework.testing.launch import kill_matching, worker_env  # noqa: E402
+from harness.launch import kill_matching, worker_env  # noqa: E402
 
 WORKER = ROOT / "tests" / "workers" / "clean_exit.py"
 EXITCODE = re.compile(r"exitcode\s*:\s*(-?\d+)")

@@ -4,7 +4,7 @@
 Each trial draws, from ``random.Random(seed + trial)``, a configuration (topology, restarts, resume
 mode, directory layout, another run's checkpoints in checkpoint_dir, data kind, spike guard,
 accumulation, activation checkpointing, tiled MLP, comm hook, save schedule, keep_last, stop
-rule, the save alone on a peer's loss, a world-size change at the relaunch, a node range,
+rule, the survivor checkpoint on a peer's loss, a world-size change at the relaunch, a node range,
 train.loss_average, the HF drop-in instead of ddp_training.py, timed checkpoints), a fault and a
 moment. It trains the
 tiny built-in GPT (10 or 12 steps, 6 steps an epoch; an HF trial: a tiny Llama, bench/explore_hf.py)
@@ -14,7 +14,7 @@ user or a scheduler would; at the other world size of a world_change), and check
 - nothing_lost: files outside the run's own directories, and another lineage's checkpoints, are
   unchanged; every manifest entry exists; the logs and the export exist after a finished run;
   an uninterrupted run writes every checkpoint its schedule makes due; a survivor slowed in its
-  save alone (kill9_slow_save) still writes it;
+  survivor checkpoint (kill9_slow_save) still writes it;
 - equivalence: the final model_sha256 equals an uninterrupted reference run of the same
   configuration (cached by the configuration's key); bit-exact, for the faults the README promises
   it (not after nan, bad_data, full_disk: those change the result by design); after a world-size
@@ -74,23 +74,23 @@ from fault_campaign import (  # noqa: E402  (its launch helpers, shared with the
 # --- the trial's run: the tiny model, 6 steps an epoch ------------------------------------------
 STEPS_PER_EPOCH, MAX_STEPS, NUM_EPOCHS, EVAL_EVERY = 6, 10, 2, 4
 BATCH = 4
-BASE = dict(vocab_size=32, hidden_size=32, num_layers=2, num_heads=2, seq_len=16, batch_size=BATCH, dropout=0.1,
-            eval_interval=EVAL_EVERY, eval_steps=1, log_interval=1, deterministic=True, record_samples=True,
-            tensorboard=False, target_loss=0.0, learning_rate=2e-3, warmup_steps=2, seed=5,
-            spike_warmup=3, spike_window=3, spike_threshold=4.0, straggler_interval=0,
-            consistency_check_interval=0)
-HANG_TIMEOUTS = dict(step_timeout_s=3, step_timeout_factor=2)
+BASE = {"vocab_size": 32, "hidden_size": 32, "num_layers": 2, "num_heads": 2, "seq_len": 16, "batch_size": BATCH,
+        "dropout": 0.1, "eval.interval": EVAL_EVERY, "eval.steps": 1, "log_interval": 1, "train.deterministic": True,
+        "logging.record_samples": True, "logging.tensorboard": False, "target_loss": 0.0, "learning_rate": 2e-3,
+        "optim.warmup_steps": 2, "train.seed": 5, "spike.warmup": 3, "spike.window": 3, "spike.threshold": 4.0,
+        "straggler.interval": 0, "recovery.consistency_check_interval": 0}
+HANG_TIMEOUTS = {"recovery.step_timeout_s": 3, "recovery.step_timeout_factor": 2}
 # sigstop_worker: the collective timeout too (600 s by default), which alone ends a start-up whose
 # peer is stopped (the hang watchdog is armed from the first step on).
 STOPPED_PEER_TIMEOUT_S = 20
 # A node range on loopback, as tests/integration/test_elastic.py runs it: a round with its minimum waits 2 s for
-# more nodes; each step slowed to >= 600 ms (every incarnation) so that a lost node can rejoin mid-run.
+# more nodes; each step slowed to >= 600 ms (every restart) so that a lost node can rejoin mid-run.
 RDZV_CONF = "join_timeout=30,last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3"
 REJOIN_SLOW = "slow@step=0,ms=600,restart=*"
 # A world-size change sums the same gradients in another order: the final weights within this of
 # the uninterrupted run's (tests/integration/test_elastic.py's bound; the attention key biases left out).
 WORLD_CHANGE_TOLERANCE = 1e-5
-SLOW_SAVE_S = 6.0  # kill9_slow_save: how long the survivor is frozen while it holds the lock to save alone
+SLOW_SAVE_S = 6.0  # kill9_slow_save: how long the survivor is frozen holding the lock for its survivor checkpoint
 REJOIN_AFTER_S = 20.0  # the lost node's agent starts again once the survivor trains alone, or this long after
 RESTARTS_ONE_RANK_ERROR = 3  # crash_one_rank: launch_training.sh --max-restarts
 FOREIGN_LR, FOREIGN_STEPS = 5e-3, 4  # the other run whose checkpoints a checkpoint_dir may hold
@@ -123,6 +123,10 @@ DIMS = {
     # Timed checkpoints (checkpoint.every_minutes, 10 by default: never within a trial): 0.002 min
     # saves every few steps, at steps that rank 0's clock chooses.
     "save_every_minutes": [0, 0.002],
+    # Issue 31's peer monitor: recovery.peer_timeout_s at its default (10 s: a stopped peer's group
+    # ends before the collective timeout, 20 s; elsewhere only a false alarm), or 0, off (the
+    # watchdog and the collective timeout alone, as before it).
+    "peer_timeout": [10, 0],
 }
 LAYOUTS = {
     "apart": "checkpoint_dir, log_dir and export_dir side by side",
@@ -167,10 +171,11 @@ FAULTS = {
                         transient=False, exact=False),
     "full_disk": Fault("checkpoint_dir on a tmpfs that fits two checkpoints", ("ckpt_write",),
                        transient=False, exact=False),
-    "sigstop_worker": Fault("SIGSTOP of the last rank's worker (never continued): the other ranks' hang watchdog "
-                            "or collective timeout must end the group (step_timeout_s=3, factor 2, timeout_s=20)",
+    "sigstop_worker": Fault("SIGSTOP of the last rank's worker (never continued): the other ranks' peer monitor "
+                            "(peer_timeout_s 10, unless off), hang watchdog or collective timeout must end the group "
+                            "(step_timeout_s=3, factor 2, timeout_s=20)",
                             ("startup", "mid_step", "epoch_boundary", "eval", "ckpt_write", "final_save")),
-    "crash_one_rank": Fault("a deterministic error on rank 1 in every incarnation (crash@step=K,rank=1,restart=*) "
+    "crash_one_rank": Fault("a deterministic error on rank 1 in every restart (crash@step=K,rank=1,restart=*) "
                             "under ./launch_training.sh --max-restarts 3, max_no_progress_restarts 1: exit 1 with "
                             "a FATAL, no NODE_LOST, no 75", ("mid_step", "epoch_boundary"),
                             transient=False, exact=False),
@@ -231,7 +236,7 @@ def hf(cfg: dict) -> bool:
 # has no fault_inject.
 HF_FIXED = {"foreign": False, "resume": "none", "layout": "nested", "data": "map0", "spike_guard": "off", "accum": 1,
             "tiled_mlp": 0, "comm_hook": "none", "save_interval": 0, "stop": "max_steps", "save_on_peer_loss": True,
-            "save_every_minutes": 0,
+            "save_every_minutes": 0, "peer_timeout": 10,
             "world_change": "none", "nnodes": "fixed", "loss_average": "tokens"}
 HF_SHARE = 0.07
 HF_FAULTS = ("none", "kill9_worker", "kill9_agent", "kill9_node", "sigterm_worker")
@@ -339,10 +344,10 @@ def issue33_applicable(cfg: dict, fault: str, moment: str) -> str | None:
         return "SIGSTOP of the only process: nothing is left to notice (the watchdog is stopped with it)"
     if fault == "kill9_slow_save":
         if cfg["topology"] == "1":
-            return "the save alone needs a survivor (2 ranks)"
-        why = save_alone_skipped(cfg)
+            return "the survivor checkpoint needs a survivor (2 ranks)"
+        why = survivor_checkpoint_skipped(cfg)
         if why:
-            return f"no save alone to slow: {why}"
+            return f"no survivor checkpoint to slow: {why}"
     if fault == "crash_one_rank":
         if cfg["topology"] != "1x2" or cfg["data"] == "stream":
             return "crash_one_rank: launch_training.sh starts one node of 2 ddp_training.py processes"
@@ -357,8 +362,8 @@ def issue33_applicable(cfg: dict, fault: str, moment: str) -> str | None:
     return None
 
 
-def save_alone_skipped(cfg: dict) -> str | None:
-    """Why a survivor would not save alone (the trainer's _save_alone), or None."""
+def survivor_checkpoint_skipped(cfg: dict) -> str | None:
+    """Why a survivor would not write the survivor checkpoint (the trainer's _save_survivor_checkpoint), or None."""
     return ("checkpoint.save_on_peer_loss=false" if not cfg.get("save_on_peer_loss", True) else
             "a stream's state is every rank's" if cfg["data"] == "stream" else
             "PowerSGD's state is every rank's" if cfg["comm_hook"] == "powersgd" else None)
@@ -428,40 +433,41 @@ def config_args(trial: dict, lay: Layout, *, resume: str | None = None, foreign_
                     save_steps=cfg["save_every_steps"], save_total_limit=cfg["keep_last"],
                     checkpointing=cfg["act_ckpt"], resume="auto" if (resume or cfg["resume"]) == "auto" else "none",
                     eval_steps=EVAL_EVERY, save_model=str(lay.export or lay.ck / "export"))
-    args = dict(BASE, dataset_size=BATCH * STEPS_PER_EPOCH * w * accum, gradient_accumulation_steps=accum,
-                num_workers=2 * w if cfg["data"] == "map2" else 0, spike_guard=cfg["spike_guard"],
-                gradient_checkpointing=cfg["act_ckpt"], tiled_mlp_chunks=cfg["tiled_mlp"],
-                ddp_comm_hook=cfg["comm_hook"], save_every_steps=cfg["save_every_steps"],
-                save_interval=cfg["save_interval"], keep_last=cfg["keep_last"],
-                checkpoint_dir=str(lay.ck), log_dir=str(lay.logs))
+    args = {**BASE, "dataset_size": BATCH * STEPS_PER_EPOCH * w * accum, "data.gradient_accumulation_steps": accum,
+            "num_workers": 2 * w if cfg["data"] == "map2" else 0, "spike.guard": cfg["spike_guard"],
+            "memory.activation_checkpointing": cfg["act_ckpt"], "memory.tiled_mlp_chunks": cfg["tiled_mlp"],
+            "ddp.comm_hook": cfg["comm_hook"], "checkpoint.every_steps": cfg["save_every_steps"],
+            "save_interval": cfg["save_interval"], "checkpoint.keep_last": cfg["keep_last"],
+            "checkpoint.dir": str(lay.ck), "logging.dir": str(lay.logs)}
     args["checkpoint.save_on_peer_loss"] = cfg.get("save_on_peer_loss", True)  # absent from older results
     args["train.loss_average"] = cfg.get("loss_average", "micro_batch")
     args["checkpoint.every_minutes"] = cfg.get("save_every_minutes", 0)
+    args["recovery.peer_timeout_s"] = cfg.get("peer_timeout", 0)  # absent from older results: off, as they ran
     if elastic(cfg):
         # The global batch named, as a user whose run may change its world size names it: a launch
         # at another size with no checkpoint to take it from (a fresh start) keeps it too.
         args.update({"dropout": 0.0, "data.global_batch_size": BATCH * w * accum})
     if cfg["comm_hook"] == "powersgd":
-        args["powersgd_start_iter"] = 2
+        args["ddp.powersgd_start_iter"] = 2
     if lay.export is not None:
-        args["export_dir"] = str(lay.export)
+        args["checkpoint.export_dir"] = str(lay.export)
     if cfg["stop"] == "max_steps" or cfg["data"] == "stream":
-        args.update(max_steps=MAX_STEPS, num_epochs=NUM_EPOCHS)
+        args.update({"train.max_steps": MAX_STEPS, "num_epochs": NUM_EPOCHS})
     else:
-        args.update(max_steps=0, num_epochs=NUM_EPOCHS)
+        args.update({"train.max_steps": 0, "num_epochs": NUM_EPOCHS})
     mode = resume or cfg["resume"]
-    args["resume"] = str(foreign_path) if mode == "path" else mode
+    args["checkpoint.resume"] = str(foreign_path) if mode == "path" else mode
     spec = injected(trial)
     if spec:
-        args["fault_inject"] = spec
+        args["recovery.fault_inject"] = spec
     if fault in ("hang", "sigstop_worker"):
         args.update(HANG_TIMEOUTS)
     if fault == "sigstop_worker":  # a peer stopped before the first step is ended by the collective timeout
-        args["timeout_s"] = STOPPED_PEER_TIMEOUT_S
+        args["ddp.timeout_s"] = STOPPED_PEER_TIMEOUT_S
     if fault == "second_launch":  # slow steps (a sleep, the same model), so that the two launches overlap
-        args["fault_inject"] = "slow@step=0,ms=600,restart=*"
+        args["recovery.fault_inject"] = "slow@step=0,ms=600,restart=*"
     if rejoins(trial):
-        args["fault_inject"] = "; ".join(filter(None, [args.get("fault_inject"), REJOIN_SLOW]))
+        args["recovery.fault_inject"] = "; ".join(filter(None, [args.get("recovery.fault_inject"), REJOIN_SLOW]))
     if fault == "crash_one_rank":
         args["recovery.max_no_progress_restarts"] = 1
     if fault == "user_error":
@@ -478,7 +484,7 @@ def injected(trial: dict) -> str:
              "bad_data": "bad_data", "kill_dl_worker": "kill_worker"}
     if hf(cfg):
         return ""  # a script has no fault_inject: its faults are signals
-    if fault == "crash_one_rank":  # fails the same way in every incarnation: no restart can help
+    if fault == "crash_one_rank":  # fails the same way in every restart: no restart can help
         return f"crash@step={k},rank=1,restart=*"
     if fault == "kill9_slow_save":  # rank 0 killed; the last rank survives and saves alone
         return f"sigkill@step={k},rank=0"
@@ -693,14 +699,14 @@ def bound_s(trial: dict) -> float:
     """How long one launch may take before it counts as a hang: start-up under load, the steps,
     each torchrun restart, and the hang watchdog."""
     cfg, fault = trial["config"], trial["fault"]
-    per_incarnation = 45.0 + 3.0 * total_steps(cfg) * cfg["accum"]
+    per_restart = 45.0 + 3.0 * total_steps(cfg) * cfg["accum"]
     if rejoins(trial):
-        per_incarnation += 0.6 * total_steps(cfg) + REJOIN_AFTER_S  # REJOIN_SLOW
+        per_restart += 0.6 * total_steps(cfg) + REJOIN_AFTER_S  # REJOIN_SLOW
     restarts = RESTARTS_ONE_RANK_ERROR if fault == "crash_one_rank" else cfg["max_restarts"]
     # A stopped worker ignores torchrun's SIGTERM: its agent sends SIGKILL 30 s later.
     extra = {"hang": 20.0, "sigstop_worker": 20.0 + STOPPED_PEER_TIMEOUT_S + 30.0,
              "kill9_slow_save": SLOW_SAVE_S}.get(fault, 0.0)
-    return per_incarnation * (1 + restarts) + extra
+    return per_restart * (1 + restarts) + extra
 
 
 # --- reading what a run left --------------------------------------------------------------------
@@ -769,10 +775,10 @@ def foreign_template(cfg: dict, workdir: Path) -> Path:
             return _foreign_cache[key]
         out = workdir / f"foreign-{w}-{accum}-{int(stream)}"
         shutil.rmtree(out, ignore_errors=True)
-        args = dict(BASE, learning_rate=FOREIGN_LR, dataset_size=BATCH * STEPS_PER_EPOCH * w * accum,
-                    gradient_accumulation_steps=accum, num_workers=0, max_steps=FOREIGN_STEPS, save_every_steps=2,
-                    keep_last=3, export_dir="none", checkpoint_dir=str(out / "ck"), log_dir=str(out / "logs"),
-                    resume="none")
+        args = {**BASE, "learning_rate": FOREIGN_LR, "dataset_size": BATCH * STEPS_PER_EPOCH * w * accum,
+                "data.gradient_accumulation_steps": accum, "num_workers": 0, "train.max_steps": FOREIGN_STEPS,
+                "checkpoint.every_steps": 2, "checkpoint.keep_last": 3, "checkpoint.export_dir": "none",
+                "checkpoint.dir": str(out / "ck"), "logging.dir": str(out / "logs"), "checkpoint.resume": "none"}
         out.mkdir(parents=True)
         launch = run_forked({"config": cfg, "fault": "none", "moment": "startup"}, args, out)
         if launch["codes"] != [0] * w:
@@ -838,7 +844,7 @@ def run_trial(trial: dict, workdir: Path, *, reference: bool = False) -> dict:
             relaunch_mode = "auto" if newest_own_step_file(lay, set(foreign_files)) else None
             args = config_args(trial, lay, resume=relaunch_mode if attempt else None, foreign_path=foreign_path)
             if attempt:
-                args.pop("fault_inject", None)  # fault_inject fires in the first incarnation only, anyway
+                args.pop("recovery.fault_inject", None)  # a fault fires in the first start (restart 0) only, anyway
                 if relaunch_world(cfg) != world(cfg):
                     res["world_changed"] = f"{world(cfg)} -> {relaunch_world(cfg)} ranks"
             job = Job(trial, args, work, f"launch{attempt}", world_size=relaunch_world(cfg) if attempt else None)
@@ -861,7 +867,7 @@ def run_trial(trial: dict, workdir: Path, *, reference: bool = False) -> dict:
             if not res["hit"]:
                 res["notes"].append("fault_inject never fired")
         res.update(verdict_inputs(trial, lay, sentinels, foreign_files))
-        # A survivor of a peer's loss saved the last finished step alone (the trainer's _save_alone).
+        # A survivor of a peer's loss saved the last finished step alone (the trainer's _save_survivor_checkpoint).
         logs = [p.read_text(errors="replace") for p in lay.logs.glob("rank_*.log")]
         res["saved_alone"] = any("the last step every rank finished, alone" in text for text in logs)
         # A restart's rank 0 waited for the lock of a survivor of its run (checkpoint_files._locked_fd).
@@ -1061,7 +1067,7 @@ def dump_stacks(marker: str, path: Path) -> str | None:
 
 def freeze_in_save(trial: dict, job: Job, lay: Layout, res: dict, done: threading.Event) -> None:
     """kill9_slow_save: once the survivor (the last rank; rank 0 is the one killed) holds
-    checkpoint_dir's lock, which only its save alone takes, stop it for SLOW_SAVE_S: a save that
+    checkpoint_dir's lock, which only its survivor checkpoint takes, stop it for SLOW_SAVE_S: a save that
     outlasts the next round's start (a large model on a slow disk)."""
     last, lock, survivor = world(trial["config"]) - 1, lay.ck / ".lock", None
     while not done.is_set():
@@ -1219,9 +1225,9 @@ class Context:
         # So do they when the rollback moment came at a natural spike before the injected one, and
         # the launch that would have injected it ended first (seed 9000's trial 240): the reference
         # keeps that spike, the trial never saw it.
-        # And when a checkpoint the fault added (a save alone, a preemption's) became a rollback's
+        # And when a checkpoint the fault added (a survivor checkpoint, a preemption's) became a rollback's
         # target: the guard goes back to the newest checkpoint before the spike (seed 9000's trial
-        # 751 rolled back to its save alone of step 4, the reference to step 3).
+        # 751 rolled back to its survivor checkpoint of step 4, the reference to step 3).
         mine, theirs = res.get("rollback_targets"), (ref or {}).get("rollback_targets")
         self.guard_on_other_losses = self.cfg["spike_guard"] == "rollback" and (
             bool(self.cfg.get("save_every_minutes")) or bool(res.get("world_changes"))
@@ -1274,8 +1280,8 @@ def nothing_lost(c: Context) -> str | None:
             if skipped:
                 problems.append(f"due checkpoints never written: steps {skipped}")
     if res.get("froze_survivor") and not res.get("saved_alone"):
-        problems.append("the survivor held checkpoint_dir's lock to save alone, was slowed, and never wrote its "
-                        "checkpoint")
+        problems.append("the survivor held checkpoint_dir's lock for its survivor checkpoint, was slowed, and never "
+                        "wrote its checkpoint")
     return joined(problems)
 
 

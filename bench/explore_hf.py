@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """A transformers.Trainer script run through the drop-in (``framework.hf.Trainer``): the explorer's
 HF trials. A tiny Llama built from a config (random weights, nothing downloaded) learns
-framework/testing/hf_script.py's stride bytes, fully fine-tuned (no adapters).
+harness/hf_script.py's stride bytes, fully fine-tuned (no adapters).
 
     python bench/explore_hf.py --out DIR [--max-steps N] [--samples N] [--save-steps N]
         [--save-total-limit N] [--checkpointing off|non_reentrant|reentrant] [--resume none|auto]
@@ -47,7 +47,7 @@ def main(argv: list[str]) -> int:
     from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
 
     from framework.hf import Trainer
-    from framework.testing.hf_script import StrideBytes
+    from harness.hf_script import StrideBytes
     from framework.trainer import FatalError
 
     torch.manual_seed(0)

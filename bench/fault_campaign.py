@@ -51,20 +51,20 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from framework.observability.metrics import read_samples  # noqa: E402
-from framework.testing.launch import free_port, kill_matching, processes_matching, torchrun_cmd, worker_env  # noqa: E402
+from harness.launch import free_port, kill_matching, processes_matching, torchrun_cmd, worker_env  # noqa: E402
 
 # --- the run every cell trains ----------------------------------------------------------------
 # 2 ranks x batch 40 = 80 samples per step over 2,560 sequences: 32 steps per epoch, so 48 steps cross
 # an epoch boundary. The validation set is 256 sequences (a tenth of the data), all evaluated: an
 # evaluation costs about one training step, long enough to land a fault in.
 STEPS, SAVE_EVERY, EVAL_EVERY = 48, 8, 16
-CONFIG = dict(vocab_size=64, hidden_size=96, num_heads=2, num_layers=2, seq_len=48, dataset_size=2560,
-              batch_size=40, dropout=0.1, max_steps=STEPS, save_every_steps=SAVE_EVERY, keep_last=3,
-              log_interval=1, eval_interval=EVAL_EVERY, eval_steps=7, num_workers=0, deterministic=True,
-              record_samples=True, tensorboard=True, target_loss=0.0, learning_rate=2e-3, warmup_steps=4,
-              seed=5, resume="auto")
+CONFIG = {"vocab_size": 64, "hidden_size": 96, "num_heads": 2, "num_layers": 2, "seq_len": 48, "dataset_size": 2560,
+          "batch_size": 40, "dropout": 0.1, "train.max_steps": STEPS, "checkpoint.every_steps": SAVE_EVERY,
+          "checkpoint.keep_last": 3, "log_interval": 1, "eval.interval": EVAL_EVERY, "eval.steps": 7, "num_workers": 0,
+          "train.deterministic": True, "logging.record_samples": True, "logging.tensorboard": True, "target_loss": 0.0,
+          "learning_rate": 2e-3, "optim.warmup_steps": 4, "train.seed": 5, "checkpoint.resume": "auto"}
 MAX_RESTARTS = 2
-HANG_TIMEOUTS = dict(step_timeout_s=3, step_timeout_factor=2)  # the hang cells' watchdog
+HANG_TIMEOUTS = {"recovery.step_timeout_s": 3, "recovery.step_timeout_factor": 2}  # the hang cells' watchdog
 SCHEDULER_DELAY_S = 2.0  # how long "the scheduler" takes to notice a dead agent and relaunch it
 
 # --- the moments ------------------------------------------------------------------------------
@@ -157,7 +157,7 @@ TMP_FILE = re.compile(r"\.step_(\d{8})\.pt\.tmp\.\w+$")  # framework.state.atomi
 
 # --- one run: its agents, their outputs, and the rank logs as they grow ------------------------
 def train_args(run_dir: Path, extra: dict) -> list[str]:
-    cfg = {**CONFIG, "log_dir": str(run_dir / "logs"), "checkpoint_dir": str(run_dir / "ck"), **extra}
+    cfg = {**CONFIG, "logging.dir": str(run_dir / "logs"), "checkpoint.dir": str(run_dir / "ck"), **extra}
     return [part for key, value in cfg.items()
             for part in (f"--{key.replace('_', '-')}", str(value).lower() if isinstance(value, bool) else str(value))]
 
@@ -668,7 +668,7 @@ def run_cell(cell: Cell, ref: dict, workdir: Path, timeout: float) -> dict:
         resumed = watch.first("resumed from step", 0, after=t_fault) if t_fault is not None else None
         res["recover_s"] = round((resumed if resumed is not None else end) - t_fault, 1) if t_fault else None
         res["recover_to"] = "resume" if resumed is not None else "end"
-    res["incarnations"] = sum(1 for _, r, line in watch.lines if r == 0 and "process group up" in line)
+    res["restarts"] = sum(1 for _, r, line in watch.lines if r == 0 and "process group up" in line)
     res["resumed_from"] = [int(m.group(1)) for _, r, line in watch.lines
                            if r == 0 and (m := re.search(r"resumed from step (\d+)", line))]
     res["unusable"] = sorted({m.group(1) for _, r, line in watch.lines
@@ -733,8 +733,8 @@ def row(cell: Cell) -> list[str]:
     details = [r["reason"]] if r["reason"] else []
     if r.get("first_run"):
         details.append(f"first run: {r['first_run']}")
-    if r.get("incarnations", 1) > 1:
-        details.append(f"{r['incarnations']} incarnations")
+    if r.get("restarts", 1) > 1:
+        details.append(f"{r['restarts']} restarts")
     if r.get("resumed_from"):
         details.append(f"resumed from {', '.join(map(str, r['resumed_from']))}")
     if r.get("unusable"):

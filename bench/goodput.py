@@ -49,14 +49,15 @@ sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))
 
 from fault_campaign import LogWatch  # noqa: E402  (tails the rank logs, timing each line)
-from framework.testing.launch import cli_args, free_port, kill_matching, torchrun_cmd, worker_env  # noqa: E402
+from harness.launch import cli_args, free_port, kill_matching, torchrun_cmd, worker_env  # noqa: E402
 
 # The fault campaign's model (about 60 ms a step on 2 ranks here), trained without end: the bench
 # stops it. A checkpoint every 40 steps (about 3 s), asynchronous.
-CONFIG = dict(vocab_size=64, hidden_size=96, num_heads=2, num_layers=2, seq_len=48, dataset_size=2560,
-              batch_size=40, dropout=0.0, max_steps=10**6, num_epochs=10**4, save_every_steps=40, keep_last=2,
-              log_interval=1, eval_interval=0, num_workers=0, deterministic=True, tensorboard=False,
-              target_loss=0.0, learning_rate=2e-3, warmup_steps=4, seed=5, straggler_interval=0)
+CONFIG = {"vocab_size": 64, "hidden_size": 96, "num_heads": 2, "num_layers": 2, "seq_len": 48, "dataset_size": 2560,
+          "batch_size": 40, "dropout": 0.0, "train.max_steps": 10**6, "num_epochs": 10**4,
+          "checkpoint.every_steps": 40, "checkpoint.keep_last": 2, "log_interval": 1, "eval.interval": 0,
+          "num_workers": 0, "train.deterministic": True, "logging.tensorboard": False, "target_loss": 0.0,
+          "learning_rate": 2e-3, "optim.warmup_steps": 4, "train.seed": 5, "straggler.interval": 0}
 RDZV_CONF = "join_timeout=60,last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3"
 STEP_LINE = re.compile(r"step (\d+)/")
 STARTUP_LINE = re.compile(r"start-up took ([\d.]+) s to the end of the first step: (.*)")
@@ -67,7 +68,7 @@ class Job:
 
     def __init__(self, variant: str, run_dir: Path):
         self.variant, self.dir = variant, run_dir
-        args = cli_args({**CONFIG, "log_dir": str(run_dir / "logs"), "checkpoint_dir": str(run_dir / "ck"),
+        args = cli_args({**CONFIG, "logging.dir": str(run_dir / "logs"), "checkpoint.dir": str(run_dir / "ck"),
                          "checkpoint.save_on_peer_loss": variant != "kill9_worker_nosave"})
         self.port = free_port()
         script = ROOT / "ddp_training.py"

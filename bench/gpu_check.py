@@ -49,7 +49,7 @@ TINY = {"vocab_size": 256, "hidden_size": 256, "num_layers": 4, "num_heads": 4, 
 def train(tmp: Path, name: str, overrides: dict | None = None, /, nproc: int = 1, **keys) -> dict:
     """ddp_training.py under torchrun with TINY + overrides (dotted keys) + keys (compact ones); its
     summary.json and its log."""
-    from framework.testing.launch import cli_args, torchrun_cmd, worker_env
+    from harness.launch import cli_args, torchrun_cmd, worker_env
     run = tmp / name
     args = cli_args({**TINY, **(overrides or {}), **keys, "logging.dir": str(run / "logs"),
                      "checkpoint.dir": str(run / "ck")})

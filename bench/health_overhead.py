@@ -42,7 +42,7 @@ def timed(fn, repeat=50) -> float:
 def allgather_ms() -> float:
     """The median time of the straggler check's all-gather (4 float64 per rank) on 2 gloo ranks."""
     import subprocess
-    from framework.testing.launch import torchrun_cmd, worker_env
+    from harness.launch import torchrun_cmd, worker_env
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "allgather.json"
         subprocess.run(torchrun_cmd(Path(__file__), ["--allgather-worker", str(out)], nproc=2), cwd=ROOT,
@@ -93,6 +93,7 @@ def main() -> None:
     import torch
     torch.set_num_threads(1)
     from framework.config import parse_command_line
+    from framework.config.schema import RecoverySection
     from framework.resilience.watchdog import Watchdog
     from framework.resilience.consistency import parameter_hashes
     from framework.resilience.memory import memory_stats
@@ -103,10 +104,10 @@ def main() -> None:
         cfg, _ = parse_command_line(["--config", "configs/nanogpt_shakespeare_char.toml", "--resume", "none",
                                      "--log-dir", f"{tmp}/logs", "--checkpoint-dir", f"{tmp}/ck"], env={})
         trainer = DDPTrainer(cfg)
-        trainer._stream.start_epoch()
+        trainer.stream.start_epoch()
 
         def step():
-            loss = trainer.forward_backward(trainer._stream.next_step())
+            loss = trainer.forward_backward(trainer.stream.next_step())
             trainer.optimizer_step(loss)
             trainer.sampler.advance()
             trainer.step += 1
@@ -126,7 +127,8 @@ def main() -> None:
         gc.enable()
         gc1_s = statistics.median(gc1)
         gc_full_s = timed(gc.collect, 5)
-        dog = Watchdog(step_timeout_s=600, factor=10, log_file=sys.stderr, rank=0, world_size=1)
+        dog = Watchdog(RecoverySection(step_timeout_s=600, step_timeout_factor=10), log_file=sys.stderr, rank=0,
+                       world_size=1)
         arm_s = timed(lambda: (dog.arm(1), dog.disarm()), 200)
         dog.close()
         hash_s = timed(lambda: parameter_hashes(trainer.raw_model), 20)

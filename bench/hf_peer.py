@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """framework.hf.Trainer against transformers.Trainer on the same LoRA script
-(framework/testing/hf_script.py, the one import changed), 2 gloo ranks on this machine.
+(harness/hf_script.py, the one import changed), 2 gloo ranks on this machine.
 
 Reports, for each: the wall time of the whole command and of ``train()``, the training speed
 (steps/s), and the in-place restart outcomes after a kill -9 of rank 1 at a step drawn from a fixed
@@ -13,7 +13,7 @@ per-launch timeout). The script passes ``resume_from_checkpoint=None``, as most 
     python bench/hf_peer.py --sft --kills 10 --max-steps 60 --out hf_peer_sft.json
 
 ``--sft``: trl.SFTTrainer against framework.hf.SFTTrainer on the Kaggle guide's script
-(framework/testing/sft_script.py: its own init_process_group, DDP wrapping, rank 0's save_pretrained):
+(harness/sft_script.py: its own init_process_group, DDP wrapping, rank 0's save_pretrained):
 TRL runs it with save_strategy "steps" on every rank (the guide's per-rank save_strategy hangs it
 at its first save: ``--guide-as-written`` measures that once), the drop-in as written. The kill
 comes mid-step (in the forward after the drawn step), and each outcome also says whether the
@@ -32,11 +32,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from framework.testing.launch import launch  # noqa: E402
+from harness.launch import launch  # noqa: E402
 
-SCRIPT = ROOT / "framework" / "testing" / "hf_script.py"
+SCRIPT = ROOT / "harness" / "hf_script.py"
 PEERS = {"transformers.Trainer": ["--plain"], "framework.hf.Trainer": []}
-SFT_SCRIPT = ROOT / "framework" / "testing" / "sft_script.py"
+SFT_SCRIPT = ROOT / "harness" / "sft_script.py"
 SFT_PEERS = {"trl.SFTTrainer": ["--plain", "--same-save-strategy"], "framework.hf.SFTTrainer": []}
 
 

@@ -205,10 +205,10 @@ class SavedCounter:
 def build_trainer(mode: str, workdir: Path, seq_len: int, steps: int):
     from framework.trainer import DDPTrainer
     ckpt, chunks = MODES[mode]
-    cfg = dict(MODEL, seq_len=seq_len, gradient_checkpointing=ckpt, tiled_mlp_chunks=chunks,
-               data="synthetic", dataset_size=max(4, steps), num_workers=0, max_steps=steps,
-               target_loss=0.0, eval_interval=0, tensorboard=False, progress_bar="false",
-               log_dir=str(workdir / "logs"), checkpoint_dir=str(workdir / "checkpoints"))
+    cfg = {**MODEL, "seq_len": seq_len, "memory.activation_checkpointing": ckpt, "memory.tiled_mlp_chunks": chunks,
+           "data.source": "synthetic", "dataset_size": max(4, steps), "num_workers": 0, "train.max_steps": steps,
+           "target_loss": 0.0, "eval.interval": 0, "logging.tensorboard": False, "logging.progress_bar": "false",
+           "logging.dir": str(workdir / "logs"), "checkpoint.dir": str(workdir / "checkpoints")}
     return DDPTrainer(cfg)
 
 
@@ -233,23 +233,23 @@ class Stepper:
                     with counter.hooks():
                         return self.inner(*a, **kw)
 
-            loss_fn = trainer._loss_fn
+            loss_fn = trainer.loss_fn
 
             def counted_loss(logits, targets):
                 with counter.hooks():
                     return loss_fn(logits, targets)
 
             trainer.model = Counted(trainer.model)  # forward_backward only calls self.model(inputs)
-            trainer._loss_fn = counted_loss
-            steps = getattr(trainer, "_train_step", None)  # TrainStep runs the step with its own references
+            trainer.loss_fn = counted_loss
+            steps = getattr(trainer, "train_step", None)  # TrainStep runs the step with its own references
             if steps is not None:
                 steps.model, steps.loss_fn = trainer.model, counted_loss
         trainer.model.train()
-        self.batches = iter(trainer._stream.loader)
+        self.batches = iter(trainer.stream.loader)
 
     def step(self) -> dict:
         import torch
-        trainer, counter, stats = self.trainer, self.counter, self.trainer._activation_checkpointing.stats
+        trainer, counter, stats = self.trainer, self.counter, self.trainer.activation_checkpointing.stats
         micro = [next(self.batches) for _ in range(trainer.sampler.accumulation)]
         counter.reset()
         packed0 = stats.packed_bytes
@@ -279,8 +279,8 @@ def worker_mode(args) -> dict:
     steps = [stepper.step() for _ in range(args.steps)]
     ckpt, chunks = MODES[args.mode]
     return dict(mode=args.mode, gradient_checkpointing=ckpt, tiled_mlp_chunks=chunks,
-                checkpointed_modules=len(trainer._activation_checkpointing.wrapped), device=str(trainer.env.device),
-                amp=bool(trainer._amp), threads=torch.get_num_threads(),
+                checkpointed_modules=len(trainer.activation_checkpointing.wrapped), device=str(trainer.env.device),
+                amp=trainer.precision.autocast, threads=torch.get_num_threads(),
                 parameters=sum(p.numel() for p in trainer.raw_model.parameters()), steps=steps,
                 rss_before_steps_kib=rss_before, peak_rss_kib=maxrss_kib(),
                 cuda_peak_bytes=torch.cuda.max_memory_allocated() if stepper.cuda else None)

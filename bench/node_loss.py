@@ -15,7 +15,7 @@ Each cell reports:
   stopped cleanly; one relaunch of the surviving node's command, as a scheduler would do,
   finished it, with nothing lost), ``clean stop`` (a stop with a one-line reason and no relaunch
   could finish), ``HANG`` or ``FAILED``;
-- seconds from the loss to the moment every surviving process has ended or the new incarnation's
+- seconds from the loss to the moment every surviving process has ended or the new restart's
   rank 0 has ended its first step ("to training or stop"), the issue's bound being 30 s;
 - left: processes of the cell still alive after it (must be 0).
 
@@ -46,19 +46,20 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from framework.observability.metrics import read_samples  # noqa: E402
-from framework.testing.launch import (cli_args, free_port, kill_matching, processes_matching,  # noqa: E402
+from harness.launch import (cli_args, free_port, kill_matching, processes_matching,  # noqa: E402
                                       torchrun_cmd, worker_env)
 
 # 512 samples, 16 a step (data.global_batch_size: 4 ranks x 4, or 2 ranks x 4 x 2 accumulation,
 # whatever world size a launch or restart starts at), 32 steps an epoch, 40 steps in all; a
 # checkpoint every 8 steps, an evaluation every 16.
 STEPS = 40
-CONFIG = dict(vocab_size=64, hidden_size=64, num_heads=2, num_layers=2, seq_len=32, dataset_size=512, dropout=0.0,
-              batch_size=4, **{"data.global_batch_size": 16},
-              max_steps=STEPS, save_every_steps=8, keep_last=10, log_interval=1, eval_interval=16, eval_steps=8,
-              num_workers=0, deterministic=True, record_samples=True, tensorboard=False, target_loss=0.0,
-              learning_rate=2e-3, warmup_steps=4, seed=5, timeout_s=30, straggler_interval=0,
-              fault_inject="slow@step=0,ms=40,restart=*")
+CONFIG = {"vocab_size": 64, "hidden_size": 64, "num_heads": 2, "num_layers": 2, "seq_len": 32, "dataset_size": 512,
+          "dropout": 0.0, "batch_size": 4, "data.global_batch_size": 16, "train.max_steps": STEPS,
+          "checkpoint.every_steps": 8, "checkpoint.keep_last": 10, "log_interval": 1, "eval.interval": 16,
+          "eval.steps": 8, "num_workers": 0, "train.deterministic": True, "logging.record_samples": True,
+          "logging.tensorboard": False, "target_loss": 0.0, "learning_rate": 2e-3, "optim.warmup_steps": 4,
+          "train.seed": 5, "ddp.timeout_s": 30, "straggler.interval": 0,
+          "recovery.fault_inject": "slow@step=0,ms=40,restart=*"}
 RDZV_CONF = "join_timeout=20,last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3"
 MOMENTS = {"mid_step": "after rank 0 logs step 12", "ckpt_write": "a checkpoint temp file exists (step 8 first)",
            "eval": "rank 0 logged 'evaluating at step 16'"}
@@ -81,7 +82,7 @@ class Cluster:
 
     def __init__(self, run_dir: Path, nproc: int, backend: str, endpoint_port: int):
         self.dir, self.nproc = run_dir, nproc
-        cfg = {**CONFIG, "log_dir": str(run_dir / "logs"), "checkpoint_dir": str(run_dir / "ck")}
+        cfg = {**CONFIG, "logging.dir": str(run_dir / "logs"), "checkpoint.dir": str(run_dir / "ck")}
         cmd = torchrun_cmd(ROOT / "ddp_training.py", cli_args(cfg), nproc=nproc, port=endpoint_port,
                            extra=["--rdzv-id", run_dir.name, "--max-restarts", "2", "--rdzv-conf", RDZV_CONF])
         cmd[cmd.index("--nnodes") + 1] = "1:2"
@@ -139,7 +140,7 @@ def reference(topology: str, workdir: Path) -> Path:
     """An uninterrupted run at the topology's full world size (one node of 2 or 4 processes)."""
     run_dir = workdir / f"reference-{topology}"
     world = 2 if topology == "2x1" else 4
-    cfg = {**CONFIG, "log_dir": str(run_dir / "logs"), "checkpoint_dir": str(run_dir / "ck")}
+    cfg = {**CONFIG, "logging.dir": str(run_dir / "logs"), "checkpoint.dir": str(run_dir / "ck")}
     cfg.pop("fault_inject")
     proc = subprocess.run(torchrun_cmd(ROOT / "ddp_training.py", cli_args(cfg), nproc=world), cwd=ROOT,
                           env=worker_env(), capture_output=True, text=True, timeout=600)
@@ -198,7 +199,7 @@ def run_cell(topology: str, backend: str, lost: int, moment: str, port: int, ref
         # To training again (a step line after a resume in rank 0's log), or every survivor ended.
         settled = None
         while time.monotonic() - lost_at < 120:
-            # A new incarnation's rank 0 logs its start-up at the end of its first step.
+            # A new restart's rank 0 logs its start-up at the end of its first step.
             if "start-up took" in rank0_log(run_dir)[len(before):]:
                 settled = "training again"
                 break

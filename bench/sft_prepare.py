@@ -34,7 +34,7 @@ def main() -> None:
     from trl import SFTTrainer as TRLTrainer
 
     from framework.hf import SFTConfig, SFTTrainer
-    from framework.testing.sft_script import build_model, build_tokenizer, dataset
+    from harness.sft_script import build_model, build_tokenizer, dataset
 
     tokenizer = build_tokenizer()
     data = dataset("text", args.rows)

@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 def run(tmp: Path, name: str, steps: int, extra: list[str]) -> dict:
     from framework.observability.metrics import read_metrics
-    from framework.testing.launch import torchrun_cmd, worker_env
+    from harness.launch import torchrun_cmd, worker_env
 
     logs = tmp / name / "logs"
     args = ["--config", "configs/nanogpt_shakespeare_char.toml", "--batch-size", "6", "--max-steps", str(steps),

@@ -2,7 +2,7 @@
 """Training throughput of DDPTrainer against a bare PyTorch loop, on CPU, in one run.
 
 With CUDA, both run on the GPU of their local rank (NCCL between ranks), the bare loop with the
-framework's autocast and GradScaler (framework.train.optim.precision), and every step's stamp is taken
+framework's autocast and GradScaler (framework.train.optim.Precision), and every step's stamp is taken
 after torch.cuda.synchronize(). One GPU cannot hold 2 NCCL ranks: there, run 1-process variants
 only (--variants ab, --compile --max-procs 1), as bench/gpu_check.py does.
 
@@ -96,8 +96,8 @@ def load_cfg(workdir: Path, total_steps: int, overrides: dict | None = None):
     from framework.config import ALIASES, build_config, load_config_file
     values = {f"{section}.{key}": value for section, keys in load_config_file(CONFIG).items()
               for key, value in keys.items()}
-    run = dict(max_steps=total_steps, eval_interval=0, eval_steps=1, tensorboard=True,
-               log_dir=str(workdir / "logs"), checkpoint_dir=str(workdir / "checkpoints"), **(overrides or {}))
+    run = {"train.max_steps": total_steps, "eval.interval": 0, "eval.steps": 1, "logging.tensorboard": True,
+           "logging.dir": str(workdir / "logs"), "checkpoint.dir": str(workdir / "checkpoints"), **(overrides or {})}
     values.update({ALIASES.get(key, key): value for key, value in run.items()})  # flat names -> section.key
     return build_config(values, env={})
 
@@ -139,7 +139,7 @@ def run_framework(cfg, clock: Clock) -> dict:
                    if k.startswith("avg_") or k in ("rebuilt_bucket_sizes", "num_buckets_reduced")} if hasattr(
         ddp, "_get_ddp_logging_data") else {}
     return {"first_step_s": clock.wall[0] - train_start, "ddp_logging": ddp_logging,
-            "loader_workers": trainer._num_workers,
+            "loader_workers": trainer.num_workers,
             "world_size": trainer.env.world_size,
             "rank": trainer.env.rank, "self_reported_tokens_per_sec": summary["tokens_per_sec"],
             "tokens_per_step": cfg.data.batch_size * cfg.model.seq_len * trainer.env.world_size}
@@ -154,7 +154,7 @@ def run_bare(cfg, clock: Clock, seed_offset: int = 0) -> dict:
     from framework.data.datasets import build_datasets
     from framework.ddp.process_group import select_device
     from framework.model.gpt import GPT, GPTConfig, lm_loss
-    from framework.train.optim import build_optimizer, lr_at, precision
+    from framework.train.optim import Precision, build_optimizer, lr_at
     world = int(os.environ.get("WORLD_SIZE", 1))
     cuda = torch.cuda.is_available()
     device = select_device(int(os.environ.get("LOCAL_RANK", 0)), cuda, torch.cuda.device_count() if cuda else 0)
@@ -172,7 +172,8 @@ def run_bare(cfg, clock: Clock, seed_offset: int = 0) -> dict:
     model = torch.nn.parallel.DistributedDataParallel(raw, device_ids=ids) if world > 1 else raw
     opt = build_optimizer(raw, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay,
                           betas=(cfg.optim.beta1, cfg.optim.beta2), impl=cfg.optim.impl)  # the framework's kernels
-    amp, amp_dtype, scaler = precision(cfg, device)  # the framework's autocast and GradScaler
+    mixed = Precision(cfg.precision, device=device)  # the framework's autocast and GradScaler
+    amp, amp_dtype, scaler = mixed.autocast, mixed.dtype, mixed.scaler
     gen = torch.Generator().manual_seed(cfg.train.seed + 1 + rank + 100 * seed_offset)
     offsets = torch.arange(cfg.model.seq_len + 1)
     B, T = cfg.data.batch_size, cfg.model.seq_len
@@ -545,7 +546,7 @@ def orchestrate_compile(args) -> int:
     print(f"torch {torch.__version__}; warm-up {args.warmup} steps, timed {args.steps} steps, {args.repeats} "
           f"repeat(s); CPU busy before start {busy_before:.0%}", flush=True)
     variants = {f"{kind} {n} process{'es' if n > 1 else ''}": (n, overrides) for n in (1, 2)[:args.max_procs]
-                for kind, overrides in (("eager", {}), ("compiled", {"compile": True}))}
+                for kind, overrides in (("eager", {}), ("compiled", {"compile.enabled": True}))}
     runs: dict[str, list[dict]] = {k: [] for k in variants}
     with tempfile.TemporaryDirectory(prefix="bench_compile_") as tmpdir:
         for i in range(args.repeats):

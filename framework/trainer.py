@@ -30,6 +30,7 @@ from .observability.metrics import SampleLog, StartupClock, StepLog, log_run_sta
 from .resilience import markers
 from .resilience.consistency import ConsistencyCheck, model_sha256
 from .resilience.markers import FatalError
+from .resilience.peers import PeerMonitor
 from .resilience.memory import GcPolicy
 from .resilience.preemption import PreemptionHandler
 from .resilience.spike_guard import SpikeGuard
@@ -37,14 +38,14 @@ from .resilience.straggler import StragglerMonitor
 from .resilience.watchdog import Watchdog
 from .state import atomic, export, rng
 from .state.checkpoint_files import CheckpointDirLocked, CheckpointError
-from .state.checkpointer import BufferWatch, Checkpointer, guard_restart_loop, open_manager
-from .testing.faults import FaultPlan
+from .state.checkpointer import StepStartBuffers, Checkpointer, guard_restart_loop, open_store
+from .resilience.faults import FaultPlan
 from .train.callbacks import UserCallbacks, user_stateful
-from .train.moments import Moments
-from .train.control import Agreement, agree
+from .train.events import EventBus, StepResult
+from .train.agreement import Agreement, agree
 from .train.evaluation import Evaluator
-from .train.optim import optimizer_and_schedule, precision
-from .train.step import SkipBudget, TrainStep, apply_recorded_micro_batch, prepare_model
+from .train.optim import Precision, optimizer_and_schedule
+from .train.step import SkipBudget, TrainStep, apply_recorded_micro_batch, oom_recovery_enabled, prepare_model
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +70,7 @@ class DDPTrainer:
     the run. ``doctor=True`` only runs the DDP preflight (``report``, ``decision``). A non-retriable
     error, here or in ``train``, leaves a FATAL marker in checkpoint_dir.
 
-    Public attributes (everything else is private and may change):
+    Public attributes (the rest is private and may change):
 
     - ``model``: the model that trains: the DDP wrapper (compiled when ``compile`` says so) or, on
       one process, the model itself;
@@ -79,7 +80,14 @@ class DDPTrainer:
     - ``step``: the number of optimizer steps done (an int);
     - ``config``: the resolved TrainConfig (``cfg`` is a read-only alias);
     - ``env``: the process's place in the run (rank, world_size, device, distributed);
-    - ``report``, ``decision``: the DDP preflight's findings and the settings it chose.
+    - ``report``, ``decision``: the DDP preflight's findings and the settings it chose;
+    - the components, each built from its configuration section: ``stream`` (each step's
+      micro-batches), ``checkpointer`` (what is saved, when, and the resume), ``train_step``,
+      ``evaluator``, ``precision`` (autocast, dtype, GradScaler), ``schedule``, ``skips``,
+      ``comm_hook``, ``activation_checkpointing``, and what surrounds a step: ``watchdog``,
+      ``stragglers``, ``spike_guard``, ``consistency``, ``step_start_buffers``, ``faults``;
+    - ``events``: the run's event bus (framework/train/events.py); ``events.attach(listener)``
+      adds a ``Listener`` after the others.
 
     Methods: ``train()``, ``evaluate()``, ``save_checkpoint()``, ``request_stop()``, ``close()``, and one step by hand
     with ``forward_backward()`` and ``optimizer_step()``."""
@@ -100,8 +108,8 @@ class DDPTrainer:
                  stateful: dict[str, Any] | None = None):
         self._preemption = PreemptionHandler().install()
         self._startup = StartupClock()
-        self._user_optim, self._callbacks = (optimizer, lr_scheduler), UserCallbacks(callbacks, owner=self)
-        self._moments = Moments()  # the run's moments; fault injection and the callbacks attach to it
+        self._user_optim, self.callbacks = (optimizer, lr_scheduler), UserCallbacks(callbacks, owner=self)
+        self.events = EventBus()  # the run's event bus: what surrounds a step, fault injection, the callbacks
         self._user_state = user_stateful(stateful)
         try:
             self.config = cfg = resolve_config(config)
@@ -111,7 +119,7 @@ class DDPTrainer:
         self._owns_process_group = not dist.is_initialized()
         process_group.close_at_exit(self._close_at_exit)
         self._debug = debug
-        self._log_path = setup_logging(process_group.read_env(rank, world_size)[0], cfg.logging.dir, debug=debug)
+        self.log_path = setup_logging(process_group.read_env(rank, world_size)[0], cfg.logging.dir, debug=debug)
         self.env = process_group.setup(cfg.ddp.backend, cfg.ddp.init_timeout_s or cfg.ddp.timeout_s, rank=rank,
                                        world_size=world_size, log_dir=cfg.logging.dir)
         self._startup.mark("process group")
@@ -134,8 +142,8 @@ class DDPTrainer:
         caller that counts them in the run's epochs, whose length is known once the checkpoint
         (its global batch) is loaded (framework.hf: a run resumed at another world size)."""
         self.config.train.max_steps, self.config.eval.interval = max_steps, eval_interval
-        self._evaluator.interval = eval_interval
-        self._total_steps = self._schedule.total_steps = self.sampler.last_step(self.step, self.config)
+        self.evaluator.interval = eval_interval
+        self._total_steps = self.schedule.total_steps = self.sampler.last_step(self.step, self.config)
 
     @property
     def report(self):
@@ -170,35 +178,35 @@ class DDPTrainer:
 
     def _build(self, model, train_dataset, val_dataset, loss_fn, doctor: bool) -> None:
         builtin_data = train_dataset is None  # checkpoint_dir's lock first: its markers may be a live run's
-        self._checkpointer = Checkpointer(self.config, self.env, open_manager(self.config, self.env), {},
+        self.checkpointer = Checkpointer(self.config, self.env, open_store(self.config, self.env), {},
                                           builtin_data=builtin_data, builtin_model=model is None,
-                                          on_save=self._moments.saved)
-        markers.check_at_start(self.config.checkpoint.dir, restart_count=process_group.incarnation(),
+                                          on_save=self.events.saved)
+        markers.check_at_start(self.config.checkpoint.dir, group_restarts=process_group.group_restarts(),
                                is_main=self.env.is_main, is_local_main=self.env.local_rank == 0)
         if self.config.train.deterministic:
             rng.use_deterministic_kernels()
         if builtin_data:
             self.config, train_dataset, val_dataset = builtin_datasets(self.config)
-        self._train_dataset, self._val_dataset = train_dataset, val_dataset
+        self.train_dataset, self.val_dataset = train_dataset, val_dataset
         self._build_model(model)
-        self._loss_fn = lm_loss if model is None and loss_fn is None else loss_fn
+        self.loss_fn = lm_loss if model is None and loss_fn is None else loss_fn
         # Model init used the shared seed; dropout and everything after draw per-rank streams.
         rng.seed_all(self.config.train.seed + 1 + self.env.rank)
-        self._amp, self._amp_dtype, self._scaler = precision(self.config, self.env.device)
-        self.optimizer, self._schedule = optimizer_and_schedule(self.config, self.raw_model, *self._user_optim)
+        self.precision = Precision(self.config.precision, device=self.env.device)
+        self.optimizer, self.schedule = optimizer_and_schedule(self.config, self.raw_model, *self._user_optim)
         self._build_data()
         self._startup.mark("model and data")
         state = self._restore(load=not doctor)
         self._startup.mark("checkpoint load")
-        self._total_steps = self._schedule.total_steps = self.sampler.last_step(self.step, self.config)
+        self._total_steps = self.schedule.total_steps = self.sampler.last_step(self.step, self.config)
         self._resumed = state is not None
-        log_run_start(self.config, self.env, self.sampler, model=self.raw_model, amp=self._amp,
-                      total_steps=self._total_steps, num_workers=self._num_workers, builtin_model=model is None,
+        log_run_start(self.config, self.env, self.sampler, model=self.raw_model, amp=self.precision.autocast,
+                      total_steps=self._total_steps, num_workers=self.num_workers, builtin_model=model is None,
                       builtin_data=builtin_data)
         self._wrap(doctor)
         self._startup.mark("DDP preflight")
         if state is not None:
-            self._checkpointer.restore_rng(state, self.step)
+            self.checkpointer.restore_rng(state, self.step)
         self._build_run_health()
 
     def _restore(self, *, load: bool) -> dict | None:
@@ -206,29 +214,28 @@ class DDPTrainer:
         after the DDP preflight, which must not consume it)."""
         cfg, env = self.config, self.env
         self.step = self._tokens_total = 0
-        self._skips = SkipBudget(cfg.recovery.max_errors_per_epoch)
-        self._spike_guard = SpikeGuard(cfg.spike, checkpoint_dir=cfg.checkpoint.dir,
+        self.skips = SkipBudget(cfg.recovery.max_errors_per_epoch)
+        self.spike_guard = SpikeGuard(cfg.spike, checkpoint_dir=cfg.checkpoint.dir,
                                        exclude_samples=cfg.data.exclude_samples, is_main=env.is_main)
-        self._spike_guard.attach(self.sampler)
-        self._pending_spike = None
-        self._comm_hook = CommHook(cfg.ddp, env, seed=cfg.train.seed)
-        self._checkpointer.attach(cfg, {
+        self.spike_guard.attach(self.sampler)
+        self.comm_hook = CommHook(cfg.ddp, env=env, seed=cfg.train.seed)
+        self.checkpointer.attach(cfg, {
             "trainer": _Saved(self._state_dict, self._load_state_dict), "model": self.raw_model,
-            "optimizer": self.optimizer, "scaler": self._scaler, "schedule": self._schedule, "sampler": self.sampler,
-            "stream": self._stream, "skips": self._skips, "spike_guard": self._spike_guard,
-            "comm_hook": self._comm_hook, **self._user_state, **self._callbacks.stateful()})
-        state = self._checkpointer.load() if load else None
+            "optimizer": self.optimizer, "scaler": self.precision.scaler, "schedule": self.schedule,
+            "sampler": self.sampler, "stream": self.stream, "skips": self.skips, "spike_guard": self.spike_guard,
+            "comm_hook": self.comm_hook, **self._user_state, **self.callbacks.stateful()})
+        state = self.checkpointer.load() if load else None
         if state is not None:
-            self._checkpointer.restore(state)
+            self.checkpointer.restore(state)
             log.info("resumed from step %d (epoch %d, sample %d of the epoch)", self.step, self.sampler.epoch,
                      self.sampler.consumed)
-            self._spike_guard.adopt_recorded()
+            self.spike_guard.adopt_recorded()
         if load:
             guard_restart_loop(cfg, env, self.step)
         if self.sampler.steps_remaining() == 0:  # saved at the end of an epoch
             self.sampler.set_epoch(self.sampler.epoch + 1)
-            self._skips.new_epoch()
-        if process_group.incarnation() > 0:
+            self.skips.new_epoch()
+        if process_group.group_restarts() > 0:
             apply_recorded_micro_batch(self.sampler, cfg.checkpoint.dir)
         return state
 
@@ -259,53 +266,59 @@ class DDPTrainer:
         self.raw_model = (GPT(GPTConfig.from_train_config(cfg)) if model is None else model).to(self.env.device)
         if model is not None:  # the built-in GPT tiles its own MLP
             tile_user_mlps(self.raw_model, cfg.memory.tiled_mlp_chunks, cfg.memory.tiled_mlp_modules)
-        self._activation_checkpointing = enable_checkpointing(self.raw_model, cfg.memory.activation_checkpointing,
+        self.activation_checkpointing = enable_checkpointing(self.raw_model, cfg.memory.activation_checkpointing,
                                                               cfg.memory.activation_checkpointing_modules)
 
     def _build_data(self) -> None:
         if self.env.distributed:
-            check_same_datasets(self._train_dataset, self._val_dataset)
-        self.sampler, self._stream, self._num_workers = build_stream(self._train_dataset, self.config, self.env,
-                                                                     self._val_dataset)
+            check_same_datasets(self.train_dataset, self.val_dataset)
+        self.sampler, self.stream, self.num_workers = build_stream(self.train_dataset, self.config, self.env,
+                                                                     self.val_dataset)
 
     def _wrap(self, doctor: bool) -> None:
         cfg, env = self.config, self.env
-        self._oom_recovery = cfg.recovery.oom == "true" or (cfg.recovery.oom == "auto" and env.device.type == "cuda")
         self.model, self._report, self._decision = prepare_model(
-            lambda: policy.prepare(self.raw_model, self._peek, self._loss_fn, self._autocast, cfg,
+            lambda: policy.prepare(self.raw_model, self._peek, self.loss_fn, self._autocast, cfg,
                                    env.device, distributed=env.distributed, doctor=doctor,
-                                   comm_hook=self._comm_hook),
-            self.sampler, cfg.checkpoint.dir, oom_recovery=self._oom_recovery)
+                                   comm_hook=self.comm_hook),
+            self.sampler, cfg.checkpoint.dir, oom_recovery=oom_recovery_enabled(cfg, env.device))
         self.model = self.model if doctor else compile_model(self.model, cfg.compile)
 
     def _build_run_health(self) -> None:
+        """What surrounds a step, on the event bus in this order (framework/train/events.py): the
+        peer monitor (first, so that it beats before anything else runs at the start), the
+        step-start buffers, the watchdog (armed at a step's start, disarmed first at its end), the
+        straggler timing and check, the spike guard; then (in ``train``) the sample and step logs;
+        then fault injection, the user's callbacks, the start-up clock and the consistency check,
+        which so sees a fault or a callback of the same step (and skips a step about to be rolled
+        back, as the loop did before it listened)."""
         cfg, env = self.config, self.env
-        self._moments.attach(FaultPlan(cfg.recovery.fault_inject, env.rank, process_group.incarnation()))
-        self._moments.attach(self._callbacks)
-        self._stragglers = StragglerMonitor(cfg.straggler, env)
-        self._watchdog = Watchdog(step_timeout_s=cfg.recovery.step_timeout_s, factor=cfg.recovery.step_timeout_factor,
-                                  log_file=log_file_stream(self._log_path), rank=env.rank, world_size=env.world_size,
-                                  store=process_group.STORE)
-        self._train_step = TrainStep(model=self.model, raw_model=self.raw_model, optimizer=self.optimizer,
-                                     scaler=self._scaler, schedule=self._schedule, loss_fn=self._loss_fn,
-                                     autocast=self._autocast, env=env, sampler=self.sampler, stream=self._stream,
-                                     moments=self._moments, skips=self._skips, grad_clip=cfg.optim.grad_clip,
-                                     agree_nonfinite=cfg.recovery.agree_nonfinite, checkpoint_dir=cfg.checkpoint.dir,
-                                     oom_recovery=self._oom_recovery, loss_average=cfg.train.loss_average,
-                                     lr_factor=self._spike_guard.lr_factor, timer=self._stragglers.timer,
-                                     reseed=self._seed_step)
-        self._evaluator = Evaluator(self.raw_model, self._val_dataset, self._loss_fn, cfg.eval,
-                                    batch_size=cfg.data.batch_size, env=env,
-                                    autocast=self._autocast, sampler=self.sampler, moments=self._moments)
-        self._buffer_watch = BufferWatch(self.raw_model)
-        self._consistency = ConsistencyCheck(self.raw_model, interval=cfg.recovery.consistency_check_interval,
-                                             device=env.device, distributed=env.distributed)
+        self.watchdog = Watchdog(cfg.recovery, log_file=log_file_stream(self.log_path), rank=env.rank,
+                                 world_size=env.world_size, store=process_group.STORE)
+        self.stragglers = StragglerMonitor(cfg.straggler, env=env, phase=self.watchdog.phase)
+        self.step_start_buffers = StepStartBuffers(self.raw_model)
+        self.consistency = ConsistencyCheck(cfg.recovery, model=self.raw_model, device=env.device,
+                                            distributed=env.distributed, phase=self.watchdog.phase,
+                                            skip=lambda: self.spike_guard.pending is not None)
+        self.faults = FaultPlan(cfg.recovery.fault_inject, env.rank, process_group.group_restarts())
+        self.peers = PeerMonitor(cfg.recovery, env=env, store=process_group.STORE, checkpoint_dir=cfg.checkpoint.dir)
+        for listener in (self.peers, self.step_start_buffers, self.watchdog, self.stragglers, self.spike_guard,
+                         self.faults, self.callbacks, self._startup, self.consistency):
+            self.events.attach(listener)
+        self.train_step = TrainStep(cfg, model=self.model, raw_model=self.raw_model, optimizer=self.optimizer,
+                                    precision=self.precision, schedule=self.schedule, loss_fn=self.loss_fn, env=env,
+                                    sampler=self.sampler, stream=self.stream, events=self.events, skips=self.skips,
+                                    lr_factor=self.spike_guard.lr_factor, timer=self.stragglers.timer,
+                                    reseed=self._seed_step)
+        self.evaluator = Evaluator(cfg.eval, model=self.raw_model, dataset=self.val_dataset, loss_fn=self.loss_fn,
+                                   batch_size=cfg.data.batch_size, env=env, autocast=self._autocast,
+                                   sampler=self.sampler, events=self.events)
 
     def _peek(self) -> list:
-        return self._stream.peek(2, self.env.device)
+        return self.stream.peek(2, self.env.device)
 
     def _autocast(self):
-        return torch.autocast(self.env.device.type, dtype=self._amp_dtype, enabled=self._amp)
+        return self.precision.context()
 
     def _state_dict(self) -> dict:
         return {"step": self.step, "tokens_total": self._tokens_total, "eval_owed": self._eval_owed,
@@ -323,17 +336,17 @@ class DDPTrainer:
     # --- the public steps --------------------------------------------------------------------
 
     def forward_backward(self, micro_batches: list) -> torch.Tensor:
-        return self._train_step.forward_backward(micro_batches, self.step)
+        return self.train_step.forward_backward(micro_batches, self.step)
 
     def optimizer_step(self, loss: torch.Tensor, *, stop: bool = False, preempt: bool = False):
-        return self._train_step.optimizer_step(loss, self.step, stop=stop, preempt=preempt,
-                                               save_due=self._checkpointer.time_due())
+        return self.train_step.optimizer_step(loss, self.step, stop=stop, preempt=preempt,
+                                               save_due=self.checkpointer.time_due())
 
     def evaluate(self) -> float | None:
-        return self._evaluator.run(self.step)
+        return self.evaluator.run(self.step)
 
     def save_checkpoint(self, *, blocking: bool = False) -> None:
-        self._checkpointer.save(self.step, blocking=blocking)
+        self.checkpointer.save(self.step, blocking=blocking)
 
     def request_stop(self) -> None:
         """End the run after the current step, with the final evaluation and save. Every rank must
@@ -359,12 +372,13 @@ class DDPTrainer:
     def _train(self) -> dict:
         cfg, env = self.config, self.env
         self._say_where_the_run_starts(resumed=self._resumed)
-        self._checkpointer.start_clock()
-        step_log = StepLog.open(cfg, env, total_steps=self._total_steps, initial_step=self.step)
+        self.checkpointer.start_clock()
+        step_log = StepLog.open(cfg, env, total_steps=self._total_steps, initial_step=self.step, health=lambda: {
+            **self.spike_guard.scalars(), **self.stragglers.scalars(), "health/skipped_steps": self.skips.total})
         if self._evaluated_step == self.step:  # this step's evaluation is in the checkpoint: not run again
             step_log.val_loss = self._evaluated_loss
         samples_log = SampleLog(Path(cfg.logging.dir) / f"samples_rank_{env.rank}.jsonl"
-                                if cfg.logging.record_samples else None)
+                                if cfg.logging.record_samples else None, sampler=self.sampler)
         if cfg.logging.record_samples and env.is_main:
             SampleLog.purge_absent_ranks(Path(cfg.logging.dir), env.world_size, self.step + 1)
         self.model.train()
@@ -372,39 +386,41 @@ class DDPTrainer:
         if self._preemption.installed and self._debug:
             # Only with --debug: faulthandler reads the other threads' frames while they run, and
             # segfaulted a worker in 1 of 4 SIGTERMs here, before its preemption save.
-            self._watchdog.dump_on(signal.SIGTERM)
-        self._moments.train_start()
+            self.watchdog.dump_on(signal.SIGTERM)
+        for listener in (samples_log, step_log):
+            self.events.attach(listener, before=self.faults)
+        self.events.train_start()
         try:
             with GcPolicy(cfg.memory.cleanup_interval, env.device) as gc_policy:
                 # An owed evaluation may ask for a stop (transformers' EarlyStoppingCallback): then
                 # the run ends at this step, as it would have without the preemption.
                 preempted = (self._eval_owed == self.step and self._evaluate_mid_run(step_log)) or (
-                    not self._stopped_here() and self._loop(step_log, gc_policy, samples_log))
+                    not self._stopped_here() and self._loop(step_log, gc_policy))
             if not preempted:
                 preempted = self._final_evaluation_and_save(step_log)
-            self._checkpointer.close()
-            self._watchdog.close()
+            self.checkpointer.close()
+            self.watchdog.close()
         finally:
+            for listener in (samples_log, step_log):
+                self.events.detach(listener)
             step_log.close()
             samples_log.close()
         return self._finish(step_log, preempted)
 
-    def _loop(self, step_log: StepLog, gc_policy: GcPolicy, samples_log: SampleLog) -> bool:
+    def _loop(self, step_log: StepLog, gc_policy: GcPolicy) -> bool:
         """Train until the run stops; True when it stopped because of a preemption request."""
         while self.step < self._total_steps and self.sampler.epoch < self.config.train.num_epochs:
             self._seed_step(self.step)  # a new epoch's loader draws its workers' seeds
-            self._stream.start_epoch()
+            self.stream.start_epoch()
             while self.sampler.steps_remaining() > 0:
-                agreed = self._run_step(step_log, samples_log)
-                if agreed is None:  # a stream ran out (on some rank): its epoch ended with the last step
+                result = self._run_step()
+                if result is None:  # a stream ran out (on some rank): its epoch ended with the last step
                     self._save(epoch_ended=True)
                     break
-                if self._pending_spike is not None and self._roll_back(step_log):
+                if self.spike_guard.pending is not None and self._roll_back(step_log):
                     continue
                 gc_policy.step(self.step)
-                if self._consistency.should_run(self.step):
-                    with self._watchdog.phase("consistency check"):
-                        self._consistency.maybe_check(self.step)
+                agreed = result.agreed
                 if agreed.preempt:
                     self._save_preempted()
                     return True
@@ -413,114 +429,97 @@ class DDPTrainer:
                     return False
                 # The evaluation first, as transformers.Trainer does: the step's checkpoint holds what it
                 # changed (an EarlyStoppingCallback's counter, the best metric, a stop it asked for).
-                if self._evaluator.should_run(self.step) and self._evaluate_mid_run(step_log):
+                if self.evaluator.should_run(self.step) and self._evaluate_mid_run(step_log):
                     return True
                 self._save(epoch_ended=self.sampler.steps_remaining() == 0, timed=agreed.save_due)
                 if self._stop_requested:  # asked at the evaluation (transformers' EarlyStoppingCallback)
                     return False
             self.sampler.set_epoch(self.sampler.epoch + 1)
-            self._skips.new_epoch()
+            self.skips.new_epoch()
         return False
 
     def _roll_back(self, step_log: StepLog) -> bool:
-        spike, self._pending_spike = self._pending_spike, None
-        restored = self._checkpointer.roll_back(before=spike.step)
-        self._spike_guard.roll_back(spike, restored)
+        spike, self.spike_guard.pending = self.spike_guard.pending, None
+        restored = self.checkpointer.roll_back(before=spike.step)
+        self.spike_guard.roll_back(spike, restored)
         if restored is not None:
-            self._stream.rewind()
+            self.stream.rewind()
             step_log.purge_from(self.step + 1)
-            self._total_steps = self._schedule.total_steps = self.sampler.last_step(self.step, self.config)
+            self._total_steps = self.schedule.total_steps = self.sampler.last_step(self.step, self.config)
         return restored is not None  # False: nothing to go back to, and the step's bookkeeping runs
 
     def _save(self, *, epoch_ended: bool, timed: bool = False) -> None:
-        if self._checkpointer.should_save(self.step, self.sampler.epoch, epoch_ended, timed=timed):
-            with self._watchdog.phase("checkpoint save", scale=10):
-                self._checkpointer.save(self.step)
-                self._moments.save(self.step)
+        if self.checkpointer.should_save(self.step, self.sampler.epoch, epoch_ended, timed=timed):
+            with self.watchdog.phase("checkpoint save", scale=10):
+                self.checkpointer.save(self.step)
+                self.events.save(self.step)
 
-    def _run_step(self, step_log: StepLog, samples_log: SampleLog) -> Agreement | None:
+    def _run_step(self) -> StepResult | None:
+        """One optimizer step: its data, forward and backward, the optimizer step, then ``step_end``
+        on the event bus (the logs, the spike guard, the checks: framework/train/events.py). None
+        when the data ran out."""
         self._seed_step(self.step)
-        self._buffer_watch.at_step_start()
-        self._watchdog.arm(self.step)
-        self._moments.step_start(self.step)
-        self._stragglers.begin_step(self.step)
-        micro = self._stream.next_step()
-        self._stragglers.timer.lap("data")
+        self.events.step_start(self.step)
+        micro = self.stream.next_step()
+        self.events.data_ready(self.step, micro)
         if micro is None:
-            self._watchdog.disarm()
             return None
-        with self._save_alone_if_a_peer_is_lost():
-            loss = self._train_step.forward_backward_with_retry(micro, self.step)
-        # Recorded before the ranks agree on the step (optimizer_step's all-reduce): once a peer
-        # has passed it, the step is committed (a survivor checkpoint holds it, a restart does not
-        # redo it), so this rank's record must exist even if this rank dies right after. A step
-        # that is not committed is redone, and its line dropped by the redo's purge_from.
-        samples_log.write(self.sampler.epoch, self.step + 1, self.sampler.pending())
-        self._moments.gradients(self.step, self.raw_model)
+        with self._survivor_checkpoint_if_a_peer_is_lost():
+            loss = self.train_step.forward_backward_with_retry(micro, self.step)
+        self.events.gradients(self.step, self.raw_model)
         agreed, lr, grad_norm = self.optimizer_step(loss, preempt=self._preemption.requested is not None)
-        self._stragglers.timer.end()
-        ddp = self.config.ddp
-        process_group.set_steady_timeout(ddp.init_timeout_s or ddp.timeout_s, ddp.timeout_s)
-        self.sampler.advance()
+        process_group.set_steady_timeout(self.config.ddp.init_timeout_s or self.config.ddp.timeout_s,
+                                         self.config.ddp.timeout_s)
+        indices = self.sampler.advance()
         self.step += 1
-        self._watchdog.disarm()
-        if self._stragglers.should_check(self.step):
-            with self._watchdog.phase("straggler check"):
-                self._stragglers.check(self.step)
-        step_tokens = sum(num_tokens(b) for b in micro) * self.env.world_size
-        self._tokens_total += step_tokens
-        self._pending_spike = self._spike_guard.observe(self.step, agreed.loss, skipped=agreed.nonfinite)
-        step_log.record(self.step, self.sampler.epoch, agreed.loss, lr, grad_norm, step_tokens,
-                        health={**self._spike_guard.scalars(), **self._stragglers.scalars(),
-                                "health/skipped_steps": self._skips.total})
-        self._moments.step_end(self.step, self.raw_model, lambda: {
-            "loss": agreed.loss, "lr": lr, "grad_norm": float(grad_norm), "tokens": step_tokens})
-        if not self._startup.logged:
-            self._startup.mark("first step")
-            self._startup.log_once()
-        return agreed
+        tokens = sum(num_tokens(b) for b in micro) * self.env.world_size
+        self._tokens_total += tokens
+        result = StepResult(self.step, self.sampler.epoch, agreed, lr, grad_norm, tokens, indices)
+        self.events.step_end(result, self.raw_model)
+        return result
 
     def _seed_step(self, step: int) -> None:
         """Every rank's generators from (train.seed, rank, step), before each step and each retry
         of it (TrainStep's ``reseed``): what a step draws is known without any saved random state
-        (a survivor's save alone has no other rank's), and nothing drawn between steps (an
+        (a survivor checkpoint has no other rank's), and nothing drawn between steps (an
         evaluation, a callback) shifts it."""
         rng.seed_step(self.config.train.seed, self.env.rank, step)
 
     @contextlib.contextmanager
-    def _save_alone_if_a_peer_is_lost(self):
+    def _survivor_checkpoint_if_a_peer_is_lost(self):
         """A step's forward and backward change nothing that a checkpoint holds but buffers that
-        a forward updates, copied at the step's start (BufferWatch); the generators are seeded
+        a forward updates, copied at the step's start (StepStartBuffers); the generators are seeded
         anew at each step. When a collective in them fails because a peer process went away
         (killed, or its node lost), this rank still holds the whole state of the last step that
         every rank finished: it writes that step's checkpoint alone before the error ends it, so
-        that the restart redoes no step (Checkpointer.save_alone)."""
+        that the restart redoes no step (Checkpointer.save_survivor)."""
         try:
             yield
         except Exception as err:
             if markers.peer_lost(err):
-                self._save_alone()
+                with self.peers.holding():
+                    self._save_survivor_checkpoint()
             raise
 
-    def _save_alone(self) -> None:
+    def _save_survivor_checkpoint(self) -> None:
         step = self.step
-        model_state, buffers_not = self._buffer_watch.model_state(is_main=self.env.is_main)
+        model_state, buffers_not = self.step_start_buffers.model_state(is_main=self.env.is_main)
         why_not = (
             "checkpoint.save_on_peer_loss=false" if not self.config.checkpoint.save_on_peer_loss else
             "no step finished since the start" if step == 0 else
-            "PowerSGD's state is every rank's" if self._comm_hook.state is not None else
-            "a stream's dataset state is every rank's" if getattr(self._stream, "stateful", False) else
+            "PowerSGD's state is every rank's" if self.comm_hook.state is not None else
+            "a stream's dataset state is every rank's" if getattr(self.stream, "stateful", False) else
             "the state of the user's stateful objects mid-step is unknown"
             if any(getattr(obj, "changes_mid_step", True)
-                   for obj in (*self._user_state.values(), *self._callbacks.stateful().values())) else
+                   for obj in (*self._user_state.values(), *self.callbacks.stateful().values())) else
             buffers_not if model_state is None else None)
         if why_not is not None:
             log.info("a peer went away in step %d: not saving step %d alone (%s)", step + 1, step, why_not)
             return
         start = time.monotonic()
         try:
-            with self._watchdog.phase("save alone", scale=10):
-                path = self._checkpointer.save_alone(step, model_state=model_state)
+            with self.watchdog.phase("survivor checkpoint", scale=10):
+                path = self.checkpointer.save_survivor(step, model_state=model_state)
         except Exception as err:  # noqa: BLE001  (best effort: the peer's loss is the error the run ends with)
             log.error("a peer went away in step %d; saving step %d alone failed: %s: %s", step + 1, step,
                       type(err).__name__, err)
@@ -569,21 +568,21 @@ class DDPTrainer:
         if preempted or not (evaluated or self._evaluate_and_record(step_log)):
             self._save_preempted()
             return True
-        with self._watchdog.phase("checkpoint save", scale=10):
-            self._moments.save(self.step)
-            self._checkpointer.save_final(self.step)
+        with self.watchdog.phase("checkpoint save", scale=10):
+            self.events.save(self.step)
+            self.checkpointer.save_final(self.step)
         return False
 
     def _evaluate_and_record(self, step_log: StepLog) -> bool:
         """Evaluate at this step and record the validation loss; False, with nothing recorded, when
         a preemption request stopped the evaluation (every rank at the same batch)."""
-        with self._watchdog.phase("evaluation", scale=self._evaluator.batches):
-            val_loss = self._evaluator.run(self.step, stop=lambda: self._preemption.requested is not None)
-        if self._evaluator.interrupted:
+        with self.watchdog.phase("evaluation", scale=self.evaluator.batches):
+            val_loss = self.evaluator.run(self.step, stop=lambda: self._preemption.requested is not None)
+        if self.evaluator.interrupted:
             return False
         step_log.record_val(self.step, val_loss)
         self._evaluated_step, self._evaluated_loss = self.step, val_loss
-        self._moments.evaluated(self.step, val_loss)
+        self.events.evaluated(self.step, val_loss)
         return True
 
     def _evaluate_mid_run(self, step_log: StepLog) -> bool:
@@ -598,7 +597,7 @@ class DDPTrainer:
         return stopped
 
     def _save_preempted(self) -> None:
-        with self._watchdog.phase("preemption save", scale=10):
+        with self.watchdog.phase("preemption save", scale=10):
             self.save_checkpoint(blocking=True)
         if self.env.is_main:
             markers.write(self.config.checkpoint.dir, markers.PREEMPTED, f"preempted at step {self.step}")
@@ -609,8 +608,8 @@ class DDPTrainer:
         cfg, env = self.config, self.env
         summary = step_log.summary(step=self.step, epochs=self.sampler.epochs_done(), world_size=env.world_size,
                                    model_sha256=model_sha256(self.raw_model), preempted=preempted,
-                                   skipped_steps=self._skips.total, restarts=process_group.incarnation(),
-                                   **self._spike_guard.summary())
+                                   skipped_steps=self.skips.total, restarts=process_group.group_restarts(),
+                                   **self.spike_guard.summary())
         # After the last save, so that an agent's death up to here is known to every rank: they all
         # exit non-zero then (train raises PeerLost), and no surviving agent waits in torchrun's
         # exit barrier for the dead one. Before the export, which only rank 0 does: the others
@@ -622,7 +621,7 @@ class DDPTrainer:
             markers.write(cfg.checkpoint.dir, markers.NODE_LOST, f"a torchrun agent died; the run reached step "
                                                                    f"{self.step}")
         if not preempted:
-            self._moments.export(self.step)
+            self.events.export(self.step)
         if env.is_main and not preempted:
             export.save_final_weights(self.raw_model, cfg)  # final_model.pt and the safetensors export
         if env.is_main:
@@ -630,15 +629,15 @@ class DDPTrainer:
         log.info("%s: %s", "preempted" if preempted else "done", json.dumps(summary), extra=DETAIL)
         log.info("%s: %s (all of it in %s)", "preempted" if preempted else "finished", summary_line(summary),
                  Path(cfg.logging.dir) / "summary.json")
-        self._moments.train_end(summary)
+        self.events.train_end(summary)
         return summary
 
     def _drop_ddp_wrapper(self) -> None:
         """The DDP wrapper holds the process group: without it, teardown frees the group (see there)."""
         if getattr(self, "env", None) is not None and self.env.distributed:
             self.model = getattr(self, "raw_model", None)
-            if getattr(self, "_train_step", None) is not None:
-                self._train_step.model = self.raw_model
+            if getattr(self, "train_step", None) is not None:
+                self.train_step.model = self.raw_model
 
     def _close_at_exit(self) -> None:
         """At interpreter exit the group goes whoever created it (framework.hf joins it before the
@@ -655,15 +654,17 @@ class DDPTrainer:
         after its group was destroyed hangs or aborts); ``model`` is then ``raw_model``."""
         if release_model:
             self._drop_ddp_wrapper()
-        if getattr(self, "_checkpointer", None) is not None:
+        if getattr(self, "checkpointer", None) is not None:
             try:
-                self._checkpointer.close()
+                self.checkpointer.close()
             except (OSError, FatalError) as err:  # raised already where it mattered; the run is ending anyway
                 log.error("the last checkpoint write failed: %s", err)
-        if getattr(self, "_stream", None) is not None:
-            self._stream.shutdown()
-        if getattr(self, "_watchdog", None) is not None:
-            self._watchdog.close()
+        if getattr(self, "stream", None) is not None:
+            self.stream.shutdown()
+        if getattr(self, "watchdog", None) is not None:
+            self.watchdog.close()
+        if getattr(self, "peers", None) is not None:
+            self.peers.close()
         if self._owns_process_group:
             self._drop_ddp_wrapper()
             process_group.teardown()

@@ -45,7 +45,7 @@ sys.addaudithook(_guard)
 def pytest_runtest_protocol(item, nextitem):
     _running[0] = item
     if not item.get_closest_marker("dist"):
-        os.environ[NOT_DIST] = item.nodeid  # framework.testing.launch.torchrun_cmd refuses to run then
+        os.environ[NOT_DIST] = item.nodeid  # harness.launch.torchrun_cmd refuses to run then
     try:
         yield
     finally:

@@ -1,11 +1,11 @@
 """The torchrun launch helpers, kept under their old name for the tests' imports; they live in
-framework.testing.launch, which bench/ uses too."""
+harness.launch, which bench/ uses too."""
 
 import json
 from pathlib import Path
 
-from framework.testing.launch import *  # noqa: F403
-from framework.testing.launch import cli_args
+from harness.launch import *  # noqa: F403
+from harness.launch import cli_args
 
 
 def case(results: dict, rank: int, name: str, harness_error: str = "error") -> dict:

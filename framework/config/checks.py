@@ -57,7 +57,7 @@ def check_values(cfg: TrainConfig) -> list[str]:
         problems.append(f"checkpoint.resume={cfg.checkpoint.resume!r}: allowed: auto, none, or an existing "
                         "checkpoint file")
     if cfg.recovery.fault_inject:
-        from ..testing.faults import parse
+        from ..resilience.faults import parse
         problems += _unparsable("recovery.fault_inject", cfg.recovery.fault_inject, parse)
     problems += _check_run_health_and_speed(cfg)
     if cfg.precision.autocast == "true" and cfg.precision.dtype == "fp16" and not _cuda_available():
@@ -272,13 +272,13 @@ def _check_export_dir(cfg: TrainConfig) -> list[str]:
            else f"checkpoint.export_dir='' (checkpoint.dir/export = {str(directory)!r})")
     if os.path.realpath(directory) == os.path.realpath(cfg.logging.dir):
         return [f"{key} and logging.dir={cfg.logging.dir!r} are the same directory: the export's config.json would "
-                "replace the run's; allowed: an export_dir apart from log_dir"]
+                "replace the run's; allowed: a checkpoint.export_dir apart from logging.dir"]
     own = export_record(directory)
     foreign = [name for name in _EXPORT_NAMES if os.path.lexists(directory / name) and name not in own]
     if foreign:
         return [f"{key}: holds {' and '.join(foreign)}, which no earlier export wrote (its {EXPORT_RECORD} "
                 "does not list it) and the export would replace; allowed: a directory without it (move it "
-                "away, or choose another export_dir)"]
+                "away, or choose another checkpoint.export_dir)"]
     return []
 
 

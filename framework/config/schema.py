@@ -230,6 +230,9 @@ class RecoverySection:
     """DataLoader rebuilds allowed per epoch after a worker died or timed out."""
     oom: Switch = option("auto", resume="neutral", was="oom_recovery")
     """On out-of-memory, halve the micro-batch and double accumulation; auto = on with CUDA."""
+    peer_timeout_s: float = bounded(10.0, lo=0.0, hi=86400.0, resume="neutral", was=None)
+    """A peer silent this long (frozen, or cut off: no heartbeat) ends the restart with exit 75 at once,
+    not after ddp.timeout_s; 0 disables."""
     max_no_progress_restarts: int = bounded(3, lo=1, resume="neutral", was="max_no_progress_restarts")
     """Elastic restarts in a row that resume from the same checkpoint step before the run stops with FATAL."""
     fault_inject: str = option("", resume="neutral", was="fault_inject")

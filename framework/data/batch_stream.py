@@ -199,7 +199,7 @@ class BatchStream:
         self._fetching = False
         self.restarts_this_epoch += 1
         if self.restarts_this_epoch > self.max_restarts:
-            raise LoaderFailure(f"{reason}; more than max_loader_restarts={self.max_restarts} loader restarts "
+            raise LoaderFailure(f"{reason}; more than recovery.max_loader_restarts={self.max_restarts} loader restarts "
                                 f"in epoch {self.sampler.epoch}")
         log.warning("%s: rebuilding the DataLoader (restart %d of %d this epoch), continuing at sample %d of "
                     "epoch %d", reason, self.restarts_this_epoch, self.max_restarts, self.sampler.consumed,

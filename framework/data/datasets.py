@@ -19,7 +19,7 @@ from torch.utils.data import Dataset
 
 from ..config import TrainSection, data_file_problems, split_tokens, training_set_problems
 from ..resilience.markers import FatalError
-from ..train.control import spread
+from ..train.agreement import spread
 
 log = logging.getLogger(__name__)
 

@@ -106,7 +106,7 @@ class ResumableDistributedSampler(torch.utils.data.Sampler[list[int]]):
         bad = sorted(i for i in indices if not 0 <= i < self.num_samples)
         if bad:
             raise FatalError(f"excluded sample indices {bad[:5]} are outside the training set of {self.num_samples} "
-                             f"samples (from exclude_samples, or a rollback's {EXCLUDED_FILE} in checkpoint_dir)")
+                             f"samples (from exclude_samples, or a rollback's {EXCLUDED_FILE} in checkpoint.dir)")
         excluded = frozenset(self.excluded | set(indices))
         if self.num_samples - len(excluded) < self.global_batch:
             raise FatalError(f"excluding {len(excluded)} of the {self.num_samples} training samples leaves fewer "

@@ -25,6 +25,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
 
+from ..config.schema import DDPSection
+
 log = logging.getLogger(__name__)
 
 
@@ -69,7 +71,7 @@ def restore_powersgd(state: PowerSGDState, saved: dict, device: torch.device) ->
     state.iter = int(saved["iter"])
     state.error_dict, state.p_memory_dict, state.q_memory_dict = on(saved["error"]), on(saved["p"]), on(saved["q"])
     if int(saved["rank"]) != state.matrix_approximation_rank:
-        log.warning("PowerSGD state saved with powersgd_rank=%d, now %d: the warm start starts afresh",
+        log.warning("PowerSGD state saved with ddp.powersgd_rank=%d, now %d: the warm start starts afresh",
                     int(saved["rank"]), state.matrix_approximation_rank)
         state.p_memory_dict, state.q_memory_dict = {}, {}
     rng = saved["rng"]
@@ -86,7 +88,9 @@ class CommHook:
     whose ``state_dict`` gathers every rank's state (a collective) and whose ``load_state_dict``
     keeps this rank's until ``register`` creates the hook, before the first step."""
 
-    def __init__(self, ddp, env, *, seed: int):
+    Config = DDPSection  # the configuration's ``ddp`` section, its first argument
+
+    def __init__(self, ddp, *, env, seed: int):
         self.name, self.ddp, self.env, self.seed = ddp.comm_hook, ddp, env, seed
         self.state: PowerSGDState | None = None
         self._saved: dict | None = None
@@ -168,11 +172,11 @@ class CommHook:
     def _this_ranks(self, ranks: list) -> dict | None:
         if self.name != "powersgd":
             if ranks:
-                log.warning("the checkpoint holds PowerSGD state, but ddp_comm_hook=%s: not used", self.name)
+                log.warning("the checkpoint holds PowerSGD state, but ddp.comm_hook=%s: not used", self.name)
             return None
         if not ranks:
             log.warning("the checkpoint holds no PowerSGD state: PowerSGD starts afresh (plain all-reduce for "
-                        "powersgd_start_iter=%d iterations)", self.ddp.powersgd_start_iter)
+                        "ddp.powersgd_start_iter=%d iterations)", self.ddp.powersgd_start_iter)
             return None
         if len(ranks) != self.env.world_size:
             log.warning("the checkpoint holds PowerSGD state for %d ranks, this run has %d: its iteration count is "

@@ -245,7 +245,8 @@ def decide(report: ProbeReport, *, static_graph: str, find_unused: str, checkpoi
         if (report.multi_fire and not static) or (static and report.changing):
             safe = False
     if find_unused != "auto" and unused != want_unused:
-        reasons.append(f"find_unused_parameters forced {find_unused} (the probe suggests {str(want_unused).lower()})")
+        reasons.append(f"ddp.find_unused_parameters forced {find_unused} (the probe suggests "
+                       f"{str(want_unused).lower()})")
         if unused and report.hidden and not static:
             safe = False
         if not unused and report.unused and not static:
@@ -395,9 +396,9 @@ def wrap_for_training(model: nn.Module, batches: list, loss_fn, autocast, cfg, d
                    else "set memory.activation_checkpointing=non_reentrant")
             raise DDPConfigurationError(
                 f"{message}\nNo DDP setting trains this model under reentrant checkpointing, and the framework "
-                "switches to non_reentrant only when ddp_static_graph and find_unused_parameters are both auto. "
+                "switches to non_reentrant only when ddp.static_graph and ddp.find_unused_parameters are both auto. "
                 f"Fix: {fix} (or leave both DDP settings on auto)")
-        log.warning("%s\n(kept because ddp_static_graph/find_unused_parameters were set explicitly)", message)
+        log.warning("%s\n(kept because ddp.static_graph/ddp.find_unused_parameters were set explicitly)", message)
     ddp_model = wrap(model, device, decision, bucket_cap_mb=cfg.ddp.bucket_cap_mb,
                      gradient_as_bucket_view=cfg.ddp.gradient_as_bucket_view,
                      broadcast_buffers=cfg.ddp.broadcast_buffers)
@@ -418,7 +419,7 @@ def prepare(model: nn.Module, batches, loss_fn, autocast, cfg, device: torch.dev
     if distributed:
         return wrap_for_training(model, batches(), loss_fn, autocast, cfg, device, comm_hook)
     if comm_hook is not None and comm_hook.name != "none":
-        log.info("ddp_comm_hook=%s: not used by one process (there is no all-reduce)", comm_hook.name)
+        log.info("ddp.comm_hook=%s: not used by one process (there is no all-reduce)", comm_hook.name)
     return model, None, None
 
 

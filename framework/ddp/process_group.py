@@ -22,8 +22,8 @@ log = logging.getLogger(__name__)
 
 # The store the process group was built on, when this module built it (heartbeats use it too).
 STORE: dist.Store | None = None
-# The store generation this incarnation of the group agreed on, when this module built the group.
-GENERATION: int | None = None
+# The store generation this restart of the group agreed on, when this module built the group.
+STORE_GENERATION: int | None = None
 
 EXIT_PEER_LOST = 75
 """A worker's exit code when a node of the run is lost: its agent died (then every rank saves and
@@ -238,23 +238,23 @@ def import_group_defaults() -> None:
     import torch.distributed.nn.functional  # noqa: F401
 
 
-def restart_count() -> int:
+def agent_restarts() -> int:
     """How often this node's torchrun agent restarted its workers for a failure (0 outside
     torchrun). Per agent, not per group: an agent that restarts for a membership change (another
     node's restart) does not count it, so the ranks of one group can see different values."""
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
-def restarts_left() -> int:
+def agent_restarts_left() -> int:
     """How many more times this node's torchrun agent will restart its workers after a failure
-    (``--max-restarts`` less ``restart_count``); 0 outside torchrun, where nothing restarts."""
-    return max(0, int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) - restart_count())
+    (``--max-restarts`` less ``agent_restarts``); 0 outside torchrun, where nothing restarts."""
+    return max(0, int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) - agent_restarts())
 
 
-def incarnation() -> int:
+def group_restarts() -> int:
     """How many times this launch's worker group has been restarted, the same on every rank: the
     agreed store generation under torchrun (see ``agree_generation``), else the restart count."""
-    return GENERATION - 1 if GENERATION is not None else restart_count()
+    return STORE_GENERATION - 1 if STORE_GENERATION is not None else agent_restarts()
 
 
 RDZV_STORE_ENV = "RDZV_STORE_ENDPOINT"
@@ -262,7 +262,7 @@ RDZV_STORE_ENV = "RDZV_STORE_ENDPOINT"
 launch_training.sh for an elastic node range or an etcd rendezvous, where it also turns torchrun's
 store sharing off (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1): in torch 2.13 a node that joins a running
 job waits forever in its rendezvous for bootstrap keys that the agent of rank 0 wrote only in an
-earlier round. The workers then agree on their incarnation in the rendezvous's own store (the c10d
+earlier round. The workers then agree on their restart in the rendezvous's own store (the c10d
 store, or etcd), under a prefix of their own, which outlives the worker groups as the agent store
 did."""
 
@@ -276,7 +276,7 @@ class StoreAddress:
 
 
 def agent_store_address() -> StoreAddress | None:
-    """Where the store lives that outlives the worker group's incarnations: torchrun's shared
+    """Where the store lives that outlives the worker group's restarts: torchrun's shared
     agent store, or the rendezvous of ``RDZV_STORE_ENV``; None outside torchrun (or under torchrun
     with neither)."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
@@ -304,40 +304,40 @@ def _connect(address: StoreAddress, world_size: int, timeout: datetime.timedelta
 
 
 def restart_safe_store(rank: int, world_size: int, timeout: datetime.timedelta) -> dist.Store | None:
-    """Under torchrun, a store for the process group with a key prefix per incarnation of the
+    """Under torchrun, a store for the process group with a key prefix per restart of the
     group; None (env://) otherwise.
 
     torchrun keeps its agent store across restarts of the worker group. Without a prefix, a
-    restarted group can read the previous incarnation's gloo addresses from it and connect to a
+    restarted group can read the previous restart's gloo addresses from it and connect to a
     dead worker ("Gloo connectFullMesh failed ... Connection refused"). The prefix is not the
-    restart count, which the nodes of a multi-node group need not share (see ``restart_count``):
+    restart count, which the nodes of a multi-node group need not share (see ``agent_restarts``):
     with it, a restarted 2-node group waited for keys under another node's prefix until timeout_s.
 
-    The incarnation is agreed in the store of ``agent_store_address``. The group forms there too,
+    The restart is agreed in the store of ``agent_store_address``. The group forms there too,
     except under etcd (which is too slow for it): then it forms on torchrun's MASTER_ADDR:MASTER_PORT,
-    a port the agent of rank 0 picks afresh for each incarnation, hosted by rank 0."""
+    a port the agent of rank 0 picks afresh for each restart, hosted by rank 0."""
     address = agent_store_address()
     if address is None:
         return None
-    global STORE, GENERATION
+    global STORE, STORE_GENERATION
     store = _connect(address, world_size, timeout)
     generation = agree_generation(store, rank, world_size, timeout)
-    log.info("store generation %d (this agent's restart count: %d)", generation, restart_count())
+    log.info("store generation %d (this agent's restart count: %d)", generation, agent_restarts())
     if address.backend == "etcd-v2":
         store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
                               is_master=rank == 0, timeout=timeout)
     STORE = dist.PrefixStore(f"generation_{generation}/", store)
-    GENERATION = generation
+    STORE_GENERATION = generation
     return STORE
 
 
 def agree_generation(store: dist.Store, rank: int, world_size: int, timeout: datetime.timedelta) -> int:
-    """A number that every rank of this incarnation of the group agrees on and no earlier one used.
+    """A number that every rank of this restart of the group agrees on and no earlier one used.
 
     torchrun gives its workers nothing per rendezvous round: the round stays in the agent,
     MASTER_PORT outlives rounds, and only workers write to this store. So rank 0 draws a new number
     from a counter, and every other rank joins the current number with a fresh nonce until rank 0
-    lists that nonce among the members. What earlier incarnations left behind, whichever point
+    lists that nonce among the members. What earlier restarts left behind, whichever point
     their workers died at, cannot pass for this one: no number is drawn twice, and their member
     lists hold other nonces. None of their workers still runs: each agent stops its workers before
     it rejoins the rendezvous, and a round completes only once every agent has joined."""
@@ -370,7 +370,7 @@ def teardown() -> None:
     joins its gloo threads and closes its sockets; a group that something still references is
     freed only when its last holder goes, during the interpreter's finalisation if that holder
     lives as long (a module global), and there torch 2.13 occasionally aborts."""
-    global STORE, GENERATION
+    global STORE, STORE_GENERATION
     if dist.is_available() and dist.is_initialized():
         group = dist.group.WORLD
         release_ddp_holders(group)
@@ -380,7 +380,7 @@ def teardown() -> None:
             log.info("the process group is still referenced %d time(s) after destroy_process_group (a DDP "
                      "module?): it is freed when the last reference goes", holders)
         del group
-    STORE = GENERATION = None  # release the store client here, not during interpreter shutdown
+    STORE = STORE_GENERATION = None  # release the store client here, not during interpreter shutdown
 
 
 def release_ddp_holders(group) -> int:
@@ -417,7 +417,7 @@ def join_early(timeout_s: float = 600.0) -> None:
         if STORE is None:
             log.warning("the process group was created before framework.hf was imported (TrainingArguments does "
                         "it, through accelerate, with env://): an in-place restart may connect to a dead "
-                        "incarnation's workers. Import framework.hf before building TrainingArguments")
+                        "restart's workers. Import framework.hf before building TrainingArguments")
         return
     setup("auto", timeout_s)  # which registers the teardown at exit: DDPTrainer leaves a group it found alone
 

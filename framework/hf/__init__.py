@@ -6,7 +6,7 @@
 
 Importing this package under torchrun joins the process group with the framework's restart-safe
 store, before anything else can: ``TrainingArguments()`` initialises the group itself (through
-accelerate) with ``env://``, which reads a dead incarnation's addresses after an in-place restart
+accelerate) with ``env://``, which reads a dead restart's addresses after an in-place restart
 and fails with gloo's "connectFullMesh failed ... Connection refused". accelerate reuses a group
 that exists. Import it before building TrainingArguments.
 
@@ -36,7 +36,7 @@ _init_process_group = dist.init_process_group
 
 def init_process_group(*args, **kwargs):
     """torch.distributed.init_process_group, except when framework.hf has joined the group already:
-    then the script's call is a no-op (its backend and addresses would be a dead incarnation's after
+    then the script's call is a no-op (its backend and addresses would be a dead restart's after
     an in-place restart)."""
     if dist.is_initialized() and process_group.STORE is not None:
         log.info("init_process_group: the process group is already joined by framework.hf (restart-safe); "

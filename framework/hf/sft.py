@@ -136,7 +136,7 @@ def _function_digest(function: Callable | None) -> str:
 
 def _fingerprint(dataset) -> str:
     """A datasets.Dataset's fingerprint (content-derived: the same data and transforms, the same
-    value in every process and incarnation)."""
+    value in every process and restart)."""
     value = getattr(dataset, "_fingerprint", None)
     if value is None:
         raise ConfigError([f"SFTTrainer: train_dataset/eval_dataset must be a datasets.Dataset (got "

@@ -159,5 +159,6 @@ def prepare_hf_for_wrapping(model: nn.Module, hf: nn.Module, mode: str, targets:
                  type(hf).__name__)
     if mode == "reentrant":
         _inputs_require_grad(hf)
-    log.info("activation checkpointing (%s): checkpoint_modules=%s names modules of %s, so the framework "
-             "wraps them (the model's own checkpointing stays off)", mode, ",".join(targets), _describe(model, hf))
+    log.info("activation checkpointing (%s): memory.activation_checkpointing_modules=%s names modules of %s, so "
+             "the framework wraps them (the model's own checkpointing stays off)", mode, ",".join(targets),
+             _describe(model, hf))

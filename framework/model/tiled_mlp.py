@@ -171,7 +171,7 @@ def _is_plain_linear(m: nn.Module) -> bool:
 def _untileable(module: nn.Module) -> str | None:
     """Why ``module``'s projections cannot be tiled, or None. Not a SwiGLU MLP at all is an error."""
     if not all(hasattr(module, a) for a in (*SWIGLU_PARTS, "act_fn")):
-        raise ValueError(f"tiled_mlp_modules: {type(module).__name__} is not a SwiGLU MLP "
+        raise ValueError(f"memory.tiled_mlp_modules: {type(module).__name__} is not a SwiGLU MLP "
                          f"(down_proj(act_fn(gate_proj(x)) * up_proj(x)) needs {', '.join(SWIGLU_PARTS)}, act_fn)")
     lora = _lora_linear_class()
     for part in SWIGLU_PARTS:
@@ -239,7 +239,7 @@ def tile_user_mlps(model: nn.Module, chunks: int, modules: str) -> list[str]:
         else:
             untiled.append(f"{name} ({problem})")
     if not tiled and not untiled:
-        raise ValueError(f"tiled_mlp_chunks={chunks}: no submodule matches tiled_mlp_modules={targets}")
+        raise ValueError(f"memory.tiled_mlp_chunks={chunks}: no submodule matches memory.tiled_mlp_modules={targets}")
     if untiled:
         log.warning("tiled MLP: %d modules left untiled: %s", len(untiled), "; ".join(untiled))
     if tiled:

@@ -10,6 +10,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -17,6 +18,7 @@ from .. import __version__
 from ..config import as_dict, non_default
 from ..resilience.memory import in_use_gb, memory_stats
 from ..state import atomic
+from ..train.events import Listener
 from .logs import DETAIL
 
 log = logging.getLogger(__name__)
@@ -134,7 +136,7 @@ class Metrics:
 
     def end_step(self) -> None:
         """Write the step's row now: a rank killed after it finished a step must not take the row
-        with it, as the next incarnation may resume after that step (a save alone). A value added
+        with it, as the next restart may resume after that step (a survivor checkpoint). A value added
         for the step later (its evaluation) goes in a line of its own, which readers merge."""
         if self.jsonl is not None:
             self.jsonl.flush()
@@ -156,12 +158,14 @@ class Metrics:
             self.bar = None
 
 
-class StepLog:
+class StepLog(Listener):
     """Per-step bookkeeping of a run: the latest losses, throughput, and the periodic log lines,
     TensorBoard scalars and memory readings."""
 
-    def __init__(self, metrics: Metrics, *, cfg, device: torch.device, total_steps: int):
+    def __init__(self, metrics: Metrics, *, cfg, device: torch.device, total_steps: int,
+                 health: Callable[[], dict[str, float]] = dict):
         self.metrics = metrics
+        self.health = health
         self.cfg, self.device, self.total_steps = cfg, device, total_steps
         self.first_loss: float | None = None
         self.loss: float | None = None
@@ -171,15 +175,21 @@ class StepLog:
         self.window_tokens = 0
 
     @classmethod
-    def open(cls, cfg, env, *, total_steps: int, initial_step: int) -> StepLog:
+    def open(cls, cfg, env, *, total_steps: int, initial_step: int,
+             health: Callable[[], dict[str, float]] = dict) -> StepLog:
+        """``health()``: the run-health scalars each logged step adds."""
         metrics = Metrics(enabled=env.is_main, log_dir=cfg.logging.dir, tensorboard=cfg.logging.tensorboard,
                           progress_bar=cfg.logging.progress_bar, total_steps=total_steps, initial_step=initial_step)
-        steps = cls(metrics, cfg=cfg, device=env.device, total_steps=total_steps)
+        steps = cls(metrics, cfg=cfg, device=env.device, total_steps=total_steps, health=health)
         steps.loss = steps.logged_loss()  # a resume that runs no step ends with its checkpoint's loss
         return steps
 
     def close(self) -> None:
         self.metrics.close()
+
+    def step_end(self, result, model) -> None:
+        self.record(result.step, result.epoch, result.loss, result.lr, result.grad_norm, result.tokens,
+                    health=self.health())
 
     def record(self, step: int, epoch: int, loss: float, lr: float, grad_norm, tokens: int,
                health: dict[str, float] | None = None) -> None:
@@ -267,10 +277,15 @@ def seconds_since_process_start() -> float:
         return time.time() - psutil.Process().create_time()
 
 
-class StartupClock:
+class StartupClock(Listener):
     """Where a process's seconds go before its first step ends (a restart's cost, bench/goodput.py):
     the interpreter and imports (from the process's start), then each phase the trainer marks.
-    Logged once, at the first step's end, on every rank."""
+    Logged once, at the first step's end (on the event bus), on every rank."""
+
+    def step_end(self, result, model) -> None:
+        if not self.logged:
+            self.mark("first step")
+            self.log_once()
 
     def __init__(self) -> None:
         self.phases: dict[str, float] = {"interpreter and imports": seconds_since_process_start()}
@@ -291,16 +306,26 @@ class StartupClock:
                  ", ".join(f"{name} {seconds:.2f} s" for name, seconds in self.phases.items()))
 
 
-class SampleLog:
+class SampleLog(Listener):
     """The audit trail of record_samples: each committed step's sample indices on this rank, one
     JSON line per step, line-buffered so that a process killed with -9 keeps every line it wrote.
     A step written again (after a restart, a resume or a rollback), or the first step written to
     a used file, is preceded by ``{"purge_from": K}``, as in metrics.jsonl: ``read_samples``
-    drops the earlier lines of step >= K."""
+    drops the earlier lines of step >= K.
 
-    def __init__(self, path: Path | None):
+    On the event bus: a step is recorded once its gradients are computed, before the ranks agree
+    on it (optimizer_step's all-reduce). Once a peer has passed that agreement the step is
+    committed (a survivor checkpoint holds it, a restart does not redo it), so this rank's record
+    must exist even if this rank dies right after; a step that is not committed is redone, and its
+    line dropped by the redo's ``purge_from``. ``sampler``: the step's indices (``pending()``)."""
+
+    def __init__(self, path: Path | None, sampler=None):
         self.file, earlier = _open_appending(path) if path is not None else (None, False)
         self.last_step: float = math.inf if earlier else 0  # steps count from 1
+        self.sampler = sampler
+
+    def gradients(self, step: int, model) -> None:
+        self.write(self.sampler.epoch, step + 1, self.sampler.pending())
 
     def write(self, epoch: int, step: int, indices: list[int]) -> None:
         if self.file is None:
@@ -317,8 +342,8 @@ class SampleLog:
     @staticmethod
     def purge_absent_ranks(log_dir: Path, world_size: int, from_step: int) -> None:
         """Rank 0, at the start of a run on ``world_size`` ranks: the files of ranks this run does
-        not have (an earlier incarnation had more) get ``{"purge_from": from_step}``. Their lines of
-        later steps were written by an incarnation that died before its next checkpoint, and no
+        not have (an earlier restart had more) get ``{"purge_from": from_step}``. Their lines of
+        later steps were written by a restart that died before its next checkpoint, and no
         rank of this run would purge them; a rank that exists purges its own file at its first step."""
         for path in log_dir.glob("samples_rank_*.jsonl"):
             rank = path.stem.removeprefix("samples_rank_")
@@ -395,7 +420,7 @@ def log_run_start(cfg, env, sampler, *, model: torch.nn.Module, amp: bool, total
         log.info("rank %d share: %d steps/epoch x %d samples = %d of %d samples per epoch; %d loader workers",
                  env.rank, s.steps_per_epoch, s.batch_size * s.accumulation,
                  s.steps_per_epoch * s.batch_size * s.accumulation, s.num_samples, num_workers)
-    log.info("schedule: %d steps (%d per epoch, num_epochs=%d, max_steps=%d)", total_steps,
+    log.info("schedule: %d steps (%d per epoch, train.num_epochs=%d, train.max_steps=%d)", total_steps,
              s.steps_per_epoch, cfg.train.num_epochs, cfg.train.max_steps)
     if env.is_main:
         atomic.write_bytes(Path(cfg.logging.dir) / "config.json",

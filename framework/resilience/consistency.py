@@ -3,13 +3,16 @@ bitwise equal under DDP."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 
 import torch
 import torch.distributed as dist
 
+from ..config.schema import RecoverySection
 from ..ddp.policy import unwrap
+from ..train.events import Listener
 from .markers import FatalError
 
 log = logging.getLogger(__name__)
@@ -55,14 +58,29 @@ def first_divergent(model: torch.nn.Module, device: torch.device) -> str | None:
 
 
 
-class ConsistencyCheck:
+class ConsistencyCheck(Listener):
     """Every ``interval`` steps (0: never), one all-reduce checks that every rank holds
-    bit-identical parameters; a difference is fatal and names the first parameter."""
+    bit-identical parameters; a difference is fatal and names the first parameter. On the event
+    bus: at a step's end, in ``phase("consistency check")`` (the watchdog's)."""
 
-    def __init__(self, model: torch.nn.Module, *, interval: int, device: torch.device, distributed: bool):
+    Config = RecoverySection  # the configuration's ``recovery`` section, its first argument
+
+    def __init__(self, section, *, model: torch.nn.Module, device: torch.device, distributed: bool, phase=None,
+                 skip=lambda: False):
+        """``section``: the configuration's recovery section (``consistency_check_interval``);
+        ``skip()``: True for a step about to be undone (a loss-spike rollback restores every rank's
+        weights from one checkpoint), which is not checked."""
+        self.phase = phase or (lambda name: contextlib.nullcontext())
+        self.skip = skip
         self.model = model
+        interval = section.consistency_check_interval
         self.interval = interval if distributed else 0
         self.device = device
+
+    def step_end(self, result, model) -> None:
+        if self.should_run(result.step) and not self.skip():
+            with self.phase("consistency check"):
+                self.maybe_check(result.step)
 
     def should_run(self, step: int) -> bool:
         return bool(self.interval) and step % self.interval == 0

@@ -1,8 +1,8 @@
 """What a run leaves in checkpoint_dir for its restart: the FATAL and PREEMPTED markers, the
 micro-batch an out-of-memory error forced, the restart-loop count with the last error, and the
-check a new incarnation makes at start.
+check a new restart makes at start.
 
-A FATAL marker stops every later incarnation of the same launch at once (torchrun would
+A FATAL marker stops every later restart of the same launch at once (torchrun would
 otherwise retry a deterministic failure --max-restarts times); a fresh launch clears it.
 LINEAGE.json names the lineages this launch writes (framework/state/checkpoint_files.py): a restart continues
 them whatever ``resume`` says, and a rollback's recorded exclusions belong to them.
@@ -44,7 +44,7 @@ class WorldSizeMismatch(FatalError):
 
 
 class EarlierFatal(FatalError):
-    """A restart stopping on the FATAL marker of an earlier incarnation, which stays as it is."""
+    """A restart stopping on the FATAL marker of an earlier restart, which stays as it is."""
 
 
 def write(directory: str | Path, name: str, message: str) -> None:
@@ -81,9 +81,9 @@ def write_fatal(directory: str | Path, rank: int, err: BaseException) -> None:
 _PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "remote process exited")
 
 
-def _recorded_by_this_incarnation(path: Path) -> bool:
-    """Whether ``path`` was written after this process started: every rank of an incarnation
-    starts after the previous incarnation's ranks have all exited."""
+def _recorded_by_this_restart(path: Path) -> bool:
+    """Whether ``path`` was written after this process started: every rank of a restart
+    starts after the previous restart's ranks have all exited."""
     import psutil
 
     try:
@@ -93,24 +93,24 @@ def _recorded_by_this_incarnation(path: Path) -> bool:
 
 
 def clear_if_earlier(directory: str | Path, name: str) -> None:
-    """Remove the marker ``name`` if an earlier incarnation wrote it (before this process started):
-    one that a peer of this incarnation wrote already stays."""
+    """Remove the marker ``name`` if an earlier restart wrote it (before this process started):
+    one that a peer of this restart wrote already stays."""
     path = Path(directory) / name
-    if path.exists() and not _recorded_by_this_incarnation(path):
+    if path.exists() and not _recorded_by_this_restart(path):
         path.unlink(missing_ok=True)
 
 
 def peer_lost(err: BaseException) -> bool:
     """Whether ``err`` is what a rank sees when a peer process went away (gloo's "Connection closed
     by peer", NCCL's DistBackendError): a consequence, whose cause is on the peer's side."""
-    return type(err).__name__ == "DistBackendError" or any(s in str(err) for s in _PEER_LOST)
+    return type(err).__name__ in ("DistBackendError", "PeerLostSilently") or any(s in str(err) for s in _PEER_LOST)
 
 
 def record_error(directory: str | Path, rank: int, err: BaseException) -> None:
     """The error a rank is exiting with, for the restart-loop guard to name. A rank that only saw
     a peer go away (gloo's "Connection closed by peer", NCCL's DistBackendError) does not replace
-    the error another rank of this incarnation recorded: that one is the cause."""
-    if peer_lost(err) and _recorded_by_this_incarnation(Path(directory) / LAST_ERROR):
+    the error another rank of this restart recorded: that one is the cause."""
+    if peer_lost(err) and _recorded_by_this_restart(Path(directory) / LAST_ERROR):
         return
     try:
         write(directory, LAST_ERROR, f"rank {rank}: {type(err).__name__}: {(str(err).splitlines() or [''])[0]}")
@@ -135,31 +135,31 @@ def note_restart(directory: str | Path, resumed_step: int, limit: int) -> str | 
         return None
     error = read(directory, LAST_ERROR) or "none recorded (killed by a signal? see the rank logs)"
     return (f"{count} restarts in a row resumed from step {resumed_step} with no progress in between "
-            f"(max_no_progress_restarts={limit}); the last error: {error}")
+            f"(recovery.max_no_progress_restarts={limit}); the last error: {error}")
 
 
 def record_micro_batch(directory: str | Path, batch_size: int, accumulation: int, reason: str) -> None:
-    """Remember a smaller micro-batch for the next incarnation (after an OOM only a restart can fix)."""
+    """Remember a smaller micro-batch for the next restart (after an OOM only a restart can fix)."""
     write(directory, MICRO_BATCH, json.dumps(
         {"micro_batch_size": batch_size, "accumulation_steps": accumulation, "reason": reason}))
 
 
 def recorded_micro_batch(directory: str | Path) -> dict | None:
-    """``{"micro_batch_size", "accumulation_steps", "reason"}`` recorded by an earlier incarnation."""
+    """``{"micro_batch_size", "accumulation_steps", "reason"}`` recorded by an earlier restart."""
     text = read(directory, MICRO_BATCH)
     return None if text is None else json.loads(text)
 
 
-def check_at_start(directory: str | Path, *, restart_count: int, is_main: bool, is_local_main: bool = False) -> None:
-    """A restarted group stops at once on an earlier incarnation's FATAL marker. A fresh launch
+def check_at_start(directory: str | Path, *, group_restarts: int, is_main: bool, is_local_main: bool = False) -> None:
+    """A restarted group stops at once on an earlier restart's FATAL marker. A fresh launch
     (restart count 0) clears it, the micro-batch an earlier launch recorded (the user's
     configuration decides again) and the earlier launch's lineages. A restart that starts
-    clears NODE_LOST on each node (``is_local_main``): the loss an earlier incarnation recorded
-    was survived, so the launcher's exit says what the last incarnation met, not the first.
+    clears NODE_LOST on each node (``is_local_main``): the loss an earlier restart recorded
+    was survived, so the launcher's exit says what the last restart met, not the first.
     Call it holding checkpoint_dir's lock: the markers may be a live run's."""
-    if restart_count > 0 and (is_main or is_local_main):
+    if group_restarts > 0 and (is_main or is_local_main):
         clear_if_earlier(directory, NODE_LOST)
-    if restart_count == 0 and is_main:
+    if group_restarts == 0 and is_main:
         if read(directory, MICRO_BATCH) is not None:
             log.warning("clearing %s of an earlier launch", MICRO_BATCH)
         for name in (MICRO_BATCH, RESTARTS, LAST_ERROR, LINEAGE):
@@ -167,8 +167,8 @@ def check_at_start(directory: str | Path, *, restart_count: int, is_main: bool, 
     message = read(directory, FATAL)
     if message is None:
         return
-    if restart_count > 0:
-        raise EarlierFatal(f"an earlier incarnation of this run failed and a restart cannot help: {message}")
+    if group_restarts > 0:
+        raise EarlierFatal(f"an earlier restart of this run failed and a restart cannot help: {message}")
     log.warning("clearing the FATAL marker of an earlier run: %s", message)
     if is_main:
         clear(directory, FATAL)

@@ -16,6 +16,8 @@ import logging
 import math
 from dataclasses import dataclass
 
+from ..config.schema import SpikeSection
+from ..train.events import Listener
 from . import exclusions
 from .markers import FatalError
 
@@ -45,8 +47,17 @@ class Spike:
     samples: list[int]
 
 
-class SpikeGuard:
-    """Observes each step's agreed loss; ``observe`` returns the Spike to roll back, if any."""
+class SpikeGuard(Listener):
+    """Observes each step's agreed loss; ``observe`` returns the Spike to roll back, if any. On the
+    event bus: each step's end observes its loss, and ``pending`` holds the spike to roll back
+    until the trainer takes it."""
+
+    Config = SpikeSection  # the configuration's ``spike`` section, its first argument
+
+    pending: Spike | None = None
+
+    def step_end(self, result, model) -> None:
+        self.pending = self.observe(result.step, result.loss, skipped=result.agreed.nonfinite)
 
     def __init__(self, spike, *, checkpoint_dir: str, exclude_samples: str, is_main: bool):
         """``spike``: the configuration's spike section; ``exclude_samples``: data.exclude_samples (a
@@ -70,8 +81,8 @@ class SpikeGuard:
         (an IterableDataset's) have no indices: it gets warnings only."""
         if not hasattr(sampler, "exclude"):
             if self.mode == "rollback" or self.excluded:
-                raise ValueError("spike_guard='rollback' and exclude_samples need a map-style train_dataset: the "
-                                 "samples of an IterableDataset have no indices to exclude; use spike_guard=warn")
+                raise ValueError("spike.guard='rollback' and data.exclude_samples need a map-style train_dataset: the "
+                                 "samples of an IterableDataset have no indices to exclude; use spike.guard=warn")
             return
         self.sampler = sampler
         sampler.exclude(self.excluded)
@@ -101,8 +112,8 @@ class SpikeGuard:
             spike = Spike(step, loss, self.z, [] if self.sampler is None else self.sampler.last_step_samples())
             self.spikes.append({"step": step, "loss": loss, "z": self.z})
             log.warning("loss spike at step %d: loss %.4f is %.1f deviations above the trend of the last %d steps "
-                        "(spike_threshold=%g)%s", step, loss, self.z, len(self.history), self.threshold,
-                        "" if self.mode == "rollback" else "; spike_guard=warn: continuing")
+                        "(spike.threshold=%g)%s", step, loss, self.z, len(self.history), self.threshold,
+                        "" if self.mode == "rollback" else "; spike.guard=warn: continuing")
         if spike is None or self.mode == "warn":
             self.history = (self.history + [loss])[-self.window:]
         return spike if self.mode == "rollback" else None
@@ -112,12 +123,12 @@ class SpikeGuard:
         the checkpoint's step (None: there is none before the spike, and the run continues)."""
         if restored_step is None:
             log.error("loss spike at step %d: no checkpoint before it to roll back to; continuing (save a "
-                      "checkpoint earlier, e.g. a smaller save_every_steps)", spike.step)
+                      "checkpoint earlier, e.g. a smaller checkpoint.every_steps)", spike.step)
             return
         self.rollbacks.append({"step": spike.step, "restored_step": restored_step, "loss": spike.loss,
                                "z": spike.z, "samples": spike.samples})
         if len(self.rollbacks) > self.max_rollbacks:
-            raise FatalError(f"more than max_rollbacks={self.max_rollbacks} loss-spike rollbacks: " + "; ".join(
+            raise FatalError(f"more than spike.max_rollbacks={self.max_rollbacks} loss-spike rollbacks: " + "; ".join(
                 f"step {r['step']} (samples {r['samples']})" for r in self.rollbacks))
         self._merge(spike.samples, [])
         self.cooldown_from = restored_step

@@ -17,6 +17,7 @@ each check are timed there. With one process there is no collective and every sc
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import statistics
@@ -26,7 +27,9 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from ..config.schema import StragglerSection
 from ..observability.logs import DETAIL
+from ..train.events import Listener
 from .markers import FatalError
 
 log = logging.getLogger(__name__)
@@ -115,10 +118,16 @@ def timed_step(step: int, interval: int, *, distributed: bool, cuda: bool) -> bo
     return not cuda or interval - step % interval <= TIMED_STEPS
 
 
-class StragglerMonitor:
-    """Times every rank's sections and shares them every ``straggler.interval`` steps."""
+class StragglerMonitor(Listener):
+    """Times every rank's sections and shares them every ``straggler.interval`` steps. On the
+    event bus: the step's timing begins at its start, the data section ends when the data is
+    ready, the step's timing ends at its end, where the periodic check runs in ``phase("straggler
+    check")`` (the watchdog's, which the bus has disarmed before: it comes first)."""
 
-    def __init__(self, cfg, env):
+    Config = StragglerSection  # the configuration's ``straggler`` section, its first argument
+
+    def __init__(self, cfg, *, env, phase=None):
+        self.phase = phase or (lambda name: contextlib.nullcontext())
         self.interval, self.threshold = cfg.interval, cfg.threshold
         self.patience, self.min_ms, self.action = cfg.patience, cfg.min_ms, cfg.action
         self.env = env
@@ -132,6 +141,18 @@ class StragglerMonitor:
         when a check is near."""
         self.timer.begin(timed_step(step, self.interval, distributed=self.env.distributed,
                                     cuda=self.env.device.type == "cuda"))
+
+    def step_start(self, step: int) -> None:
+        self.begin_step(step)
+
+    def data_ready(self, step: int, micro_batches: list | None) -> None:
+        self.timer.lap("data")
+
+    def step_end(self, result, model) -> None:
+        self.timer.end()
+        if self.should_check(result.step):
+            with self.phase("straggler check"):
+                self.check(result.step)
 
     def should_check(self, step: int) -> bool:
         return bool(self.interval) and step % self.interval == 0
@@ -172,7 +193,7 @@ class StragglerMonitor:
                    f"fastest rank in {section} (median {medians[rank][i]:.1f} ms against {fastest:.1f} ms) for "
                    f"{self.streak[rank]} checks in a row, up to step {step}")
         if self.action == "fatal":
-            raise FatalError(f"{message} (straggler_action=fatal)")
+            raise FatalError(f"{message} (straggler.action=fatal)")
         log.warning("%s", message)
 
     def scalars(self) -> dict[str, float]:

@@ -12,10 +12,13 @@ import threading
 import time
 from collections import deque
 
+from ..config.schema import RecoverySection
+from ..train.events import Listener
+
 log = logging.getLogger(__name__)
 
 
-class Watchdog:
+class Watchdog(Listener):
     """A per-step deadline of max(step_timeout_s, factor x median step time), armed with
     faulthandler so it fires even while a hung call holds the GIL: it dumps every thread's stack
     to the rank's log and exits the process non-zero, so torchrun tears the group down or
@@ -30,12 +33,17 @@ class Watchdog:
     Work between steps (evaluation, the consistency check, waiting for a checkpoint write) runs
     in a ``phase`` with its own deadline, from its own measured durations: max(step_timeout_s,
     factor x median of that phase); before the first measurement, factor x median step x the
-    phase's ``scale`` (its size in steps' worth of work)."""
+    phase's ``scale`` (its size in steps' worth of work).
 
-    def __init__(self, *, step_timeout_s: float, factor: float, log_file, rank: int, world_size: int,
-                 store=None):
+    On the event bus: armed at a step's start, disarmed at its end (or when the data ran out).
+    ``section``: the ``recovery`` section (``step_timeout_s``, ``step_timeout_factor``)."""
+
+    Config = RecoverySection  # the configuration's ``recovery`` section, its first argument
+
+    def __init__(self, section, *, log_file, rank: int, world_size: int, store=None):
+        step_timeout_s = section.step_timeout_s
         self.minimum = step_timeout_s
-        self.factor = factor
+        self.factor = section.step_timeout_factor
         self.log_file = log_file
         self.rank = rank
         self.world_size = world_size
@@ -98,6 +106,16 @@ class Watchdog:
         walks the other threads' frames while they run, and can crash the process doing so."""
         if self.enabled and self.log_file is not None:
             faulthandler.register(signum, file=self.log_file, chain=True)
+
+    def step_start(self, step: int) -> None:
+        self.arm(step)
+
+    def data_ready(self, step: int, micro_batches: list | None) -> None:
+        if micro_batches is None:
+            self.disarm()
+
+    def step_end(self, result, model) -> None:
+        self.disarm()
 
     def disarm(self) -> None:
         if self._started is not None:

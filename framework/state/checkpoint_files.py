@@ -1,4 +1,4 @@
-"""Checkpoint files: the safe loader, the CPU snapshot, and the checkpoint manager.
+"""Checkpoint files: the safe loader, the CPU snapshot, and the checkpoint store.
 
 A checkpoint directory holds ``step_00000042.pt`` files, each the whole training state, and
 ``manifest.json``, a list of ``{"file", "step", "sha256", "bytes", "lineage", "seq"}`` entries.
@@ -116,23 +116,23 @@ class CheckpointUnreadable(OSError):
 
 
 class CheckpointDirLocked(RuntimeError):
-    """Another run (or another CheckpointManager of this process) holds the checkpoint directory's lock."""
+    """Another run (or another CheckpointStore of this process) holds the checkpoint directory's lock."""
 
 
-class CheckpointManager:
+class CheckpointStore:
     """Save training states asynchronously to ``directory``, prune this run's old ones, and find the
     newest-written one that is intact.
 
     The manifest lists ``{"file", "step", "sha256", "bytes", "lineage", "seq"}`` entries, oldest-written
     first. ``seq`` counts the writes to the directory; ``lineage`` names the run that wrote the entry:
-    a new id for each manager, or the lineage of the checkpoint it resumed from when that checkpoint
-    is the newest of its lineage (see ``mark_resumed``). A save prunes only this manager's lineage,
+    a new id for each store, or the lineage of the checkpoint it resumed from when that checkpoint
+    is the newest of its lineage (see ``mark_resumed``). A save prunes only this store's lineage,
     keeping its newest ``keep_last`` entries and the file the run resumed from; other lineages'
     files are kept until deleted by hand. Entries written before lineages existed, and step files
     found without a manifest, belong to lineage ``"legacy"``.
 
     Rank 0 holds an exclusive lock on ``directory/.lock`` from construction until ``close`` or
-    ``release`` (or until the manager is garbage-collected, or its process dies), so that a second
+    ``release`` (or until the store is garbage-collected, or its process dies), so that a second
     run writing the same directory fails at once with CheckpointDirLocked.
 
     Only ``rank`` 0 writes: on other ranks ``save``, ``wait``, ``close`` and ``mark_resumed`` do
@@ -144,12 +144,12 @@ class CheckpointManager:
 
     def __init__(self, directory: str | Path, keep_last: int = 3, rank: int = 0, *, wait_for_run_s: float = 0):
         if keep_last < 1:
-            raise ValueError(f"keep_last={keep_last}: must be at least 1")
+            raise ValueError(f"checkpoint.keep_last={keep_last}: must be at least 1")
         self.directory = Path(directory)
         self.keep_last = keep_last
         self.rank = rank
         self.lineage: str = uuid.uuid4().hex[:12]
-        """The lineage this manager's saves belong to."""
+        """The lineage this store's saves belong to."""
         self.resumed_from: str | None = None
         # The checkpoint outside ``directory`` this lineage began from (resume=PATH), recorded in
         # its manifest entries: where a resume goes back to when all of them are unusable.
@@ -179,7 +179,7 @@ class CheckpointManager:
     def lock_path(self) -> Path:
         return self.directory / self.LOCK
 
-    def __enter__(self) -> CheckpointManager:
+    def __enter__(self) -> CheckpointStore:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -189,10 +189,10 @@ class CheckpointManager:
     def mark_resumed(self, path: str | Path) -> None:
         """Record that this run resumes from ``path`` (call before the first ``save``).
 
-        A file in ``directory`` is never pruned by this manager. When it is the newest-written
-        entry of its lineage (a restart after a crash or preemption), this manager continues that
+        A file in ``directory`` is never pruned by this store. When it is the newest-written
+        entry of its lineage (a restart after a crash or preemption), this store continues that
         lineage, so its saves prune the older checkpoints of that run; otherwise (a rollback to an
-        older checkpoint) this manager keeps its new lineage and the rolled-back-over files stay.
+        older checkpoint) this store keeps its new lineage and the rolled-back-over files stay.
         """
         if self.rank != 0:
             return
@@ -244,10 +244,10 @@ class CheckpointManager:
             self.wait()
         return path
 
-    def write_alone(self, state: dict, step: int, *, lineage: str, began_from: str | None = None) -> Path | None:
+    def write_survivor(self, state: dict, step: int, *, lineage: str, began_from: str | None = None) -> Path | None:
         """Write ``state`` as ``step``'s checkpoint of ``lineage`` now, from any rank, without a
         collective and without pruning: the save of a rank whose peers are gone (see
-        Checkpointer.save_alone). On rank 0 the pending write finishes first. Returns the path
+        Checkpointer.save_survivor). On rank 0 the pending write finishes first. Returns the path
         written, or None (logged) when another process holds the directory's lock (or, on
         another rank, where the file system cannot lock it), or the lineage already has a
         checkpoint of ``step`` or later (another survivor wrote it). ``began_from``: the
@@ -310,7 +310,7 @@ class CheckpointManager:
 
     def _acquire(self, wait_for_run_s: float = 0) -> None:
         """Take the directory's lock. ``wait_for_run_s``: how long to wait for a holder of this
-        same torchrun run (a survivor of the last incarnation still writing its save alone); a
+        same torchrun run (a survivor of the last restart still writing its survivor checkpoint); a
         holder of another run fails at once."""
         self._lock = _DirLock(self.lock_path, wait_for_run_s)
         # Only under the lock: another live run's temp files are its writes in progress.
@@ -415,7 +415,7 @@ class CheckpointManager:
         for entry in dropped:
             if entry["file"] not in listed:
                 path = self.directory / entry["file"]
-                log.info("removing old checkpoint %s (keep_last=%d)", path, self.keep_last)
+                log.info("removing old checkpoint %s (checkpoint.keep_last=%d)", path, self.keep_last)
                 try:
                     path.unlink(missing_ok=True)
                 except OSError as e:
@@ -633,13 +633,13 @@ def _locked_fd(path: Path, wait_for_run_s: float = 0) -> int | None:
             holder, run_id = _lock_holder(fd), _lock_run_id(fd)
             os.close(fd)
             if not collected and "this process" in holder:
-                # An earlier trainer of this process that nobody closed: its manager may be garbage
+                # An earlier trainer of this process that nobody closed: its store may be garbage
                 # in a reference cycle, whose collection releases the lock.
                 gc.collect()
                 collected = True
                 continue
             if run_id is not None and run_id == os.environ.get("TORCHELASTIC_RUN_ID") and time.monotonic() < deadline:
-                # A process of this same run, from its last incarnation: a survivor still writing
+                # A process of this same run, from its last restart: a survivor still writing
                 # the step it saves alone. The new round waits for it (bounded) instead of failing.
                 if waiting_since is None:
                     waiting_since = time.monotonic()
@@ -680,7 +680,7 @@ def _lock_holder(fd: int) -> str:
         return "holder unknown"
     holder = f"pid {info['pid']} on {info['host']}"
     if info["pid"] == os.getpid() and info["host"] == socket.gethostname():
-        holder += ", this process: close its other CheckpointManager first"
+        holder += ", this process: close its other CheckpointStore first"
     return holder
 
 

@@ -25,8 +25,9 @@ from ..ddp import process_group
 from ..ddp.policy import unwrap
 from ..resilience import markers
 from ..resilience.markers import FatalError
+from ..train.events import Listener
 from . import checkpoint_files, rng
-from .checkpoint_files import CheckpointDirLocked, CheckpointError, CheckpointManager, CheckpointUnreadable
+from .checkpoint_files import CheckpointDirLocked, CheckpointError, CheckpointStore, CheckpointUnreadable
 
 log = logging.getLogger(__name__)
 
@@ -37,12 +38,12 @@ FORMAT = 2
 def _unreadable(message: str, env) -> OSError | CheckpointError:
     """The error for a checkpoint that cannot be read now (EIO, ESTALE, EACCES), raised on every rank
     (a collective). It may pass, so while torchrun has a restart left the run fails retriably and
-    the restart reads again; the last incarnation stops with a CheckpointError (a FATAL)
+    the restart reads again; the last restart stops with a CheckpointError (a FATAL)
     instead, which names the file, rather than fail the same way once more with a traceback (or
     start afresh beside a checkpoint it never read). The fewest restarts any node's agent has left
     decides: the agents count their own, and an agent restarted for another node's failure does
-    not count it (see process_group.restart_count)."""
-    left = torch.tensor([process_group.restarts_left()], device=env.device)
+    not count it (see process_group.agent_restarts)."""
+    left = torch.tensor([process_group.agent_restarts_left()], device=env.device)
     if env.distributed:
         dist.all_reduce(left, op=dist.ReduceOp.MIN)
     if int(left) > 0:
@@ -136,7 +137,7 @@ def gather_rng(distributed: bool, world_size: int) -> list[dict]:
 def guard_restart_loop(cfg: TrainConfig, env, resumed_step: int) -> None:
     """After an elastic restart: stop with FATAL when more than max_no_progress_restarts restarts
     in a row resumed from the same step (rank 0 counts in checkpoint_dir and tells the others)."""
-    if process_group.incarnation() == 0:
+    if process_group.group_restarts() == 0:
         return
     verdict = [markers.note_restart(cfg.checkpoint.dir, resumed_step, cfg.recovery.max_no_progress_restarts)
                if env.is_main else None]
@@ -146,16 +147,16 @@ def guard_restart_loop(cfg: TrainConfig, env, resumed_step: int) -> None:
         raise FatalError(verdict[0])
 
 
-def open_manager(cfg: TrainConfig, env) -> CheckpointManager:
-    """The checkpoint manager; rank 0 takes checkpoint_dir's lock, and every rank learns if it
+def open_store(cfg: TrainConfig, env) -> CheckpointStore:
+    """The checkpoint store; rank 0 takes checkpoint_dir's lock, and every rank learns if it
     could not (the others would otherwise wait for it in the first collective). A restart waits
-    for a process of its own run that still holds the lock (a survivor of the last incarnation
-    writing its save alone, which can outlast the rendezvous's last call) for up to half the
+    for a process of its own run that still holds the lock (a survivor of the last restart
+    writing its survivor checkpoint, which can outlast the rendezvous's last call) for up to half the
     collective timeout the other ranks wait under meanwhile."""
     error = None
-    wait = (cfg.ddp.init_timeout_s or cfg.ddp.timeout_s) / 2 if process_group.incarnation() > 0 else 0
+    wait = (cfg.ddp.init_timeout_s or cfg.ddp.timeout_s) / 2 if process_group.group_restarts() > 0 else 0
     try:
-        manager = CheckpointManager(cfg.checkpoint.dir, keep_last=cfg.checkpoint.keep_last, rank=env.rank,
+        store = CheckpointStore(cfg.checkpoint.dir, keep_last=cfg.checkpoint.keep_last, rank=env.rank,
                                     wait_for_run_s=wait)
     except CheckpointDirLocked as err:
         error = str(err)
@@ -165,21 +166,25 @@ def open_manager(cfg: TrainConfig, env) -> CheckpointManager:
         error = box[0]
     if error is not None:
         raise CheckpointDirLocked(error)
-    return manager
+    return store
 
 
-class BufferWatch:
+class StepStartBuffers(Listener):
     """The model's state other than its parameters (persistent buffers and modules' extra state)
-    as it stood at the current step's start, for a save alone. A step's forward changes some of it
+    as it stood at the current step's start, for a survivor checkpoint. A step's forward changes some of it
     before any collective can fail: BatchNorm's running statistics in place (in C++ kernels that
     do not bump the tensors' versions), a buffer reassigned out of place (``self.n = self.n + 1``),
     a module's ``get_extra_state()`` that returns a new object each call (fp8 scaling histories).
     So at each step's start the state is read anew by name from ``state_dict`` and copied (a few
     KB for BatchNorm; nothing for the many transformers without such state), with the copy of the
     step before, which tells whether it changes at all. Beyond ``LIMIT`` bytes, or for an extra
-    state that cannot be copied, nothing is copied and a save alone is not made."""
+    state that cannot be copied, nothing is copied and a survivor checkpoint is not made. On the event bus:
+    read at each step's start."""
 
     LIMIT = 64 * 2**20
+
+    def step_start(self, step: int) -> None:
+        self.at_step_start()
 
     def __init__(self, model: torch.nn.Module):
         self.model = model
@@ -212,7 +217,7 @@ class BufferWatch:
             self.copies = {name: v.detach().clone() if torch.is_tensor(v) else copy.deepcopy(v)
                            for name, v in state.items()}
             self.why_not = None
-        except Exception as err:  # noqa: BLE001  (an extra state deepcopy cannot copy: no save alone)
+        except Exception as err:  # noqa: BLE001  (an extra state deepcopy cannot copy: no survivor checkpoint)
             self.copies, self.why_not = None, f"its extra state cannot be copied ({type(err).__name__}: {err})"
 
     def model_state(self, *, is_main: bool) -> tuple[dict | None, str | None]:
@@ -243,18 +248,18 @@ def _same(a, b) -> bool:
 
 
 class Checkpointer:
-    """Saves the union of ``components``' states through ``manager`` when the configuration says
+    """Saves the union of ``components``' states through ``store`` when the configuration says
     so, and restores it. ``components`` maps a name in the checkpoint to a Stateful; "model"
     must be the unwrapped model.
 
-    ``resume`` chooses the checkpoint of a launch; a restart of the launch (torchrun's incarnation
+    ``resume`` chooses the checkpoint of a launch; a restart of the launch (torchrun's restart
     > 0) continues the lineages the launch has written (markers.LINEAGE), and only when they hold
     no checkpoint yet does ``resume`` choose again. A rollback takes only these lineages'
     checkpoints, or the one the run started from."""
 
-    def __init__(self, cfg: TrainConfig, env, manager: CheckpointManager, components: dict[str, Stateful], *,
+    def __init__(self, cfg: TrainConfig, env, store: CheckpointStore, components: dict[str, Stateful], *,
                  builtin_data: bool, builtin_model: bool = True, on_save: Callable[[int], None] | None = None):
-        self.cfg, self.env, self.manager = cfg, env, manager
+        self.cfg, self.env, self.store = cfg, env, store
         self.components = components
         self.builtin_data, self.builtin_model = builtin_data, builtin_model
         self.on_save = on_save
@@ -264,7 +269,7 @@ class Checkpointer:
         self._last_save = time.monotonic()  # checkpoint.every_minutes counts from here
 
     def attach(self, cfg: TrainConfig, components: dict[str, Stateful]) -> None:
-        """The resolved configuration and the pieces to save (a manager is opened, and its lock
+        """The resolved configuration and the pieces to save (a store is opened, and its lock
         taken, before anything else is built)."""
         self.cfg = cfg
         self.components.update(components)
@@ -290,7 +295,7 @@ class Checkpointer:
     def save(self, step: int, *, blocking: bool = False) -> None:
         """Every rank calls this at the same step (the RNG states are gathered); rank 0 writes."""
         with self._disk_errors_are_fatal():
-            self.manager.save(self.state(), step, blocking=blocking)
+            self.store.save(self.state(), step, blocking=blocking)
         self._last_save = time.monotonic()
         if self.on_save is not None:
             self.on_save(step)
@@ -335,25 +340,25 @@ class Checkpointer:
                 "config": as_dict(self.cfg, builtin_model=self.builtin_model, builtin_data=self.builtin_data),
                 "world_size": self.env.world_size, **extra}
 
-    def save_alone(self, step: int, *, model_state: dict) -> Path | None:
+    def save_survivor(self, step: int, *, model_state: dict) -> Path | None:
         """Write ``step``'s state from this rank alone, without a collective: for a rank whose peer
-        went away in the step after ``step`` (the trainer's ``_save_alone_if_a_peer_is_lost``).
+        went away in the step after ``step`` (the trainer's ``_survivor_checkpoint_if_a_peer_is_lost``).
         The state is the live one, which the interrupted step has not changed. It holds no RNG
         state: every rank's generators are seeded from (seed, rank, step) at each step's start
         (rng.seed_step); ``model_state`` is the model's as it stood at the step's start (see
-        BufferWatch). Only one survivor writes (see CheckpointManager.write_alone); returns the
+        StepStartBuffers). Only one survivor writes (see CheckpointStore.write_survivor); returns the
         path, or None when this rank did not write."""
-        lineage, began_from = self.manager.lineage, self.manager.began_from
+        lineage, began_from = self.store.lineage, self.store.began_from
         if not self.env.is_main:
-            record = markers.recorded_lineages(self.manager.directory)
+            record = markers.recorded_lineages(self.store.directory)
             if record is None:
-                log.info("not saving step %d alone: rank 0 recorded no lineage in %s", step, self.manager.directory)
+                log.info("not saving step %d alone: rank 0 recorded no lineage in %s", step, self.store.directory)
                 return None
             lineage, began_from = record["current"], record["began_from"]
         state = self._state(rngs=[None] * self.env.world_size, model_state=model_state,
                             saved_alone_by=self.env.rank)
         with self._disk_errors_are_fatal():
-            return self.manager.write_alone(state, step, lineage=lineage, began_from=began_from)
+            return self.store.write_survivor(state, step, lineage=lineage, began_from=began_from)
 
     def load(self, before: int | None = None) -> dict | None:
         """Rank 0 picks the checkpoint (see the class; with ``before``, the newest of this run's
@@ -387,49 +392,49 @@ class Checkpointer:
 
     def _choose(self, before: int | None = None) -> tuple[Path | None, dict | None]:
         if before is not None:
-            files = {self.origin, self.manager.resumed_from} - {None}
-            found = self.manager.latest_valid(before, lineages={*self.lineages, self.manager.lineage}, files=files)
+            files = {self.origin, self.store.resumed_from} - {None}
+            found = self.store.latest_valid(before, lineages={*self.lineages, self.store.lineage}, files=files)
             if found is not None:
-                self.manager.mark_resumed(found[0])
+                self.store.mark_resumed(found[0])
                 self._record_lineages(self.lineages)
             return found or (None, None)
         ours = self._launch_lineages()
-        found = self.manager.latest_valid(lineages=ours) if ours else None
+        found = self.store.latest_valid(lineages=ours) if ours else None
         if found is not None:
             log.info("restart %d of this launch: continuing its own lineage from %s (resume=%s chose the launch's "
-                     "start)", process_group.incarnation(), found[0].name, self.cfg.checkpoint.resume)
+                     "start)", process_group.group_restarts(), found[0].name, self.cfg.checkpoint.resume)
         elif self.cfg.checkpoint.resume == "auto":
-            found = self.manager.latest_valid()
+            found = self.store.latest_valid()
         elif self.cfg.checkpoint.resume != "none":
             found = Path(self.cfg.checkpoint.resume), checkpoint_files.load_file(self.cfg.checkpoint.resume)
-        if found is None and self.cfg.checkpoint.resume != "none" and (began := self.manager.beginning_of_newest()):
+        if found is None and self.cfg.checkpoint.resume != "none" and (began := self.store.beginning_of_newest()):
             # Every checkpoint this directory's newest run wrote is unusable, and that run began
             # from a checkpoint elsewhere (resume=PATH): going back there loses only its own steps,
             # where starting afresh would silently train another model.
             log.warning("no checkpoint in %s is usable; its newest run began from %s: resuming from there",
-                        self.manager.directory, began)
+                        self.store.directory, began)
             found = began, checkpoint_files.load_file(began)
         path, state = found or (None, None)
         if path is not None:
-            self.manager.mark_resumed(path)  # protected from pruning; a restart continues its lineage
-            if path.resolve().parent == self.manager.directory.resolve():
+            self.store.mark_resumed(path)  # protected from pruning; a restart continues its lineage
+            if path.resolve().parent == self.store.directory.resolve():
                 self.origin = path.name
-            self.resumed_lineage = self.manager.lineage_of(path)
+            self.resumed_lineage = self.store.lineage_of(path)
         self._record_lineages(ours)
         return path, state
 
     def _launch_lineages(self) -> list[str]:
         """A restart's: the lineages its launch has written in."""
-        if process_group.incarnation() == 0:
+        if process_group.group_restarts() == 0:
             return []
-        record = markers.recorded_lineages(self.manager.directory, restart=True)
+        record = markers.recorded_lineages(self.store.directory, restart=True)
         return [] if record is None else record["lineages"]
 
     def _record_lineages(self, earlier: list[str]) -> None:
-        current = self.manager.lineage
+        current = self.store.lineage
         self.lineages = [x for x in earlier if x != current] + [current]
-        markers.record_lineages(self.manager.directory, current=current, lineages=self.lineages,
-                                resumed=self.resumed_lineage, began_from=self.manager.began_from)
+        markers.record_lineages(self.store.directory, current=current, lineages=self.lineages,
+                                resumed=self.resumed_lineage, began_from=self.store.began_from)
 
     def restore(self, state: dict) -> None:
         """Load ``state`` into the components (the RNG is ``restore_rng``'s, last of all)."""
@@ -495,4 +500,4 @@ class Checkpointer:
     def close(self) -> None:
         """Wait for the write in flight (raising its error)."""
         with self._disk_errors_are_fatal():
-            self.manager.close()
+            self.store.close()

@@ -75,7 +75,8 @@ def save_final_weights(model: torch.nn.Module, cfg) -> None:
         return
     if not safetensors_available():
         log.warning("safetensors is not installed: the final weights are not exported (only %s is written); "
-                    "install it with `%s`, or set export_dir=none to turn the export off", FINAL_MODEL, INSTALL_HINT)
+                    "install it with `%s`, or set checkpoint.export_dir=none to turn the export off", FINAL_MODEL,
+                    INSTALL_HINT)
         return
     inner = unwrap(model)
     kind = export_model(inner, export_dir, state=state if inner is model else None)

@@ -2,14 +2,14 @@
 with ``state_dict()``/``load_state_dict()`` is saved in checkpoints and restored on resume. One
 whose state no step's forward or backward touches (it changes in the hooks only) says so with
 ``changes_mid_step = False``: a survivor of a peer lost mid-step may then save the run alone
-(DDPTrainer's save alone; a ``stateful`` object can say the same)."""
+(DDPTrainer's survivor checkpoint; a ``stateful`` object can say the same)."""
 
 from __future__ import annotations
 
 import logging
 from typing import Any
 
-from .moments import Listener
+from .events import Listener
 
 log = logging.getLogger(__name__)
 
@@ -19,7 +19,7 @@ val_loss); on_save(trainer, step); on_train_end(trainer, summary)."""
 
 
 class UserCallbacks(Listener):
-    """The user's callbacks, attached to the run's moments (framework/train/moments.py). Each hook
+    """The user's callbacks, attached to the run's moments (framework/train/events.py). Each hook
     gets ``owner`` first (the DDPTrainer), which this module hands on and never reads."""
 
     def __init__(self, callbacks: list[Any] | tuple[Any, ...] = (), *, owner=None):
@@ -37,9 +37,9 @@ class UserCallbacks(Listener):
     def train_start(self) -> None:
         self._call("on_train_start")
 
-    def step_end(self, step: int, model, metrics) -> None:
+    def step_end(self, result, model) -> None:
         if self.callbacks:
-            self._call("on_step_end", step, metrics())
+            self._call("on_step_end", result.step, result.metrics())
 
     def evaluated(self, step: int, val_loss: float | None) -> None:
         self._call("on_evaluate", step, val_loss)

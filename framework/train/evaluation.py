@@ -9,10 +9,11 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from ..config.schema import EvalSection
 from ..data.batches import batch_loss, fetch, num_samples, to_device
 from ..data.sampler import eval_indices
-from .control import agree
-from .moments import Moments
+from .agreement import agree
+from .events import EventBus
 
 log = logging.getLogger(__name__)
 
@@ -67,12 +68,14 @@ def _agreed(stop: Callable[[], bool], *, device: torch.device, world_size: int, 
 class Evaluator:
     """The validation loss every ``eval_interval`` steps (0: only at the end), on every rank."""
 
-    def __init__(self, model: torch.nn.Module, dataset, loss_fn, section, *, batch_size: int, env, autocast, sampler,
-                 moments: Moments | None = None):
+    Config = EvalSection  # the configuration's ``eval`` section, its first argument
+
+    def __init__(self, section, *, model: torch.nn.Module, dataset, loss_fn, batch_size: int, env, autocast, sampler,
+                 events: EventBus | None = None):
         """``section``: the configuration's eval section; ``batch_size``: data.batch_size (eval.steps counts
         batches of it)."""
         self.model, self.dataset, self.loss_fn = model, dataset, loss_fn
-        self.moments = moments or Moments()
+        self.events = events or EventBus()
         self.interval = section.interval
         whole = len(dataset) if dataset is not None else 0
         self.limit = section.steps * batch_size if section.steps else whole
@@ -100,7 +103,7 @@ class Evaluator:
         self.model.eval()
         self.interrupted = False
         try:
-            self.moments.evaluation(step)
+            self.events.evaluation(step)
             return validation_loss(self.model, self.dataset, self.loss_fn, limit=self.limit,
                                    batch_size=self.sampler.batch_size, rank=self.env.rank,
                                    world_size=self.env.world_size, device=self.env.device, autocast=self.autocast,

@@ -6,6 +6,8 @@ import math
 
 import torch
 
+from ..config.schema import PrecisionSection
+
 
 def lr_at(step: int, *, lr: float, warmup_steps: int, total_steps: int, min_lr: float) -> float:
     """Linear warmup from 0 to ``lr`` over ``warmup_steps``, then cosine decay to ``min_lr`` at
@@ -68,11 +70,21 @@ class UserSchedule:
             self.scheduler.load_state_dict(state)
 
 
-def precision(cfg, device: torch.device) -> tuple[bool, torch.dtype, torch.amp.GradScaler]:
-    """Whether autocast is on, its dtype, and the GradScaler (enabled for fp16 only)."""
-    amp = cfg.precision.autocast == "true" or (cfg.precision.autocast == "auto" and device.type == "cuda")
-    dtype = torch.bfloat16 if cfg.precision.dtype == "bf16" else torch.float16
-    return amp, dtype, torch.amp.GradScaler(device.type, enabled=amp and dtype == torch.float16)
+class Precision:
+    """The run's mixed precision, from the ``precision`` section: ``autocast`` (on or off),
+    ``dtype`` (bf16 or fp16) and ``scaler`` (a GradScaler, enabled for fp16 only);
+    ``context()`` is the autocast context a forward runs in."""
+
+    Config = PrecisionSection  # the configuration's ``precision`` section, its first argument
+
+    def __init__(self, section, *, device: torch.device):
+        self.device_type = device.type
+        self.autocast = section.autocast == "true" or (section.autocast == "auto" and device.type == "cuda")
+        self.dtype = torch.bfloat16 if section.dtype == "bf16" else torch.float16
+        self.scaler = torch.amp.GradScaler(device.type, enabled=self.autocast and self.dtype == torch.float16)
+
+    def context(self):
+        return torch.autocast(self.device_type, dtype=self.dtype, enabled=self.autocast)
 
 
 def optimizer_and_schedule(cfg, model: torch.nn.Module, optimizer=None, lr_scheduler=None):

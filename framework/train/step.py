@@ -26,8 +26,8 @@ from ..resilience import markers
 from ..resilience.markers import FatalError
 from ..resilience.memory import is_oom
 from ..resilience.straggler import SectionTimer, off_the_clock_buffer_broadcast
-from .control import Agreement, agree
-from .moments import Moments
+from .agreement import Agreement, agree
+from .events import EventBus
 
 log = logging.getLogger(__name__)
 
@@ -115,21 +115,28 @@ class SkipBudget:
         self.total = int(state.get("total", len(self.steps)))
 
 
-class TrainStep:
-    """Runs optimizer steps on ``model`` (DDP-wrapped or not; ``raw_model`` is the unwrapped one)."""
+def oom_recovery_enabled(cfg, device) -> bool:
+    """recovery.oom: true, false, or auto (on CUDA)."""
+    return cfg.recovery.oom == "true" or (cfg.recovery.oom == "auto" and device.type == "cuda")
 
-    def __init__(self, *, model, raw_model, optimizer, scaler, schedule, loss_fn, autocast, env, sampler, stream,
-                 moments: Moments, skips: SkipBudget, grad_clip: float, agree_nonfinite: bool, checkpoint_dir: str,
-                 oom_recovery: bool, loss_average: str = "micro_batch",
-                 lr_factor: Callable[[int], float] = lambda s: 1.0, timer: SectionTimer | None = None,
-                 reseed: Callable[[int], None] = lambda s: None):
+
+class TrainStep:
+    """Runs optimizer steps on ``model`` (DDP-wrapped or not; ``raw_model`` is the unwrapped one).
+    ``cfg``: the run's configuration, for ``optim.grad_clip``, ``recovery.agree_nonfinite`` and
+    ``recovery.oom``, ``train.loss_average`` and ``checkpoint.dir`` (where a synced backward's OOM
+    records the halved micro-batch); ``precision``: framework/train/optim.py's Precision."""
+
+    def __init__(self, cfg, *, model, raw_model, optimizer, precision, schedule, loss_fn, env, sampler, stream,
+                 events: EventBus, skips: SkipBudget, lr_factor: Callable[[int], float] = lambda s: 1.0,
+                 timer: SectionTimer | None = None, reseed: Callable[[int], None] = lambda s: None):
         self.model, self.raw_model = model, raw_model
-        self.optimizer, self.scaler, self.schedule = optimizer, scaler, schedule
-        self.loss_fn, self.autocast, self.env = loss_fn, autocast, env
-        self.sampler, self.stream, self.moments, self.skips = sampler, stream, moments, skips
-        self.grad_clip, self.agree_nonfinite = grad_clip, agree_nonfinite  # optim.grad_clip, recovery.agree_nonfinite
-        self.checkpoint_dir = checkpoint_dir  # where a synced backward's OOM records the halved micro-batch
-        self.loss_average = loss_average  # train.loss_average
+        self.optimizer, self.scaler, self.schedule = optimizer, precision.scaler, schedule
+        self.loss_fn, self.autocast, self.env = loss_fn, precision.context, env
+        self.sampler, self.stream, self.events, self.skips = sampler, stream, events, skips
+        self.grad_clip, self.agree_nonfinite = cfg.optim.grad_clip, cfg.recovery.agree_nonfinite
+        self.checkpoint_dir = cfg.checkpoint.dir
+        self.loss_average = loss_average = cfg.train.loss_average
+        oom_recovery = oom_recovery_enabled(cfg, env.device)
         # transformers' own way to average over tokens: the model sums its loss and divides it by
         # num_items_in_batch (transformers.Trainer passes it to such models); other models' mean
         # loss is weighted by their micro-batch's share of the tokens instead.
@@ -246,12 +253,12 @@ class TrainStep:
         return None
 
     def _micro_step(self, batch, step: int, i: int, n: int) -> torch.Tensor:
-        batch = self.moments.micro_batch(step, i, to_device(batch, self.env.device))
-        with self.moments.micro_step(step, i, n - 1, self.raw_model, self.stream.kill_a_worker) as on_loss:
+        batch = self.events.micro_batch(step, i, to_device(batch, self.env.device))
+        with self.events.micro_step(step, i, n - 1, self.raw_model, self.stream.kill_a_worker) as on_loss:
             self.timer.lap("forward_backward")  # before DDP's buffer broadcast (off_the_clock_buffer_broadcast)
             model_kwargs, factor = self._weights[i] if self._weights is not None else ({}, 1 / n)
             with self.autocast():
-                loss = batch_loss(uncompiled(self.model) if self.moments.eager_now else self.model, batch,
+                loss = batch_loss(uncompiled(self.model) if self.events.eager_now else self.model, batch,
                                   self.loss_fn, model_kwargs)
             # A micro-batch with no labelled token has a NaN mean (0/0) and weighs nothing: its
             # gradient is zero, and so is its share of the loss.

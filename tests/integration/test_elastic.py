@@ -82,7 +82,7 @@ def test_a_run_resumed_on_4_2_1_and_2_ranks_keeps_its_global_batch_its_samples_a
 # --- node loss: 2 nodes x 1 process on loopback --------------------------------------------------
 
 # 256 samples, 2 ranks x 4: 32 steps an epoch, 64 in all; each step slowed to >= 60 ms (in every
-# incarnation) so that a node can be lost, and can rejoin, mid-run.
+# restart) so that a node can be lost, and can rejoin, mid-run.
 NODES = {**ELASTIC, "dataset_size": 256, "data.global_batch_size": 8, "checkpoint.every_steps": 8, "save_interval": 0,
          "ddp.timeout_s": 30, "recovery.fault_inject": "slow@step=0,ms=60,restart=*"}
 RDZV_CONF = "join_timeout=30,last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3"

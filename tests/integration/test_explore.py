@@ -139,7 +139,8 @@ def test_the_checker_judges_issue_33s_dimensions_and_faults():
     crash = {**base, "config": {**SIMPLEST, "topology": "1x2"}, "fault": "crash_one_rank"}
     stopped = copy.deepcopy(good)
     stopped.update(summary=None, fatal="rank 0: FatalError: 2 restarts in a row resumed from step 3 with no progress "
-                   "in between (max_no_progress_restarts=1); the last error: rank 1: RuntimeError: fault injection",
+                   "in between (recovery.max_no_progress_restarts=1); the last error: rank 1: RuntimeError: "
+                   "fault injection",
                    launches=[{"codes": [1], "timed_out": False, "wall_s": 9.0, "left_behind": 0, "stderr": ""}])
     assert violations(explore.check(crash, stopped, None)) == {}
     stopped.update(node_lost_marker=True)
@@ -147,7 +148,7 @@ def test_the_checker_judges_issue_33s_dimensions_and_faults():
     found = violations(explore.check(crash, stopped, None))["explained"]
     assert "exited [75], not 1" in found and "left NODE_LOST" in found
     # the explorer's twitchy spike guard past max_rollbacks after an injected spike: the guard's doing
-    fatal = "rank 1: FatalError: more than max_rollbacks=3 loss-spike rollbacks: step 5; step 7; step 8; step 8"
+    fatal = "rank 1: FatalError: more than spike.max_rollbacks=3 loss-spike rollbacks: step 5; step 7; step 8; step 8"
     guard = copy.deepcopy(good)
     guard.update(summary=None, fatal=fatal, launches=stopped["launches"][:1])
     guard["launches"][0]["codes"] = [1, 1]
@@ -156,7 +157,7 @@ def test_the_checker_judges_issue_33s_dimensions_and_faults():
     assert violations(explore.check({**spiked, "fault": "nan"}, guard, None)) == {}
     assert "FATAL after a transient fault" in violations(explore.check({**spiked, "fault": "kill9_worker"}, guard,
                                                                        ref))["explained"]
-    # a survivor slowed while it held the lock to save alone, whose checkpoint never came
+    # a survivor slowed while it held the lock to write the survivor checkpoint, whose checkpoint never came
     slow = {**base, "config": {**SIMPLEST, "topology": "1x2"}, "fault": "kill9_slow_save"}
     res = copy.deepcopy(good)
     res.update(froze_survivor=True, saved_alone=True)
@@ -167,7 +168,7 @@ def test_the_checker_judges_issue_33s_dimensions_and_faults():
 
 def test_issue_33s_dimensions_and_faults_are_drawn_and_a_rerun_fills_them_with_their_simplest_values():
     drawn = [explore.draw(random.Random(5000 + i)) for i in range(400)]
-    for dim in ("world_change", "nnodes", "loss_average", "trainer", "save_every_minutes"):
+    for dim in ("world_change", "nnodes", "loss_average", "trainer", "save_every_minutes", "peer_timeout"):
         assert {t["config"][dim] for t in drawn} == set(explore.DIMS[dim]), dim
     assert {"sigstop_worker", "crash_one_rank", "kill9_slow_save"} <= {t["fault"] for t in drawn}
     hf = [t for t in drawn if t["config"]["trainer"] == "hf"]
@@ -178,7 +179,7 @@ def test_issue_33s_dimensions_and_faults_are_drawn_and_a_rerun_fills_them_with_t
     assert "2x1" in {t["config"]["topology"] for t in hf}
     # a trial of before these dimensions: --rerun gives each its first value, what it ran with
     old = {k: v for k, v in SIMPLEST.items()
-           if k not in ("world_change", "nnodes", "loss_average", "trainer", "save_every_minutes")}
+           if k not in ("world_change", "nnodes", "loss_average", "trainer", "save_every_minutes", "peer_timeout")}
     filled = {**SIMPLEST, **old}
     assert explore.applicable({"config": filled, "fault": "kill9_worker", "moment": "mid_step"}) is None
     args = explore.config_args({"config": filled, "fault": "none", "moment": "startup"},
@@ -232,10 +233,10 @@ _SLICE_CONFIG = {"topology": "1", "max_restarts": 2, "resume": "path", "layout":
                  "stop": "num_epochs", "save_on_peer_loss": True, "world_change": "none", "nnodes": "fixed",
                  "loss_average": "micro_batch", "trainer": "builtin", "save_every_minutes": 0.002}
 # Issue 33's, on the simplest configuration otherwise: a worker killed mid-step on 2 ranks with the
-# save alone off (steps redone) and the run relaunched on 1 rank, averaging over tokens; a worker
-# stopped (SIGSTOP) on 2 nodes, the other's watchdog ending the group. (A deterministic error on
+# survivor checkpoint off (steps redone) and the run relaunched on 1 rank, averaging over tokens; a worker
+# stopped (SIGSTOP) on 2 nodes, the other's peer monitor (issue 31's) ending the group. (A deterministic error on
 # rank 1 under launch_training.sh, crash_one_rank, is tests/integration/test_launch.py's
-# test_a_launch_whose_last_incarnation_lost_no_node_does_not_exit_75: the same launch, 20 s less.)
+# test_a_launch_whose_last_restart_lost_no_node_does_not_exit_75: the same launch, 20 s less.)
 _ISSUE33 = {k: v[0] for k, v in explore.DIMS.items()}
 SLICE = [
     {"config": _SLICE_CONFIG, "fault": "kill9_worker", "moment": "ckpt_write"},
@@ -244,7 +245,7 @@ SLICE = [
     {"config": {**_SLICE_CONFIG, "topology": "1x2"}, "fault": "kill9_worker", "moment": "mid_step"},
     {"config": {**_ISSUE33, "topology": "1x2", "world_change": "2to1", "loss_average": "tokens",
                 "save_on_peer_loss": False}, "fault": "kill9_worker", "moment": "mid_step"},
-    {"config": {**_ISSUE33, "topology": "2x1"}, "fault": "sigstop_worker", "moment": "eval"},
+    {"config": {**_ISSUE33, "topology": "2x1", "peer_timeout": 10}, "fault": "sigstop_worker", "moment": "eval"},
 ]
 
 
@@ -273,7 +274,7 @@ def test_a_guard_stop_is_judged_against_the_uninterrupted_run():
     same FATAL (the same spikes and samples), and a failure when it did not; with timed
     checkpoints, a rollback's target is the clock's, so the weights are not compared."""
     trial = {"config": {**SIMPLEST, "spike_guard": "rollback"}, "fault": "sigstop_worker", "moment": "ckpt_write"}
-    fatal = "more than max_rollbacks=3 loss-spike rollbacks: step 5 (samples [37, 18]); step 8 (samples [6, 4])"
+    fatal = "more than spike.max_rollbacks=3 loss-spike rollbacks: step 5 (samples [37, 18]); step 8 (samples [6, 4])"
     res = copy.deepcopy(clean_result(trial["config"]))
     res.update(summary=None, fatal=f"rank 1: FatalError: {fatal}")
     res["launches"][0]["codes"] = [1]
@@ -312,7 +313,7 @@ def test_a_guard_stop_is_judged_against_the_uninterrupted_run():
     assert explore.check(early, relaunched, stopped_too)["equivalence"] == "n/a"
     relaunched["injected_spike"] = True  # it fired: the trial's losses are the reference's
     assert "the uninterrupted run stopped" in violations(explore.check(early, relaunched, stopped_too))["equivalence"]
-    # A save alone of step 4 became the rollback's target, where the reference went back to step 3
+    # A survivor checkpoint of step 4 became the rollback's target, where the reference went back to step 3
     # (seed 9000's trial 751): other checkpoints, so other weights; the same targets are compared.
     alone = {**trial, "fault": "kill9_worker", "moment": "eval"}
     other = copy.deepcopy(clean_result(alone["config"]))

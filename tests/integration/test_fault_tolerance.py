@@ -1,8 +1,10 @@
 """Fault tolerance end to end on 2 gloo ranks, with real signals: kill -9 and elastic restart,
 SIGTERM to a worker and to launch_training.sh, damaged checkpoints, FATAL markers, 2 nodes."""
 
+import datetime
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -39,7 +41,7 @@ def reference(tmp_path_factory):
 
 def committed_samples(run_dir: Path) -> dict[int, dict[int, list[int]]]:
     """epoch -> step -> indices (both ranks), with the purges applied: a step recorded by an
-    incarnation that died before its checkpoint was redone after the restart."""
+    restart that died before its checkpoint was redone after the restart."""
     steps: dict[tuple[int, int], dict[int, list[int]]] = {}
     for rank in (0, 1):
         records = read_samples(run_dir / "logs" / f"samples_rank_{rank}.jsonl")
@@ -68,22 +70,22 @@ def assert_each_sample_once_per_epoch(run_dir: Path):
 # epoch 1 by the restart. Its peer, gone, saves step kill_at alone (the last step both finished) and
 # the restart resumes there, bit-exact although the killed rank's generators were never saved (each
 # rank's are seeded from (seed, rank, step)); rank 0 is the victim once, and rank 1 writes then.
-# With the save alone off, a restart resumes from the last periodic checkpoint (every 8 steps; the
+# With the survivor checkpoint off, a restart resumes from the last periodic checkpoint (every 8 steps; the
 # second one's is the one written at the end of epoch 0, step 32).
-@pytest.mark.parametrize(("kills", "resumed_at", "save_alone"), [
+@pytest.mark.parametrize(("kills", "resumed_at", "save_survivor"), [
     (((1, 21), (0, 34)), (21, 34), True),
     (((1, 21), (1, 34)), (16, 32), False)])
-def test_kill_9_then_elastic_restart_resumes_bit_exact(reference, tmp_path, kills, resumed_at, save_alone):
+def test_kill_9_then_elastic_restart_resumes_bit_exact(reference, tmp_path, kills, resumed_at, save_survivor):
     faults = "; ".join(f"sigkill@step={step},rank={victim},restart={i}" for i, (victim, step) in enumerate(kills))
     run = train(tmp_path, {"recovery.fault_inject": faults}, torchrun_extra=["--max-restarts", "2"],
-                **{"checkpoint.save_on_peer_loss": save_alone})
+                **{"checkpoint.save_on_peer_loss": save_survivor})
     assert run.returncode == 0, run.output[-4000:]
     log0 = rank_log(tmp_path)
     for (victim, kill_at), resume_at in zip(kills, resumed_at, strict=True):
         assert f"fault injection: sigkill at step {kill_at} on rank {victim}" in rank_log(tmp_path, victim)
         assert f"resumed from step {resume_at}" in log0
         saved_alone = f"this rank saved step {kill_at}, the last step every rank finished, alone"
-        assert (saved_alone in rank_log(tmp_path, 1 - victim)) == save_alone, (victim, kill_at)
+        assert (saved_alone in rank_log(tmp_path, 1 - victim)) == save_survivor, (victim, kill_at)
     result = summary(tmp_path)
     assert result["steps"] == 48
     assert result["model_sha256"] == reference
@@ -92,6 +94,43 @@ def test_kill_9_then_elastic_restart_resumes_bit_exact(reference, tmp_path, kill
     rows = read_metrics(tmp_path / "logs" / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(1, 49))
     assert rows[-1]["train/loss"] == result["final_train_loss"] and result["restarts"] == 2
+    assert not run.leftovers
+
+
+def test_a_step_slower_than_the_peer_timeout_is_not_a_loss(tmp_path):
+    """Rank 1's steps take 4 s from step 4 on (a sleep in each forward: a slow rank, not a frozen
+    one), longer than recovery.peer_timeout_s=3: its monitor thread beats on, so nobody is named
+    and the run ends as usual."""
+    run = train(tmp_path, {"recovery.fault_inject": "slow@step=3,rank=1,ms=4000", "recovery.peer_timeout_s": 3,
+                           "train.max_steps": 6})
+    assert run.returncode == 0, run.output[-4000:]
+    log0 = rank_log(tmp_path)
+    stamps = {int(m.group(2)): datetime.datetime.fromisoformat(m.group(1))
+              for m in re.finditer(r"^(\S+ \S+) \[rank 0\] .*step (\d+)/6 ", log0, re.M)}
+    assert (stamps[6] - stamps[4]).total_seconds() >= 2 * 4 - 1  # the slow steps outlast the timeout
+    assert "went silent" not in log0 + rank_log(tmp_path, 1) and summary(tmp_path)["steps"] == 6
+
+
+def test_a_frozen_rank_is_named_in_seconds_and_the_restart_trains_on_bit_exact(reference, tmp_path):
+    """Rank 1 stops itself (SIGSTOP) at the start of step 13, 1 s into training: nothing closes a connection, and its
+    peer would wait in the all-reduce for ddp.timeout_s (600 s). Rank 0's peer monitor names it
+    after recovery.peer_timeout_s and exits 75; torchrun ends the stopped rank and restarts the
+    group, which resumes from step 8 and ends as the uninterrupted run."""
+    run = train(tmp_path, {"recovery.fault_inject": "sigstop@step=12,rank=1", "recovery.peer_timeout_s": 8},
+                torchrun_extra=["--max-restarts", "1"], timeout=240)
+    assert run.returncode == 0, run.output[-4000:]
+    log0, log1 = rank_log(tmp_path), rank_log(tmp_path, 1)
+    assert "fault injection: sigstop at step 12 on rank 1" in log1
+    [silent] = [line for line in log0.splitlines() if "rank 1 went silent: no heartbeat for" in line]
+    stopped = next(line for line in log1.splitlines() if "fault injection: sigstop at step 12" in line)
+    waited = (datetime.datetime.fromisoformat(silent[:19]) - datetime.datetime.fromisoformat(stopped[:19]))
+    assert waited.total_seconds() <= 8 + 10  # the timeout, a beat and a loaded machine's slack; not 600 s
+    assert "ending this restart with exit 75" in silent
+    assert "resumed from step 8" in log0
+    result = summary(tmp_path)
+    assert result["steps"] == 48 and result["restarts"] == 1
+    assert result["model_sha256"] == reference
+    assert_each_sample_once_per_epoch(tmp_path)
     assert not run.leftovers
 
 
@@ -109,8 +148,8 @@ def test_a_fault_during_evaluation_or_save_restarts_and_ends_as_uninterrupted(re
     run = train(tmp_path, {"recovery.fault_inject": "; ".join(faults), "eval.interval": 16,
                            "recovery.step_timeout_s": 5}, torchrun_extra=["--max-restarts", "2"])
     assert run.returncode == 0, run.output[-4000:]
-    incarnations = rank_log(tmp_path).split("resumed from step ")
-    for fault, steps, after in zip(faults, resumed, incarnations[1:], strict=True):
+    restarts = rank_log(tmp_path).split("resumed from step ")
+    for fault, steps, after in zip(faults, resumed, restarts[1:], strict=True):
         kind, rank = fault.split("@")[0], int(fault.split("rank=")[1][0])
         step = int(fault.split("step=")[1].split(",")[0])
         moment = "the evaluation" if ",at=eval" in fault else "the checkpoint save"
@@ -186,7 +225,7 @@ def test_fatal_marker_stops_a_restarted_group_at_once(tmp_path):
     assert run.returncode != 0
     marker = (tmp_path / "ck" / "FATAL").read_text()
     assert "max_errors_per_epoch=0" in marker and "steps [3]" in marker
-    assert run.output.count("an earlier incarnation of this run failed and a restart cannot help") >= 2
+    assert run.output.count("an earlier restart of this run failed and a restart cannot help") >= 2
     assert "fault injection: nan at step 3" in rank_log(tmp_path)
     assert time.monotonic() - start < 60
     assert not run.leftovers
@@ -197,11 +236,12 @@ def test_a_crash_after_every_restart_stops_after_max_no_progress_restarts(tmp_pa
                 torchrun_extra=["--max-restarts", "3"])
     assert run.returncode != 0
     marker = (tmp_path / "ck" / "FATAL").read_text()
-    assert "2 restarts in a row resumed from step 8 with no progress in between (max_no_progress_restarts=1)" in marker
+    assert ("2 restarts in a row resumed from step 8 with no progress in between "
+            "(recovery.max_no_progress_restarts=1)") in marker
     assert "the last error: rank " in marker and "RuntimeError: fault injection: crash at step 10" in marker
     # The first launch and 1 restart trained; the second restart stopped; the last one stopped at once.
     assert rank_log(tmp_path).count("fault injection: crash at step 10 on rank 0") == 2
-    assert run.output.count("an earlier incarnation of this run failed and a restart cannot help") >= 1
+    assert run.output.count("an earlier restart of this run failed and a restart cannot help") >= 1
     assert not run.leftovers
 
 

@@ -166,13 +166,17 @@ def test_the_scaler_overflow_row_on_cpu_with_an_enabled_grad_scaler(gpu_check, t
     the scaler's to skip: every step done, none counted as non-finite, the saved scale lowered."""
     import torch
     from framework import trainer as trainer_module
-    monkeypatch.setattr(trainer_module, "precision",
-                        lambda cfg, device: (False, torch.float32, torch.amp.GradScaler("cpu", enabled=True)))
+    class Fp16OnCpu(trainer_module.Precision):
+        def __init__(self, section, *, device):
+            super().__init__(section, device=device)
+            self.autocast, self.dtype, self.scaler = False, torch.float32, torch.amp.GradScaler("cpu", enabled=True)
+
+    monkeypatch.setattr(trainer_module, "Precision", Fp16OnCpu)
     small = {**gpu_check.TINY, "hidden_size": 32, "num_layers": 1, "num_heads": 2, "seq_len": 32,
              "dataset_size": 512, "batch_size": 8, "train.max_steps": 30, "save_interval": 10}
 
     def in_process(tmp, name, overrides=None, /, nproc=1, **keys):
-        # fp16 autocast cannot run here: the patched precision() stands for it
+        # fp16 autocast cannot run here: the patched Precision stands for it
         overrides = {k: v for k, v in {**(overrides or {}), **keys}.items() if k not in ("use_amp", "precision.dtype")}
         run = tmp / name
         summary = trainer_module.DDPTrainer({**small, **overrides, "logging.dir": str(run / "logs"),

@@ -290,12 +290,12 @@ def test_a_fatal_marker_of_the_launch_comes_before_node_lost(shim, tmp_path):
 
 
 @pytest.mark.parametrize("faults, max_restarts, fatal", [
-    # rank 1 fails the same way in every incarnation; the restart-loop guard stops it with FATAL
+    # rank 1 fails the same way in every restart; the restart-loop guard stops it with FATAL
     ("crash@step=10,rank=1,restart=*", 2, True),
     # a transient kill of rank 1 (survived), then an unrelated failure of every rank later on
     ("sigkill@step=3,rank=1; crash@step=10,restart=1", 1, False),
 ])
-def test_a_launch_whose_last_incarnation_lost_no_node_does_not_exit_75(tmp_path, faults, max_restarts, fatal):
+def test_a_launch_whose_last_restart_lost_no_node_does_not_exit_75(tmp_path, faults, max_restarts, fatal):
     """Issue 33, bug 1: both exited 75 (a requeue, in train.sbatch, until the time limit)."""
     ck, logs = tmp_path / "ck", tmp_path / "logs"
     proc = run_script(["--cpu", "-n", "2", "--test", "--max-restarts", str(max_restarts), "-c", str(ck),

@@ -189,7 +189,7 @@ def test_scancel_saves_and_the_job_ends_without_a_requeue(slurm, tmp_path):
 
 
 def test_a_deterministic_error_on_one_rank_fails_the_job_without_a_requeue(slurm, tmp_path):
-    """Issue 33, bug 1: rank 1 fails at step 10 in every incarnation; rank 0 sees it vanish
+    """Issue 33, bug 1: rank 1 fails at step 10 in every restart; rank 0 sees it vanish
     (NODE_LOST) and the restart-loop guard stops the launch with FATAL. The job fails once; it
     was requeued until its time limit, each requeue clearing FATAL as a new launch does."""
     job = submit({**slurm, "MAX_RESTARTS": "2"}, tmp_path, train=(

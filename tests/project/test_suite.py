@@ -45,7 +45,7 @@ def test_a_test_not_marked_dist_cannot_start_torchrun(tmp_path):
 def test_a_test_not_marked_dist_cannot_start_torchrun_through_a_child_either(tmp_path):
     """A child process (a bench script, say) inherits the refusal: torchrun_cmd raises there too."""
     script = tmp_path / "child.py"
-    script.write_text("from framework.testing.launch import torchrun_cmd\ntorchrun_cmd('x.py', [])\n")
+    script.write_text("from harness.launch import torchrun_cmd\ntorchrun_cmd('x.py', [])\n")
     out = subprocess.run([sys.executable, str(script)], cwd=ROOT, capture_output=True, text=True, timeout=120,
                          env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.returncode == 1

@@ -170,11 +170,11 @@ def test_user_model_dataset_and_loss(tmp_path):
 def test_nonfinite_step_is_skipped(tmp_path):
     trainer = DDPTrainer(tiny(tmp_path, {"train.max_steps": 4}))
     before = {k: v.clone() for k, v in trainer.raw_model.state_dict().items()}
-    batches = iter(trainer._stream.loader)
+    batches = iter(trainer.stream.loader)
     loss = trainer.forward_backward([next(batches)])
     next(trainer.raw_model.parameters()).grad[0, 0] = float("nan")
     agreed, _, _ = trainer.optimizer_step(loss)
-    assert agreed.nonfinite and trainer._skips.steps == [0]
+    assert agreed.nonfinite and trainer.skips.steps == [0]
     after = trainer.raw_model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
     assert all(p.grad is None for p in trainer.raw_model.parameters())
@@ -266,7 +266,7 @@ def test_eval_steps_zero_evaluates_the_whole_validation_split(tmp_path):
     def val_loss(eval_steps):
         trainer = DDPTrainer(tiny(tmp_path, {"eval.steps": eval_steps}))
         try:
-            return trainer.evaluate(), trainer._evaluator.batches, len(trainer._val_dataset)
+            return trainer.evaluate(), trainer.evaluator.batches, len(trainer.val_dataset)
         finally:
             trainer.close()
 
@@ -290,7 +290,7 @@ def test_loader_workers_default_to_what_the_cores_can_feed(tmp_path, monkeypatch
         trainer = DDPTrainer({**default, **over}, model=torch.nn.Linear(5, 1), train_dataset=data,
                              loss_fn=torch.nn.functional.mse_loss)
         trainer.close()
-        return trainer._num_workers
+        return trainer.num_workers
 
     with caplog.at_level(logging.INFO, logger="framework.data.batch_stream"):
         assert workers(1) == 0
@@ -362,13 +362,13 @@ def test_a_steps_samples_are_recorded_before_the_ranks_agree_on_it(tmp_path):
     trainer = DDPTrainer(cfg)
     samples = tmp_path / "logs" / "samples_rank_0.jsonl"
     seen = []
-    agree_step = trainer._train_step.optimizer_step
+    agree_step = trainer.train_step.optimizer_step
 
     def recorded_then_agree(loss, step, **kwargs):
         lines = [json.loads(line) for line in samples.read_text().splitlines()] if samples.exists() else []
         seen.append((step + 1, [line.get("step") for line in lines]))
         return agree_step(loss, step, **kwargs)
-    trainer._train_step.optimizer_step = recorded_then_agree
+    trainer.train_step.optimizer_step = recorded_then_agree
     trainer.train()
     assert seen == [(1, [1]), (2, [1, 2]), (3, [1, 2, 3])]
     records = [json.loads(line) for line in samples.read_text().splitlines()]

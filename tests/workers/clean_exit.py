@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from framework import DDPTrainer  # noqa: E402
-from framework.testing.launch import register_worker  # noqa: E402
+from harness.launch import register_worker  # noqa: E402
 from tests.tiny import tiny  # noqa: E402
 
 STEPS = 3

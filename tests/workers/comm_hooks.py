@@ -35,7 +35,7 @@ def grads_after_one_step(name: str, overrides: dict, out_dir) -> dict[str, torch
 
     trainer = DDPTrainer({**GRAD_BASE, **overrides, "logging.dir": str(out_dir / name),
                           "checkpoint.dir": str(out_dir / name / "ck")})
-    micro = [next(iter(trainer._stream.loader))]
+    micro = [next(iter(trainer.stream.loader))]
     trainer.forward_backward(micro)
     grads = {n: p.grad.detach().clone() for n, p in trainer.raw_model.named_parameters()}
     trainer.close()
@@ -69,7 +69,7 @@ def train(name: str, overrides: dict, out_dir, **kwargs) -> dict:
     cfg = {**TRAIN_BASE, **overrides, "logging.dir": str(out_dir / name), "checkpoint.dir": str(out_dir / name / "ck")}
     trainer = DDPTrainer(cfg, **kwargs)
     summary = trainer.train()
-    state = trainer._comm_hook.state
+    state = trainer.comm_hook.state
     log = (out_dir / name / f"rank_{dist.get_rank()}.log").read_text()
     return {"summary": summary, "powersgd_iter": None if state is None else state.iter,
             "static_graph": trainer.decision.static_graph,

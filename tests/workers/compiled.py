@@ -35,7 +35,7 @@ def run_grad_case(name: str, overrides: dict, out_dir, world: int) -> dict:
     graphs_before = counters["frames"]["ok"]
     trainer = DDPTrainer(cfg)
     assert is_ddp(trainer.model) and trainer.model is not trainer.raw_model
-    batches = iter(trainer._stream.loader)
+    batches = iter(trainer.stream.loader)
     trainer.forward_backward([next(batches) for _ in range(trainer.sampler.accumulation)])
     ref = reference_grads({**COMPILED, **overrides}, world)
     diffs = {n: (p.grad - ref[n]).abs().max().item() for n, p in trainer.raw_model.named_parameters()}

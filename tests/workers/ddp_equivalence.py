@@ -56,7 +56,7 @@ def run_grad_case(name: str, overrides: dict, out_dir, rank: int, world: int) ->
 
     cfg = {**BASE, **overrides, "logging.dir": str(out_dir / name), "checkpoint.dir": str(out_dir / name / "ck")}
     trainer = DDPTrainer(cfg)
-    batches = iter(trainer._stream.loader)
+    batches = iter(trainer.stream.loader)
     micro = [next(batches) for _ in range(trainer.sampler.accumulation)]
     trainer.forward_backward(micro)
     ref = reference_grads(overrides, world)
@@ -65,7 +65,7 @@ def run_grad_case(name: str, overrides: dict, out_dir, rank: int, world: int) ->
     trainer.optimizer.zero_grad(set_to_none=True)
     x, y = (t for t in micro[0])
     with trainer.model.no_sync():
-        trainer._loss_fn(trainer.model(x), y).backward()
+        trainer.loss_fn(trainer.model(x), y).backward()
     local_diff = max((p.grad - ref[n]).abs().max().item() for n, p in trainer.raw_model.named_parameters()
                      if p.grad is not None)
     trainer.close()
@@ -125,7 +125,7 @@ def run_tokens_case(name: str, overrides: dict, out_dir, rank: int, world: int) 
     cfg = {**BASE, **overrides, "train.loss_average": "tokens", "logging.dir": str(out_dir / name),
            "checkpoint.dir": str(out_dir / name / "ck")}
     trainer = DDPTrainer(cfg, train_dataset=masked_targets())
-    batches = iter(trainer._stream.loader)
+    batches = iter(trainer.stream.loader)
     trainer.forward_backward([next(batches) for _ in range(trainer.sampler.accumulation)])
     ref, other = token_mean_grads(world), token_mean_grads(world, per_micro_batch=True)
     grads = {n: p.grad for n, p in trainer.raw_model.named_parameters()}

@@ -377,7 +377,7 @@ def run_framework(name: str, case: Case, rank: int, out_dir) -> dict:
     trainer = DDPTrainer(cfg, model=model, train_dataset=case.data(), loss_fn=F.mse_loss)
     used, grads, error = [], [], None
     try:
-        batches = iter(trainer._stream.loader)
+        batches = iter(trainer.stream.loader)
         for it in range(ITERATIONS):
             set_chunks(trainer.raw_model, case.framework_chunks, it)
             micro = [next(batches) for _ in range(trainer.sampler.accumulation)]

@@ -274,7 +274,7 @@ def run_framework(name: str, kind: str, overrides: dict, out_dir) -> dict:
     """One forward_backward against the single-process reference, then one optimizer step."""
     trainer = trainer_for(name, kind, overrides, out_dir)
     try:
-        batches = iter(trainer._stream.loader)
+        batches = iter(trainer.stream.loader)
         micro = [next(batches) for _ in range(trainer.sampler.accumulation)]
         with trainer.model.no_sync():  # a rank's own un-reduced gradient: the comparison can fail
             lm_loss(trainer.model(micro[0][0]), micro[0][1]).backward()
@@ -297,10 +297,10 @@ def run_framework(name: str, kind: str, overrides: dict, out_dir) -> dict:
             "max_abs_diff": diff, "worst_param": worst, "unreduced_local_diff": max_diff(local, ref)[0],
             "rank_gap": max_diff(everyone[0]["grads"], everyone[1]["grads"])[0],
             "sha_after_step": [e["sha"] for e in everyone], "moved": before != after,
-            "trainable": len(ref), "checkpointing": {"path": trainer._activation_checkpointing.path,
-                                                     "mode": trainer._activation_checkpointing.mode,
-                                                     "wrapped": len(trainer._activation_checkpointing.wrapped)},
-            "offload_packed": trainer._activation_checkpointing.stats.packed,
+            "trainable": len(ref), "checkpointing": {"path": trainer.activation_checkpointing.path,
+                                                     "mode": trainer.activation_checkpointing.mode,
+                                                     "wrapped": len(trainer.activation_checkpointing.wrapped)},
+            "offload_packed": trainer.activation_checkpointing.stats.packed,
             "decision": dataclasses.asdict(trainer.decision), "report": dataclasses.asdict(trainer.report)}
 
 

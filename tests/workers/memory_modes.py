@@ -53,9 +53,9 @@ def run_case(name, overrides, out_dir, rank, world):
     schedule = overrides.pop("chunk_schedule", None)
     trainer = DDPTrainer({**BASE, **overrides, "logging.dir": str(out_dir / name)})
     cfg = trainer.config
-    glob = ResumableDistributedSampler(len(trainer._train_dataset), 1, 0, cfg.data.batch_size * world,
+    glob = ResumableDistributedSampler(len(trainer.train_dataset), 1, 0, cfg.data.batch_size * world,
                                        cfg.data.gradient_accumulation_steps, cfg.train.seed)
-    mine, full = iter(trainer._stream.loader), iter(glob)
+    mine, full = iter(trainer.stream.loader), iter(glob)
     diffs, rank_gaps = [], []
     for it in range(ITERATIONS):
         if schedule:
@@ -63,7 +63,7 @@ def run_case(name, overrides, out_dir, rank, world):
                 block.mlp.chunks = schedule[it]
         micro = [next(mine) for _ in range(cfg.data.gradient_accumulation_steps)]
         trainer.forward_backward(micro)
-        ref = reference_grads(cfg, [fetch(trainer._train_dataset, next(full))
+        ref = reference_grads(cfg, [fetch(trainer.train_dataset, next(full))
                                     for _ in range(cfg.data.gradient_accumulation_steps)])
         grads = {n: p.grad.detach().clone() for n, p in trainer.raw_model.named_parameters()}
         diffs.append(max((grads[n] - ref[n]).abs().max().item() for n in ref))
@@ -76,8 +76,8 @@ def run_case(name, overrides, out_dir, rank, world):
            "static_graph": trainer.decision.static_graph,
            "find_unused_parameters": trainer.decision.find_unused_parameters,
            "reasons": trainer.decision.reasons,
-           "offload_packed": trainer._activation_checkpointing.stats.packed,
-           "offload_unpacked": trainer._activation_checkpointing.stats.unpacked}
+           "offload_packed": trainer.activation_checkpointing.stats.packed,
+           "offload_unpacked": trainer.activation_checkpointing.stats.unpacked}
     trainer.close()
     return out
 

@@ -51,7 +51,7 @@ def run_case(name, overrides, out_dir):
     world = dist.get_world_size()
     glob = ResumableDistributedSampler(len(data), 1, 0, trainer.config.data.batch_size * world, 1,
                                        trainer.config.train.seed)
-    mine, full = iter(trainer._stream.loader), iter(glob)
+    mine, full = iter(trainer.stream.loader), iter(glob)
     diffs = []
     for _ in range(3):
         trainer.forward_backward([next(mine)])
@@ -63,7 +63,7 @@ def run_case(name, overrides, out_dir):
             diffs.append(0.0 if p.grad is None and r is None else
                          float("inf") if p.grad is None or r is None else (p.grad - r).abs().max().item())
         trainer.optimizer.zero_grad(set_to_none=True)
-    out = {"max_abs_diff": max(diffs), "mode": trainer._activation_checkpointing.mode, "unused": trainer.report.unused,
+    out = {"max_abs_diff": max(diffs), "mode": trainer.activation_checkpointing.mode, "unused": trainer.report.unused,
            "find_unused_parameters": trainer.decision.find_unused_parameters, "reasons": trainer.decision.reasons}
     trainer.close()
     return out

@@ -112,13 +112,13 @@ def run_case(name, overrides, out_dir, rank):
         return {"error": f"{type(err).__name__}: {err}", "steps_per_epoch": None}
     worker_pids = []
     if dataset == "plain":
-        original = trainer._stream.kill_a_worker
+        original = trainer.stream.kill_a_worker
 
         def kill_and_remember():
             pid = original()
             worker_pids.append(pid)
             return pid
-        trainer._stream.kill_a_worker = kill_and_remember
+        trainer.stream.kill_a_worker = kill_and_remember
     out = {}
     limit = resource.getrlimit(resource.RLIMIT_FSIZE)
     if file_size_limit and rank == 0:

@@ -268,7 +268,7 @@ def test_a_resize_stays_at_or_below_the_micro_batch_an_out_of_memory_error_left(
 @pytest.mark.parametrize("error, fatal", [("unsplittable", False), ("fatal", True)])
 def test_an_unsplittable_global_batch_stops_without_the_fatal_marker_that_would_block_a_restart(
         tmp_path, monkeypatch, error, fatal):
-    """A FATAL marker stops every later incarnation of the launch, also one at a world size that
+    """A FATAL marker stops every later restart of the launch, also one at a world size that
     divides the global batch (the node back): the unsplittable stop records its error instead."""
     from framework import DDPTrainer
     from framework.data.sampler import GlobalBatchUnsplittable

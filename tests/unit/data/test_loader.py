@@ -110,7 +110,7 @@ def test_more_than_max_restarts_in_an_epoch_fails():
         stream.next_step()
         assert stream.restarts_this_epoch == 1
         kill_and_wait(stream)
-        with pytest.raises(LoaderFailure, match=r"more than max_loader_restarts=1 loader restarts in epoch 0"):
+        with pytest.raises(LoaderFailure, match=r"more than recovery.max_loader_restarts=1 loader restarts in epoch 0"):
             stream.next_step()
     finally:
         stream.shutdown()
@@ -202,7 +202,7 @@ def test_resumed_budget_counts_toward_max_restarts():
         stream.start_epoch()
         assert samples(stream.next_step()) == expected_step(sampler, 1)
         kill_and_wait(stream)
-        with pytest.raises(LoaderFailure, match="max_loader_restarts=1"):
+        with pytest.raises(LoaderFailure, match="recovery.max_loader_restarts=1"):
             stream.next_step()
     finally:
         stream.shutdown()
@@ -493,14 +493,14 @@ def train(tmp_path, name, n, over: dict | None = None, /, **compact):
     over = {**(over or {}), **compact}
     cfg = {**RUN, **over, "logging.dir": str(tmp_path / name / "logs"), "checkpoint.dir": str(tmp_path / name / "ck")}
     trainer = DDPTrainer(cfg, rank=0, world_size=1, train_dataset=PlainTokens(n), val_dataset=PlainTokens(8))
-    assert trainer._num_workers == (1 if over.get("num_workers") else 0)  # 2 asked, 1 on a 2-core machine
+    assert trainer.num_workers == (1 if over.get("num_workers") else 0)  # 2 asked, 1 on a 2-core machine
     pids = []
-    original = trainer._stream.start_epoch
+    original = trainer.stream.start_epoch
 
     def start_epoch():
         original()
-        pids.extend(trainer._stream.worker_pids())
-    trainer._stream.start_epoch = start_epoch
+        pids.extend(trainer.stream.worker_pids())
+    trainer.stream.start_epoch = start_epoch
     summary = trainer.train()
     assert alive(pids) == [] and multiprocessing.active_children() == []
     assert signal.getsignal(signal.SIGCHLD) == before

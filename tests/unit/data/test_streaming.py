@@ -186,7 +186,7 @@ def test_a_preflight_with_no_batch_is_a_fatal_error_not_a_type_error():
 
 def test_a_stream_resumed_at_another_world_size_stops_without_the_fatal_marker_that_blocks_a_rejoin(tmp_path):
     """Issue 33, bug 3: an elastic shrink re-splits a stream's shards, which it cannot: the run
-    stops with one line, but without the FATAL marker that would stop every later incarnation,
+    stops with one line, but without the FATAL marker that would stop every later restart,
     also the one where the lost node is back and the world size is the checkpoint's again."""
     import torch
 

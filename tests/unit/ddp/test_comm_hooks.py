@@ -173,7 +173,7 @@ def test_powersgd_state_loaded_after_registration_applies_at_once():
     from framework.config import resolve_config
 
     cfg = resolve_config({"ddp.comm_hook": "powersgd", "ddp.powersgd_rank": 2, "ddp.powersgd_start_iter": 3})
-    hook = CommHook(cfg.ddp, SimpleNamespace(rank=0, world_size=1, distributed=False, device=torch.device("cpu")),
+    hook = CommHook(cfg.ddp, env=SimpleNamespace(rank=0, world_size=1, distributed=False, device=torch.device("cpu")),
                     seed=cfg.train.seed)
     registered = []
     hook.register(SimpleNamespace(register_comm_hook=lambda state, fn: registered.append((state, fn))))
@@ -197,5 +197,5 @@ def test_one_process_ignores_the_hook_and_says_so(tmp_path):
            "checkpoint.dir": str(tmp_path / "ck")}
     summary = DDPTrainer(cfg, rank=0, world_size=1).train()
     assert summary["steps"] == 2
-    assert "ddp_comm_hook=powersgd: not used by one process" in (tmp_path / "logs" / "rank_0.log").read_text()
+    assert "ddp.comm_hook=powersgd: not used by one process" in (tmp_path / "logs" / "rank_0.log").read_text()
     assert torch.load(tmp_path / "ck" / "step_00000002.pt", weights_only=True)["comm_hook"] == {}

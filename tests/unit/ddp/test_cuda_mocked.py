@@ -14,7 +14,7 @@ from framework.ddp import process_group
 from framework.model.offload import CpuOffload, OffloadStats
 from framework.config import resolve_config
 from framework.ddp.policy import Decision, wrap
-from framework.train.optim import precision
+from framework.train.optim import Precision
 from tests.tiny import tiny as tiny_config
 
 
@@ -53,8 +53,8 @@ def test_ddp_gets_the_rank_s_gpu_as_device_ids(device, device_ids):
 def test_autocast_dtype_and_grad_scaler(use_amp, amp_dtype, device, amp, dtype, scaler):
     cfg = SimpleNamespace(precision=SimpleNamespace(autocast=use_amp, dtype=amp_dtype))
     with mock.patch("torch.cuda.is_available", return_value=True):
-        got_amp, got_dtype, got_scaler = precision(cfg, torch.device(device))
-    assert (got_amp, got_dtype, got_scaler.is_enabled()) == (amp, dtype, scaler)
+        got = Precision(cfg.precision, device=torch.device(device))
+    assert (got.autocast, got.dtype, got.scaler.is_enabled()) == (amp, dtype, scaler)
 
 
 def test_fp16_without_cuda_is_a_config_error():
@@ -184,4 +184,4 @@ def test_a_one_rank_group_trains_through_ddp_and_switches_to_the_steady_timeout(
         assert trainer.train()["steps"] == 4
     finally:
         dist.destroy_process_group()
-    assert "collective timeout after the first step: 60 s (init timeout 900 s)" in trainer._log_path.read_text()
+    assert "collective timeout after the first step: 60 s (init timeout 900 s)" in trainer.log_path.read_text()

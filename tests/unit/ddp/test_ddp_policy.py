@@ -54,7 +54,7 @@ def test_no_setting_fits_multi_fire_with_changing_graph():
 def test_forced_settings_are_kept_and_flagged():
     static, unused, safe, reasons = choose(report(unused=["head.weight"]), unused="false")
     assert (static, unused, safe) == (False, False, False)
-    assert "find_unused_parameters forced false (the probe suggests true)" in reasons
+    assert "ddp.find_unused_parameters forced false (the probe suggests true)" in reasons
     assert choose(report(hidden=["w"]), unused="true", ckpt="reentrant")[2] is False
     assert choose(report(), static="true")[:3] == (True, False, True)
 
@@ -203,7 +203,7 @@ def test_reentrant_module_whose_inputs_need_no_grad_is_switched_and_trained(targ
                         doctor=True)
     doctor.close()
     assert doctor.report.unused == [] and doctor.decision.safe
-    assert doctor._activation_checkpointing.mode == "non_reentrant"
+    assert doctor.activation_checkpointing.mode == "non_reentrant"
     assert any("non_reentrant" in r and "'adapter'" in r for r in doctor.decision.reasons), doctor.decision.reasons
     model = FrozenThenAdapter()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}

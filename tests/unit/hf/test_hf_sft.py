@@ -20,11 +20,11 @@ datasets = pytest.importorskip("datasets")
 from framework.config.schema import ConfigError  # noqa: E402
 from framework.data.sampler import ResumableDistributedSampler  # noqa: E402
 from framework.hf import SFTConfig, SFTTrainer  # noqa: E402
-from framework.testing.launch import ROOT, launch  # noqa: E402
-from framework.testing.sft_script import build_model, build_tokenizer, dataset, lora_config  # noqa: E402
+from harness.launch import ROOT, launch  # noqa: E402
+from harness.sft_script import build_model, build_tokenizer, dataset, lora_config  # noqa: E402
 
-GUIDE = ROOT / "framework" / "testing" / "sft_script.py"
-HF_SCRIPT = ROOT / "framework" / "testing" / "hf_script.py"
+GUIDE = ROOT / "harness" / "sft_script.py"
+HF_SCRIPT = ROOT / "harness" / "hf_script.py"
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +131,7 @@ SCRIPT_WITH_A_BAD_OPTIMIZER = """
 import sys
 sys.path.insert(0, {root!r})
 from framework.hf import SFTConfig, SFTTrainer
-from framework.testing.sft_script import build_model, build_tokenizer, dataset
+from harness.sft_script import build_model, build_tokenizer, dataset
 tok = build_tokenizer()
 SFTTrainer(model=build_model(tok), args=SFTConfig(output_dir={out!r}, optim="adamw_8bit", use_cpu=True,
            report_to="none"), train_dataset=dataset("text", 16), processing_class=tok)
@@ -207,8 +207,8 @@ def test_a_transformers_trainer_subclass_compute_loss_is_honoured(tmp_path):
     from transformers import TrainingArguments
 
     from framework.hf import Trainer
-    from framework.testing.hf_script import StrideBytes
-    from framework.testing.hf_script import build_model as build_lora_llama
+    from harness.hf_script import StrideBytes
+    from harness.hf_script import build_model as build_lora_llama
 
     class Tripled(Trainer):
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):

@@ -26,10 +26,10 @@ from transformers import EarlyStoppingCallback, TrainerCallback, TrainingArgumen
 from framework.config.schema import ConfigError  # noqa: E402
 from framework.hf import Trainer  # noqa: E402
 from framework.hf import arguments  # noqa: E402
-from framework.testing.hf_script import StrideBytes, build_model  # noqa: E402
-from framework.testing.launch import ROOT, launch  # noqa: E402
+from harness.hf_script import StrideBytes, build_model  # noqa: E402
+from harness.launch import ROOT, launch  # noqa: E402
 
-SCRIPT = ROOT / "framework" / "testing" / "hf_script.py"
+SCRIPT = ROOT / "harness" / "hf_script.py"
 
 
 def targs(tmp_path, **overrides) -> TrainingArguments:
@@ -275,8 +275,8 @@ def test_a_transformers_script_runs_under_the_drop_in_and_survives_kill_9(tmp_pa
     # in 5 before the fix).
     for name in ("dropin", "dropin_killed"):
         for rank in (0, 1):
-            last_incarnation = (tmp_path / name / "logs" / f"rank_{rank}.log").read_text().split("process group up")[-1]
-            assert "still referenced" not in last_incarnation
+            last_restart = (tmp_path / name / "logs" / f"rank_{rank}.log").read_text().split("process group up")[-1]
+            assert "still referenced" not in last_restart
 
     plain = run("plain", "--plain")
     assert plain.returncode == 0, plain.output[-3000:]

@@ -429,7 +429,7 @@ def test_doctor_switches_reentrant_moe_to_non_reentrant(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="framework.model"):
         trainer = doctor(tmp_path, moe(), {"memory.activation_checkpointing": "reentrant",
                                            "memory.activation_checkpointing_modules": "MoELayer"})
-    assert trainer._activation_checkpointing.mode == "non_reentrant" and trainer.decision.safe
+    assert trainer.activation_checkpointing.mode == "non_reentrant" and trainer.decision.safe
     assert trainer.decision.reasons[0].startswith("gradient checkpointing switched from reentrant to non_reentrant")
     assert (trainer.decision.static_graph, trainer.decision.find_unused_parameters) == (False, True)
     assert "switched from reentrant to non_reentrant (framework path, 2 modules)" in caplog.text
@@ -437,7 +437,7 @@ def test_doctor_switches_reentrant_moe_to_non_reentrant(tmp_path, caplog):
 
 def test_doctor_keeps_reentrant_when_a_setting_fits(tmp_path):
     trainer = doctor(tmp_path, llama(True), {"memory.activation_checkpointing": "reentrant"}, batch_size=BATCH)
-    assert trainer._activation_checkpointing.mode == "reentrant" and trainer.decision.safe
+    assert trainer.activation_checkpointing.mode == "reentrant" and trainer.decision.safe
     assert not any("switched" in r for r in trainer.decision.reasons)
 
 
@@ -445,7 +445,7 @@ def test_doctor_does_not_switch_forced_settings(tmp_path):
     trainer = doctor(tmp_path, moe(), {"memory.activation_checkpointing": "reentrant",
                                        "memory.activation_checkpointing_modules": "MoELayer",
                                        "ddp.static_graph": "true"})
-    assert trainer._activation_checkpointing.mode == "reentrant" and not trainer.decision.safe
+    assert trainer.activation_checkpointing.mode == "reentrant" and not trainer.decision.safe
 
 
 def test_hf_switch_keeps_the_users_checkpoint_function_otherwise():

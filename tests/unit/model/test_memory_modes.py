@@ -47,7 +47,7 @@ def test_one_process_matches_plain_model(tmp_path, name):
     trainer = DDPTrainer({**BASE, **COMBOS[name], "logging.dir": str(tmp_path), "checkpoint.dir": str(tmp_path / "ck")},
                          rank=0, world_size=1)
     cfg = trainer.config
-    batches = iter(trainer._stream.loader)
+    batches = iter(trainer.stream.loader)
     for _ in range(2):
         micro = [next(batches)]
         trainer.forward_backward(micro)

@@ -45,7 +45,7 @@ def test_skipped_steps_are_counted_in_the_summary(tmp_path):
 
 
 def test_restarts_with_and_without_a_checkpoint_keep_steps_increasing_and_samples_once(tmp_path, monkeypatch):
-    """8 steps an epoch. The first incarnation crashes at step 5 with no checkpoint; the second
+    """8 steps an epoch. The first start crashes at step 5 with no checkpoint; the second
     starts again at 0, saves step 6 and crashes at step 10; the third resumes from 6."""
     from framework.data.sampler import ResumableDistributedSampler
     from framework.observability.metrics import read_samples
@@ -106,7 +106,7 @@ def test_a_run_on_fewer_ranks_purges_the_files_of_the_ranks_it_does_not_have(tmp
 
 def test_a_steps_row_is_written_when_the_step_ends(tmp_path):
     """A rank killed after a step must not take the step's row with it: the restart may resume
-    after that step (a survivor's save alone) and never log it again."""
+    after that step (a survivor checkpoint) and never log it again."""
     from framework.observability.metrics import Metrics
     metrics = Metrics(enabled=True, log_dir=tmp_path, tensorboard=False, progress_bar="false", total_steps=9)
     metrics.scalars(1, {"train/loss": 2.0})

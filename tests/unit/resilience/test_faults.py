@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from framework.testing.faults import ANY_RESTART, KINDS, Fault, FaultPlan, middle_module, nudge_one_ulp, parse
+from framework.resilience.faults import ANY_RESTART, KINDS, Fault, FaultPlan, middle_module, nudge_one_ulp, parse
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -83,12 +83,12 @@ def test_process_faults_take_a_moment_and_others_refuse_one():
     assert parse("hang@step=3,at=step") == [Fault("hang", 3)]
     for spec in ("nan@step=3,at=eval", "crash@step=3,at=end"):
         with pytest.raises(ValueError, match=re.escape("allowed: at=step, or at=eval|save|export for sigterm, "
-                                                       "sigkill, crash, hang")):
+                                                       "sigkill, sigstop, crash, hang")):
             parse(spec)
 
 
 def test_an_eval_fault_fires_in_the_evaluation_not_at_the_step():
-    plan = FaultPlan("crash@step=4,at=eval", rank=0, restart_count=0)
+    plan = FaultPlan("crash@step=4,at=eval", rank=0, group_restarts=0)
     plan.fire_process_faults(4)  # the start of step 4: not its moment
     with pytest.raises(RuntimeError, match=r"fault injection: crash at step 4 \(eval\)"):
         plan.fire_process_faults(4, at="eval")
@@ -98,20 +98,20 @@ def test_an_eval_fault_fires_in_the_evaluation_not_at_the_step():
 # --- due -------------------------------------------------------------------------------------
 def test_due_fires_once_on_the_planned_step_rank_and_restart():
     spec = "nan@step=3,rank=1; oom@step=4; ulp@step=5,restart=2"
-    plan = FaultPlan(spec, rank=1, restart_count=0)
+    plan = FaultPlan(spec, rank=1, group_restarts=0)
     assert not plan.due("nan", 2) and not plan.due("oom", 3) and not plan.due("ulp", 5)
     assert plan.due("nan", 3)
     assert not plan.due("nan", 3)  # once
     assert plan.due("oom", 4) and not plan.due("oom", 4)
 
-    other_rank = FaultPlan(spec, rank=0, restart_count=0)
+    other_rank = FaultPlan(spec, rank=0, group_restarts=0)
     assert not other_rank.due("nan", 3)  # planned for rank 1 only
     assert other_rank.due("oom", 4)  # no rank: every rank
 
-    restarted = FaultPlan(spec, rank=1, restart_count=1)
+    restarted = FaultPlan(spec, rank=1, group_restarts=1)
     assert not restarted.due("nan", 3) and not restarted.due("oom", 4)  # restart 0 only
     assert not restarted.due("ulp", 5)
-    assert FaultPlan(spec, rank=1, restart_count=2).due("ulp", 5)
+    assert FaultPlan(spec, rank=1, group_restarts=2).due("ulp", 5)
 
 
 def test_due_micro_defaults_to_the_last_micro_step():
@@ -217,19 +217,25 @@ def test_on_gradients_puts_one_nan_only_when_due():
     assert not model.inp.bias.grad.isnan().any()
 
 
+def result_of(step):
+    from framework.train.agreement import Agreement
+    from framework.train.events import StepResult
+    return StepResult(step, 0, Agreement(1.0, False, False, False, False), 0.1, torch.tensor(1.0), 64, [])
+
+
 def test_on_step_end_moves_one_element_by_one_ulp_when_due():
     model = Blocks()
     before = [p.detach().clone() for p in model.parameters()]
     plan = FaultPlan("ulp@step=2", 0, 0)
-    plan.step_end(1, model)
+    plan.step_end(result_of(1), model)
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
-    plan.step_end(2, model)
+    plan.step_end(result_of(2), model)
     changed = sum(int((p != b).sum()) for p, b in zip(model.parameters(), before, strict=True))
     assert changed == 1
     first = model.inp.weight.view(-1)[0]
     assert first == torch.nextafter(before[0].view(-1)[0], torch.tensor(float("inf")))
     assert first.view(torch.int32) - before[0].view(-1)[0].view(torch.int32) in (1, -1)
-    plan.step_end(2, model)  # once
+    plan.step_end(result_of(2), model)  # once
     assert model.inp.weight.view(-1)[0] == first
 
 
@@ -275,7 +281,7 @@ def test_sigterm_fault_signals_this_process_once_at_its_step():
 
 
 def test_sigkill_fault_kills_the_process():
-    code = ("from framework.testing.faults import FaultPlan\n"
+    code = ("from framework.resilience.faults import FaultPlan\n"
             "plan = FaultPlan('sigkill@step=1', 0, 0)\n"
             "plan.fire_process_faults(0)\n"
             "print('step 0 ok', flush=True)\n"
@@ -291,7 +297,8 @@ def test_the_moments_reach_every_listener_in_order_and_a_fault_at_export_fires_b
                                                                                                   monkeypatch):
     from framework import DDPTrainer
     from tests.tiny import tiny
-    from framework.train.moments import Listener, Moments
+    from framework.train.agreement import Agreement
+    from framework.train.events import EventBus, Listener, StepResult
 
     heard = []
 
@@ -303,8 +310,8 @@ def test_the_moments_reach_every_listener_in_order_and_a_fault_at_export_fires_b
             heard.append(("micro_batch", step))
             return batch
 
-        def step_end(self, step, model, metrics):
-            heard.append(("step_end", step, sorted(metrics())))
+        def step_end(self, result, model):
+            heard.append(("step_end", result.step, sorted(result.metrics())))
 
         def evaluation(self, step):
             heard.append(("evaluation", step))
@@ -315,11 +322,12 @@ def test_the_moments_reach_every_listener_in_order_and_a_fault_at_export_fires_b
         def export(self, step):
             heard.append(("export", step))
 
-    seam = Moments(Recorder(), Recorder())
+    seam = EventBus(Recorder(), Recorder())
     seam.step_start(0)
     assert seam.micro_batch(0, 0, "batch") == "batch"
-    seam.step_end(1, None, lambda: {"loss": 1.0})
-    assert heard == [("step_start", 0)] * 2 + [("micro_batch", 0)] * 2 + [("step_end", 1, ["loss"])] * 2
+    seam.step_end(StepResult(1, 0, Agreement(1.0, False, False, False, False), 0.1, torch.tensor(2.0), 64, [0]), None)
+    assert heard == ([("step_start", 0)] * 2 + [("micro_batch", 0)] * 2
+                     + [("step_end", 1, ["grad_norm", "loss", "lr", "tokens"])] * 2)
 
     cfg = tiny(tmp_path, {"train.max_steps": 2, "checkpoint.every_steps": 2,
                           "recovery.fault_inject": "crash@step=2,at=export",
@@ -328,7 +336,7 @@ def test_the_moments_reach_every_listener_in_order_and_a_fault_at_export_fires_b
         DDPTrainer(cfg).train()
     assert list((tmp_path / "ck").glob("step_00000002*.pt"))  # the final save came first
     assert not (tmp_path / "export").exists()
-    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # a fault fires in the first incarnation only
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # a fault fires in the first start (restart 0) only
     summary = DDPTrainer(cfg).train()
     assert summary["steps"] == 2 and (tmp_path / "export").is_dir()
 
@@ -338,13 +346,22 @@ def test_production_code_calls_the_seam_never_the_fault_plan():
     it to the run's moments."""
     import ast
     framework = ROOT / "framework"
-    importers = sorted(str(p.relative_to(framework)) for p in framework.rglob("*.py") if p.parent.name != "testing"
+    importers = sorted(str(p.relative_to(framework)) for p in framework.rglob("*.py") if p.name != "faults.py"
                        and any(isinstance(node, ast.ImportFrom) and "FaultPlan" in [a.name for a in node.names]
                                for node in ast.walk(ast.parse(p.read_text()))))
     assert importers == ["trainer.py"]
     tree = ast.parse((framework / "trainer.py").read_text())
     uses = [node for node in ast.walk(tree) if isinstance(node, ast.Name) and node.id == "FaultPlan"]
-    attached = [node for node in ast.walk(tree) if isinstance(node, ast.Call)
-                and isinstance(node.func, ast.Attribute) and node.func.attr == "attach"
-                and any(isinstance(a, ast.Call) and getattr(a.func, "id", None) == "FaultPlan" for a in node.args)]
-    assert len(uses) == len(attached) == 1  # the one plan, handed to attach()
+    assert len(uses) == 1  # the one plan, built once as self.faults
+    # self.faults is read only to attach it to the bus: in the listeners attach() is called with,
+    # or as the place another listener goes (attach(..., before=self.faults)).
+    reads = [node for node in ast.walk(tree) if isinstance(node, ast.Attribute) and node.attr == "faults"
+             and isinstance(node.ctx, ast.Load)]
+    allowed = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "attach":
+            allowed |= {id(k.value) for k in node.keywords if k.arg == "before"}
+        if isinstance(node, ast.For) and any(isinstance(n, ast.Call) and getattr(n.func, "attr", None) == "attach"
+                                             for n in ast.walk(node)):
+            allowed |= {id(n) for n in ast.walk(node.iter)}
+    assert reads and all(id(node) in allowed for node in reads)

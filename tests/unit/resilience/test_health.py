@@ -12,6 +12,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from framework.ddp.policy import unwrap
 from framework.resilience.consistency import ConsistencyCheck, first_divergent, model_sha256, parameter_hashes
 from framework.resilience.watchdog import Watchdog
+from framework.config.schema import RecoverySection
 
 
 def small_model(seed: int = 0) -> nn.Module:
@@ -108,7 +109,8 @@ def test_first_divergent_on_one_rank_is_none():
     one_process_group()
     try:
         assert first_divergent(model, torch.device("cpu")) is None
-        check = ConsistencyCheck(model, interval=2, device=torch.device("cpu"), distributed=True)
+        check = ConsistencyCheck(RecoverySection(consistency_check_interval=2), model=model, device=torch.device("cpu"),
+                                 distributed=True)
         for step in range(5):
             check.maybe_check(step)  # every rank agrees with itself: no FatalError
     finally:
@@ -118,11 +120,11 @@ def test_first_divergent_on_one_rank_is_none():
 def test_consistency_check_interval():
     model = small_model()
     cpu = torch.device("cpu")
-    check = ConsistencyCheck(model, interval=3, device=cpu, distributed=True)
+    check = ConsistencyCheck(RecoverySection(consistency_check_interval=3), model=model, device=cpu, distributed=True)
     assert [s for s in range(1, 11) if check.should_run(s)] == [3, 6, 9]
-    never = ConsistencyCheck(model, interval=0, device=cpu, distributed=True)
+    never = ConsistencyCheck(RecoverySection(consistency_check_interval=0), model=model, device=cpu, distributed=True)
     assert not any(never.should_run(s) for s in range(10))
-    single = ConsistencyCheck(model, interval=3, device=cpu, distributed=False)
+    single = ConsistencyCheck(RecoverySection(consistency_check_interval=3), model=model, device=cpu, distributed=False)
     assert not any(single.should_run(s) for s in range(10))
     for step in range(10):
         single.maybe_check(step)  # off: no collective without a group
@@ -135,9 +137,9 @@ def log_file(tmp_path):
         yield f
 
 
-def watchdog(log_file, **kw):
-    return Watchdog(**{"step_timeout_s": 60.0, "factor": 3.0, "log_file": log_file, "rank": 0, "world_size": 1,
-                       **kw})
+def watchdog(log_file, *, step_timeout_s=60.0, factor=3.0, **kw):
+    return Watchdog(RecoverySection(step_timeout_s=step_timeout_s, step_timeout_factor=factor),
+                    **{"log_file": log_file, "rank": 0, "world_size": 1, **kw})
 
 
 def test_deadline_is_the_larger_of_minimum_and_factor_times_median(log_file):
@@ -219,3 +221,24 @@ def test_every_rank_stuck_report(log_file, caplog):
             caplog.records[1].getMessage()
     finally:
         w.close()
+
+
+def test_the_consistency_check_listens_at_step_end_and_skips_a_step_about_to_be_rolled_back():
+    from framework.train.agreement import Agreement
+    from framework.train.events import StepResult
+    pending = []
+    check = ConsistencyCheck(RecoverySection(consistency_check_interval=2), model=small_model(),
+                             device=torch.device("cpu"), distributed=True, skip=lambda: bool(pending))
+    checked = []
+    check.maybe_check = checked.append
+
+    def end(step):
+        check.step_end(StepResult(step, 0, Agreement(1.0, False, False, False, False), 0.1, torch.tensor(1.0), 8, []),
+                       None)
+    end(1)
+    end(2)
+    pending.append("spike at step 4")  # the spike guard holds a spike: the loop rolls step 4 back
+    end(4)
+    pending.clear()
+    end(6)
+    assert checked == [2, 6]

@@ -48,49 +48,49 @@ def test_micro_batch_round_trip(tmp_path):
 def test_fresh_launch_clears_earlier_markers_on_main(tmp_path, caplog):
     markers.write(tmp_path, FATAL, "rank 1: RuntimeError: old")
     markers.record_micro_batch(tmp_path, 4, 2, "oom")
-    markers.check_at_start(tmp_path, restart_count=0, is_main=False)  # not main: leaves them for rank 0
+    markers.check_at_start(tmp_path, group_restarts=0, is_main=False)  # not main: leaves them for rank 0
     assert markers.read(tmp_path, FATAL) is not None and markers.recorded_micro_batch(tmp_path) is not None
-    markers.check_at_start(tmp_path, restart_count=0, is_main=True)
+    markers.check_at_start(tmp_path, group_restarts=0, is_main=True)
     assert markers.read(tmp_path, FATAL) is None
     assert markers.recorded_micro_batch(tmp_path) is None
     assert "clearing the FATAL marker of an earlier run: rank 1: RuntimeError: old" in caplog.text
-    markers.check_at_start(tmp_path, restart_count=0, is_main=True)  # nothing to clear: fine
+    markers.check_at_start(tmp_path, group_restarts=0, is_main=True)  # nothing to clear: fine
 
 
 def test_restart_stops_on_an_earlier_fatal_marker(tmp_path):
-    markers.check_at_start(tmp_path, restart_count=2, is_main=True)  # no marker: a restart goes on
+    markers.check_at_start(tmp_path, group_restarts=2, is_main=True)  # no marker: a restart goes on
     markers.write_fatal(tmp_path, 1, ValueError("dataset lengths differ"))
     markers.record_micro_batch(tmp_path, 4, 2, "oom")
     for is_main in (False, True):
         with pytest.raises(FatalError, match="restart cannot help: rank 1: ValueError: dataset lengths differ"):
-            markers.check_at_start(tmp_path, restart_count=1, is_main=is_main)
-    # a restart keeps both: the marker stops every incarnation, the micro-batch applies to it
+            markers.check_at_start(tmp_path, group_restarts=1, is_main=is_main)
+    # a restart keeps both: the marker stops every restart, the micro-batch applies to it
     assert markers.read(tmp_path, FATAL) == "rank 1: ValueError: dataset lengths differ"
     assert markers.recorded_micro_batch(tmp_path)["micro_batch_size"] == 4
 
 
-def test_a_restart_clears_the_node_lost_marker_of_an_earlier_incarnation_on_each_node(tmp_path):
+def test_a_restart_clears_the_node_lost_marker_of_an_earlier_restart_on_each_node(tmp_path):
     """NODE_LOST makes the launcher exit 75 (requeue): a loss that a restart survived must not
     turn the launch's later, unrelated failure into 75 (issue 33, bug 1)."""
     import os
     import time
     from framework.resilience.markers import NODE_LOST
     markers.write(tmp_path, NODE_LOST, "a peer process of the run went away")
-    old = time.time() - 3600  # written by an earlier incarnation, before this process started
+    old = time.time() - 3600  # written by an earlier restart, before this process started
     os.utime(tmp_path / NODE_LOST, (old, old))
-    markers.check_at_start(tmp_path, restart_count=0, is_main=True)  # a fresh launch: the launcher's stamp decides
-    markers.check_at_start(tmp_path, restart_count=1, is_main=False)  # not the node's first process
+    markers.check_at_start(tmp_path, group_restarts=0, is_main=True)  # a fresh launch: the launcher's stamp decides
+    markers.check_at_start(tmp_path, group_restarts=1, is_main=False)  # not the node's first process
     assert markers.read(tmp_path, NODE_LOST) is not None
-    markers.check_at_start(tmp_path, restart_count=1, is_main=False, is_local_main=True)
+    markers.check_at_start(tmp_path, group_restarts=1, is_main=False, is_local_main=True)
     assert markers.read(tmp_path, NODE_LOST) is None
-    markers.write(tmp_path, NODE_LOST, "a peer of this incarnation went away")  # this incarnation's: kept
-    markers.check_at_start(tmp_path, restart_count=1, is_main=True, is_local_main=True)
-    assert markers.read(tmp_path, NODE_LOST) == "a peer of this incarnation went away"
+    markers.write(tmp_path, NODE_LOST, "a peer of this restart went away")  # this restart's: kept
+    markers.check_at_start(tmp_path, group_restarts=1, is_main=True, is_local_main=True)
+    assert markers.read(tmp_path, NODE_LOST) == "a peer of this restart went away"
 
 
 def test_restart_keeps_the_recorded_micro_batch(tmp_path):
     markers.record_micro_batch(tmp_path, 4, 2, "oom")
-    markers.check_at_start(tmp_path, restart_count=1, is_main=True)
+    markers.check_at_start(tmp_path, group_restarts=1, is_main=True)
     assert markers.recorded_micro_batch(tmp_path) == {"micro_batch_size": 4, "accumulation_steps": 2, "reason": "oom"}
 
 
@@ -103,7 +103,7 @@ def test_restarts_count_only_while_they_resume_from_the_same_step(tmp_path):
     assert message.startswith("3 restarts in a row resumed from step 16") and "none recorded" in message
     markers.record_error(tmp_path, 1, RuntimeError("boom\nmore"))
     assert markers.note_restart(tmp_path, 16, limit=2).endswith("the last error: rank 1: RuntimeError: boom")
-    markers.check_at_start(tmp_path, restart_count=0, is_main=True)  # a fresh launch forgets them
+    markers.check_at_start(tmp_path, group_restarts=0, is_main=True)  # a fresh launch forgets them
     assert markers.note_restart(tmp_path, 16, limit=2) is None
 
 
@@ -118,19 +118,19 @@ def test_a_fatal_message_stays_the_original_cause_on_every_restart(tmp_path):
     markers.write_fatal(tmp_path, 1, ValueError("dataset lengths differ"))
     for _ in range(3):  # each restart stops at once, and the trainer writes FATAL for any FatalError
         with pytest.raises(FatalError) as info:
-            markers.check_at_start(tmp_path, restart_count=1, is_main=True)
+            markers.check_at_start(tmp_path, group_restarts=1, is_main=True)
         markers.write_fatal(tmp_path, 0, info.value)
     assert markers.read(tmp_path, FATAL) == "rank 1: ValueError: dataset lengths differ"
-    assert str(info.value) == ("an earlier incarnation of this run failed and a restart cannot help: "
+    assert str(info.value) == ("an earlier restart of this run failed and a restart cannot help: "
                                "rank 1: ValueError: dataset lengths differ")
 
 
 def test_a_second_launch_into_a_live_runs_checkpoint_dir_changes_none_of_its_markers(tmp_path):
     from framework import DDPTrainer
-    from framework.state.checkpoint_files import CheckpointDirLocked, CheckpointManager
+    from framework.state.checkpoint_files import CheckpointDirLocked, CheckpointStore
 
     ck = tmp_path / "ck"
-    live = CheckpointManager(ck)  # the live run holds checkpoint_dir's lock
+    live = CheckpointStore(ck)  # the live run holds checkpoint_dir's lock
     markers.record_micro_batch(ck, 4, 2, "out of memory at step 3")
     markers.note_restart(ck, 8, limit=3)
     markers.record_error(ck, 1, RuntimeError("the live run's last error"))
@@ -157,8 +157,8 @@ def test_a_peers_consequential_error_does_not_replace_the_cause(tmp_path):
     assert markers.read(tmp_path, markers.LAST_ERROR) == "rank 1: ValueError: a cause of its own"
 
 
-def test_a_consequential_error_is_recorded_when_nothing_of_this_incarnation_is(tmp_path):
-    (tmp_path / markers.LAST_ERROR).write_text("rank 0: OSError: an earlier incarnation's")
+def test_a_consequential_error_is_recorded_when_nothing_of_this_restart_is(tmp_path):
+    (tmp_path / markers.LAST_ERROR).write_text("rank 0: OSError: an earlier restart's")
     os.utime(tmp_path / markers.LAST_ERROR, (0, 0))  # written before this process started
     markers.record_error(tmp_path, 1, RuntimeError("Connection reset by peer"))
     assert markers.read(tmp_path, markers.LAST_ERROR) == "rank 1: RuntimeError: Connection reset by peer"

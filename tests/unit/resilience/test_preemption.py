@@ -275,7 +275,7 @@ def test_a_worker_orphaned_before_its_first_step_ends_at_once_and_in_training_sa
     threads are still exiting the worker's parent is one of them: getppid() still gives the agent's pid."""
     import psutil
 
-    from framework.testing.launch import wait_gone
+    from harness.launch import wait_gone
     log = tmp_path / "worker.log"
     agent = subprocess.Popen([sys.executable, "-c", ORPHAN_AGENT, ORPHAN_WORKER.format(started=started), str(log)],
                              cwd=ROOT, env=worker_env({"TORCHELASTIC_RUN_ID": "test"}), stdin=subprocess.PIPE,

@@ -12,7 +12,7 @@ import pytest
 from framework.resilience import exclusions
 from framework.config import ConfigError, resolve_config
 from framework.data.sampler import ResumableDistributedSampler
-from framework.testing.faults import FaultPlan
+from framework.resilience.faults import FaultPlan
 from framework.resilience.markers import FatalError
 from framework.observability.metrics import read_metrics
 from framework.resilience.spike_guard import SpikeGuard, loss_z
@@ -89,8 +89,8 @@ def test_rollback_keeps_what_the_run_learnt_when_the_older_checkpoint_loads(tmp_
 def test_more_than_max_rollbacks_is_fatal_naming_steps_and_samples(tmp_path):
     g = guard(tmp_path, {"spike.warmup": 3, "spike.max_rollbacks": 0})
     spike = feed(g, [2.0, 1.9, 1.8, 1.7, 9.0])[-1]
-    with pytest.raises(FatalError, match=re.escape(f"more than max_rollbacks=0 loss-spike rollbacks: step 5 (samples "
-                                                   f"{spike.samples})")):
+    with pytest.raises(FatalError, match=re.escape(f"more than spike.max_rollbacks=0 loss-spike rollbacks: step 5 "
+                                                   f"(samples {spike.samples})")):
         g.roll_back(spike, restored_step=4)
 
 
@@ -114,10 +114,10 @@ def test_the_cooldown_ramps_the_learning_rate_back_linearly(tmp_path):
 def test_bad_data_randomizes_one_rank_s_targets_the_same_way_every_time():
     import torch
     x, y = torch.zeros(4, 8, dtype=torch.long), torch.arange(32).view(4, 8) % 16
-    a = FaultPlan("bad_data@step=3,rank=1", rank=1, restart_count=0).micro_batch(3, 0, (x, y))
-    b = FaultPlan("bad_data@step=3,rank=1", rank=1, restart_count=0).micro_batch(3, 0, (x, y))
+    a = FaultPlan("bad_data@step=3,rank=1", rank=1, group_restarts=0).micro_batch(3, 0, (x, y))
+    b = FaultPlan("bad_data@step=3,rank=1", rank=1, group_restarts=0).micro_batch(3, 0, (x, y))
     assert torch.equal(a[1], b[1]) and not torch.equal(a[1], y) and a[0] is x
-    assert FaultPlan("bad_data@step=3,rank=1", rank=0, restart_count=0).micro_batch(3, 0, (x, y))[1] is y
+    assert FaultPlan("bad_data@step=3,rank=1", rank=0, group_restarts=0).micro_batch(3, 0, (x, y))[1] is y
 
 
 @pytest.mark.parametrize("over, problem", [
@@ -170,15 +170,15 @@ def test_with_warn_the_spike_is_only_logged(spikes):
     got = case(spikes, "warn")["summary"]
     assert (got["loss_spikes"], got["rollbacks"], got["excluded_samples"]) == (1, 0, 0)
     assert got["max_loss_z"] > BASE["spike.threshold"]
-    assert "spike_guard=warn: continuing" in (spikes[0] / "warn" / "logs" / "rank_0.log").read_text()
+    assert "spike.guard=warn: continuing" in (spikes[0] / "warn" / "logs" / "rank_0.log").read_text()
 
 
 @pytest.mark.dist
 def test_too_many_rollbacks_stop_every_rank_with_fatal(spikes):
     for rank in (0, 1):
-        assert "more than max_rollbacks=0 loss-spike rollbacks: step 31 (samples [" in case(
+        assert "more than spike.max_rollbacks=0 loss-spike rollbacks: step 31 (samples [" in case(
             spikes, "too_many_rollbacks", rank)["error"]
-    assert "max_rollbacks=0" in (spikes[0] / "too_many_rollbacks" / "ck" / "FATAL").read_text()
+    assert "spike.max_rollbacks=0" in (spikes[0] / "too_many_rollbacks" / "ck" / "FATAL").read_text()
 
 
 @pytest.mark.dist
@@ -220,8 +220,8 @@ def test_a_rollback_stays_within_its_epoch(tmp_path):
     trainer = DDPTrainer(cfg, rank=0, world_size=1)
     trainer.train()
     assert trainer.sampler.epoch == 1
-    assert trainer._checkpointer.roll_back(before=6) is None  # the newest before it is of epoch 0
-    assert trainer._checkpointer.roll_back(before=7) == 6 and trainer.step == 6
+    assert trainer.checkpointer.roll_back(before=6) is None  # the newest before it is of epoch 0
+    assert trainer.checkpointer.roll_back(before=7) == 6 and trainer.step == 6
 
 
 def one_process_spike(tmp_path, overrides: dict | None = None, /, **compact):

@@ -7,7 +7,7 @@ import socket
 import pytest
 import torch
 
-from framework.testing.faults import parse
+from framework.resilience.faults import parse
 from framework.observability.metrics import read_metrics
 from framework.config import StragglerSection
 from framework.ddp.process_group import DistEnv
@@ -40,7 +40,7 @@ def test_every_step_is_timed_on_the_cpu_and_the_last_ten_before_a_check_on_cuda(
 
 def test_one_process_scores_1_without_a_collective():
     env = DistEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"), backend=None)
-    monitor = StragglerMonitor(StragglerSection(interval=50), env)
+    monitor = StragglerMonitor(StragglerSection(interval=50), env=env)
     assert [s for s in range(1, 101) if monitor.should_check(s)] == [50, 100]
     monitor.check(50)  # with no process group, a collective would raise
     assert monitor.scalars() == {**{f"straggler/{s}/rank0": 1.0 for s in SECTIONS}, "straggler/max_score": 1.0}
@@ -84,7 +84,7 @@ def test_a_slowed_rank_is_named_with_its_section_and_host_within_two_checks(stra
 def test_straggler_action_fatal_stops_every_rank_naming_the_rank(stragglers):
     for rank in (0, 1):
         assert "FatalError: straggler: rank 1 on host" in case(stragglers, "fatal", rank)["error"]
-    assert "(straggler_action=fatal)" in (stragglers[0] / "fatal" / "ck" / "FATAL").read_text()
+    assert "(straggler.action=fatal)" in (stragglers[0] / "fatal" / "ck" / "FATAL").read_text()
 
 
 @pytest.mark.dist
@@ -117,7 +117,7 @@ def test_the_medians_are_gathered_from_the_rank_s_device(monkeypatch):
     monkeypatch.setattr("framework.resilience.straggler.dist.all_gather", all_gather)
     monkeypatch.setattr("framework.resilience.straggler.dist.all_gather_object",
                         lambda out, host: out.__setitem__(0, "a"))
-    monitor = StragglerMonitor(StragglerSection(interval=5), env)
+    monitor = StragglerMonitor(StragglerSection(interval=5), env=env)
     monitor.check(5)
     assert devices == [torch.device("meta")]
     assert monitor.scalars()["straggler/forward_backward/rank1"] == 1.5

@@ -1,4 +1,4 @@
-"""Checkpoint manager, safe loading, markers, shape checks, and RNG capture/restore."""
+"""Checkpoint store, safe loading, markers, shape checks, and RNG capture/restore."""
 
 import errno
 import hashlib
@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from framework.state import atomic, checkpoint_files, rng
-from framework.state.checkpoint_files import (CheckpointDirLocked, CheckpointError, CheckpointManager, load_file,
+from framework.state.checkpoint_files import (CheckpointDirLocked, CheckpointError, CheckpointStore, load_file,
                                               step_file)
 from framework.resilience.markers import FATAL, PREEMPTED
 from framework.resilience.markers import clear as clear_marker
@@ -32,7 +32,7 @@ from framework.resilience.markers import write as write_marker
 from framework.state.checkpointer import check_model_shapes
 
 
-def choose_checkpoint(resume_value: str, manager: CheckpointManager, env) -> dict | None:
+def choose_checkpoint(resume_value: str, store: CheckpointStore, env) -> dict | None:
     """What rank 0 resumes from (``resume`` = auto | none | PATH), as the trainer chooses it."""
     from types import SimpleNamespace
 
@@ -40,7 +40,7 @@ def choose_checkpoint(resume_value: str, manager: CheckpointManager, env) -> dic
     if resume_value == "none":
         return None
     cfg = SimpleNamespace(checkpoint=SimpleNamespace(resume=resume_value))
-    checkpointer = Checkpointer(cfg, env, manager, {}, builtin_data=True)
+    checkpointer = Checkpointer(cfg, env, store, {}, builtin_data=True)
     return checkpointer._choose()[1]
 
 
@@ -67,10 +67,10 @@ def assert_same(a, b):
 
 
 def save_steps(directory, steps, keep_last=3):
-    with CheckpointManager(directory, keep_last=keep_last) as manager:
+    with CheckpointStore(directory, keep_last=keep_last) as store:
         for step in steps:
-            manager.save(state_at(step), step)
-    return manager
+            store.save(state_at(step), step)
+    return store
 
 
 def manifest(directory):
@@ -80,13 +80,13 @@ def manifest(directory):
 # --- writing ---------------------------------------------------------------------------------
 def test_round_trip_and_manifest(tmp_path, caplog):
     with caplog.at_level(logging.WARNING):
-        manager = save_steps(tmp_path, [5])
+        store = save_steps(tmp_path, [5])
     assert not caplog.records
     [entry] = manifest(tmp_path)
     data = (tmp_path / "step_00000005.pt").read_bytes()
     assert entry == {"file": "step_00000005.pt", "step": 5, "bytes": len(data),
-                     "sha256": hashlib.sha256(data).hexdigest(), "lineage": manager.lineage, "seq": 1}
-    path, state = CheckpointManager(tmp_path).latest_valid()
+                     "sha256": hashlib.sha256(data).hexdigest(), "lineage": store.lineage, "seq": 1}
+    path, state = CheckpointStore(tmp_path).latest_valid()
     assert path == tmp_path / "step_00000005.pt"
     assert_same(state, state_at(5))
 
@@ -103,21 +103,21 @@ def test_a_symlink_planted_in_checkpoint_dir_does_not_redirect_a_write(tmp_path)
     victim = tmp_path / "victim"
     victim.write_bytes(b"precious")
     directory = tmp_path / "ck"
-    manager = CheckpointManager(directory)  # its stale-temp cleanup is done: another user plants them now
+    store = CheckpointStore(directory)  # its stale-temp cleanup is done: another user plants them now
     for name in (step_file(1), "manifest.json", step_file(2)):
         (directory / f".{name}.tmp.{os.getpid()}").symlink_to(victim)
-    manager.save(state_at(1), 1, blocking=True)
-    manager.save(state_at(2), 2, blocking=True)
+    store.save(state_at(1), 1, blocking=True)
+    store.save(state_at(2), 2, blocking=True)
     assert victim.read_bytes() == b"precious"
     assert [e["step"] for e in manifest(directory)] == [1, 2]
-    assert_same(manager.latest_valid()[1], state_at(2))
-    manager.close()
+    assert_same(store.latest_valid()[1], state_at(2))
+    store.close()
 
 
 MEMORY_PROBE = """
 import sys
 import torch
-from framework.state.checkpoint_files import CheckpointManager
+from framework.state.checkpoint_files import CheckpointStore
 
 def status(key):
     with open("/proc/self/status") as f:
@@ -125,12 +125,12 @@ def status(key):
 
 state = {"model": {f"w{i}": torch.randn(1024, 4096) for i in range(8)}, "step": 1}  # 8 x 16 MiB
 size = sum(t.numel() * t.element_size() for t in state["model"].values())
-manager = CheckpointManager(sys.argv[1])
-manager.save({"step": 0}, 0, blocking=True)  # imports and the writer's first use
+store = CheckpointStore(sys.argv[1])
+store.save({"step": 0}, 0, blocking=True)  # imports and the writer's first use
 with open("/proc/self/clear_refs", "w") as f:
     f.write("5")  # resets VmHWM, the peak resident memory, to the current VmRSS
 before = status("VmRSS")
-manager.save(state, 1, blocking=True)
+store.save(state, 1, blocking=True)
 print((status("VmHWM") - before) / size)
 """
 
@@ -143,7 +143,7 @@ def test_a_checkpoint_write_holds_about_one_copy_of_the_state_in_memory(tmp_path
     assert out.returncode == 0, out.stderr[-3000:]
     copies = float(out.stdout.strip())
     assert 0.9 <= copies <= 1.3, f"a write held {copies:.2f}x the state's size at its peak"
-    path, state = CheckpointManager(tmp_path).latest_valid()  # size and checksum verified
+    path, state = CheckpointStore(tmp_path).latest_valid()  # size and checksum verified
     assert path.name == step_file(1) and state["model"]["w7"].shape == (1024, 4096)
 
 
@@ -154,7 +154,7 @@ def test_keep_last_prunes_oldest(tmp_path):
 
 
 def test_other_ranks_do_not_write_but_can_load(tmp_path):
-    other = CheckpointManager(tmp_path / "ck", rank=1)
+    other = CheckpointStore(tmp_path / "ck", rank=1)
     assert other.save(state_at(1), 1, blocking=True) is None
     assert not (tmp_path / "ck").exists()
     save_steps(tmp_path / "ck", [1])
@@ -162,9 +162,9 @@ def test_other_ranks_do_not_write_but_can_load(tmp_path):
 
 
 def test_unsaveable_value_is_refused_before_the_write(tmp_path):
-    with CheckpointManager(tmp_path) as manager, \
+    with CheckpointStore(tmp_path) as store, \
             pytest.raises(CheckpointError, match=r"state\['sampler'\]\['consumed'\]: numpy.int64"):
-        manager.save({"sampler": {"consumed": np.int64(3)}}, 1)
+        store.save({"sampler": {"consumed": np.int64(3)}}, 1)
     assert not list(tmp_path.iterdir())
 
 
@@ -188,29 +188,29 @@ def gated_write(monkeypatch):
 
 
 def test_save_returns_before_the_write_and_snapshots_the_state(tmp_path, gated_write):
-    manager = CheckpointManager(tmp_path)
+    store = CheckpointStore(tmp_path)
     state = state_at(1)
     start = time.perf_counter()
-    manager.save(state, 1)
+    store.save(state, 1)
     assert time.perf_counter() - start < 1.0
     assert not (tmp_path / "step_00000001.pt").exists()
     state["model"]["w"].fill_(-1.0)  # training goes on while the write is pending
     gated_write.set()
-    manager.wait()
-    assert manager.last_stall_s < 1.0 and manager.last_write_s > 0
-    assert torch.equal(manager.latest_valid()[1]["model"]["w"], torch.full((4, 3), 1.0))
+    store.wait()
+    assert store.last_stall_s < 1.0 and store.last_write_s > 0
+    assert torch.equal(store.latest_valid()[1]["model"]["w"], torch.full((4, 3), 1.0))
 
 
 def test_second_save_waits_for_the_first(tmp_path, gated_write):
-    manager = CheckpointManager(tmp_path)
-    manager.save(state_at(1), 1)
-    second = threading.Thread(target=manager.save, args=(state_at(2), 2))
+    store = CheckpointStore(tmp_path)
+    store.save(state_at(1), 1)
+    second = threading.Thread(target=store.save, args=(state_at(2), 2))
     second.start()
     second.join(0.3)
     assert second.is_alive(), "the second save did not wait for the first write"
     gated_write.set()
     second.join(10)
-    manager.close()
+    store.close()
     assert [e["step"] for e in manifest(tmp_path)] == [1, 2]
 
 
@@ -218,26 +218,26 @@ def test_writer_error_surfaces_from_wait(tmp_path, monkeypatch):
     def disk_full(path, data):
         raise OSError(errno.ENOSPC, "No space left on device", str(path))
 
-    manager = CheckpointManager(tmp_path)
+    store = CheckpointStore(tmp_path)
     monkeypatch.setattr(atomic, "write_bytes", disk_full)
-    manager.save(state_at(1), 1)
+    store.save(state_at(1), 1)
     with pytest.raises(OSError, match="No space left"):
-        manager.wait()
-    manager.wait()  # raised once, then cleared
+        store.wait()
+    store.wait()  # raised once, then cleared
     monkeypatch.undo()
-    manager.save(state_at(2), 2, blocking=True)
-    assert manager.latest_valid()[1]["step"] == 2
+    store.save(state_at(2), 2, blocking=True)
+    assert store.latest_valid()[1]["step"] == 2
 
 
 def test_writer_error_surfaces_from_the_next_save(tmp_path, monkeypatch):
     def broken_save(obj, f):
         raise RuntimeError("boom")
 
-    manager = CheckpointManager(tmp_path)
+    store = CheckpointStore(tmp_path)
     monkeypatch.setattr(checkpoint_files.torch, "save", broken_save)
-    manager.save(state_at(1), 1)
+    store.save(state_at(1), 1)
     with pytest.raises(RuntimeError, match="boom"):
-        manager.save(state_at(2), 2)
+        store.save(state_at(2), 2)
 
 
 # --- finding the newest intact checkpoint: real damage on disk ----------------------------------
@@ -246,7 +246,7 @@ def test_truncated_newest_falls_back_to_previous(tmp_path, caplog):
     newest = tmp_path / "step_00000003.pt"
     os.truncate(newest, newest.stat().st_size // 2)
     with caplog.at_level(logging.WARNING, logger="framework.state.checkpoint_files"):
-        path, state = CheckpointManager(tmp_path).latest_valid()
+        path, state = CheckpointStore(tmp_path).latest_valid()
     assert path.name == "step_00000002.pt" and state["step"] == 2
     assert "step_00000003.pt" in caplog.text and "truncated" in caplog.text
 
@@ -258,7 +258,7 @@ def test_flipped_byte_is_a_checksum_mismatch(tmp_path, caplog):
     data[len(data) // 2] ^= 0xFF
     newest.write_bytes(bytes(data))
     with caplog.at_level(logging.WARNING, logger="framework.state.checkpoint_files"):
-        path, state = CheckpointManager(tmp_path).latest_valid()
+        path, state = CheckpointStore(tmp_path).latest_valid()
     assert state["step"] == 2
     assert "step_00000003.pt" in caplog.text and "checksum mismatch" in caplog.text
 
@@ -269,7 +269,7 @@ def test_missing_manifest_scans_files_and_skips_truncated(tmp_path, caplog):
     newest = tmp_path / "step_00000003.pt"
     os.truncate(newest, newest.stat().st_size // 2)
     with caplog.at_level(logging.WARNING, logger="framework.state.checkpoint_files"):
-        path, state = CheckpointManager(tmp_path).latest_valid()
+        path, state = CheckpointStore(tmp_path).latest_valid()
     assert path.name == "step_00000002.pt" and state["step"] == 2
     assert "manifest.json is missing" in caplog.text and "step_00000003.pt" in caplog.text
 
@@ -277,7 +277,7 @@ def test_missing_manifest_scans_files_and_skips_truncated(tmp_path, caplog):
 def test_garbled_manifest_scans_files(tmp_path):
     save_steps(tmp_path, [1, 2])
     (tmp_path / "manifest.json").write_text('[{"file": "step_000')
-    assert CheckpointManager(tmp_path).latest_valid()[1]["step"] == 2
+    assert CheckpointStore(tmp_path).latest_valid()[1]["step"] == 2
 
 
 def test_saving_without_manifest_keeps_the_older_files(tmp_path):
@@ -288,7 +288,7 @@ def test_saving_without_manifest_keeps_the_older_files(tmp_path):
 
 
 def test_empty_directory_has_no_checkpoint(tmp_path):
-    assert CheckpointManager(tmp_path / "none").latest_valid() is None
+    assert CheckpointStore(tmp_path / "none").latest_valid() is None
 
 
 # --- safe loading ------------------------------------------------------------------------------
@@ -315,7 +315,7 @@ def test_malicious_pickle_is_refused_and_never_runs(tmp_path, caplog):
                                      "sha256": hashlib.sha256(data).hexdigest()}]
     (tmp_path / "manifest.json").write_text(json.dumps(entries))
     with caplog.at_level(logging.WARNING, logger="framework.state.checkpoint_files"):
-        assert CheckpointManager(tmp_path).latest_valid()[1]["step"] == 1
+        assert CheckpointStore(tmp_path).latest_valid()[1]["step"] == 1
     assert "step_00000002.pt" in caplog.text and "refused" in caplog.text
     assert not marker.exists()
 
@@ -329,8 +329,8 @@ def test_whole_training_state_loads_weights_only(tmp_path):
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(),
              "sampler": {"epoch": 1, "consumed": 48}, "rng": rng.capture(), "step": 7, "config": {"lr": 1e-3}}
-    with CheckpointManager(tmp_path) as manager:
-        manager.save(state, 7, blocking=True)
+    with CheckpointStore(tmp_path) as store:
+        store.save(state, 7, blocking=True)
     loaded = load_file(tmp_path / "step_00000007.pt")
     assert_same(loaded, state)
     assert loaded["model"]._metadata == state["model"]._metadata
@@ -430,7 +430,7 @@ def test_fresh_run_in_a_used_directory_keeps_both_runs_checkpoints(tmp_path, cap
     first = save_steps(tmp_path, [100, 200, 300])
     old = contents(tmp_path, step_names(tmp_path))
     with caplog.at_level(logging.WARNING, logger="framework.state.checkpoint_files"), \
-            CheckpointManager(tmp_path, keep_last=3) as second:
+            CheckpointStore(tmp_path, keep_last=3) as second:
         assert choose_checkpoint("none", second, MAIN) is None
         second.save(state_at(50), 50, blocking=True)
         assert (tmp_path / "step_00000050.pt").is_file()
@@ -446,7 +446,7 @@ def test_fresh_run_in_a_used_directory_keeps_both_runs_checkpoints(tmp_path, cap
         (100, a, 1), (200, a, 2), (300, a, 3), (60, b, 5), (70, b, 6), (80, b, 7)]
     other_runs = [r.getMessage() for r in caplog.records if "other runs" in r.getMessage()]
     assert len(other_runs) == 1 and "3 checkpoints of 1 other runs" in other_runs[0]
-    with CheckpointManager(tmp_path) as third:
+    with CheckpointStore(tmp_path) as third:
         assert choose_checkpoint("auto", third, MAIN)["step"] == 80
         assert third.lineage == second.lineage
 
@@ -455,7 +455,7 @@ def test_rollback_keeps_the_resumed_from_file_and_resumes_the_newest_written(tmp
     first = save_steps(tmp_path, [100, 200, 300])
     old = contents(tmp_path, step_names(tmp_path))
     written = []
-    with CheckpointManager(tmp_path, keep_last=3) as second:
+    with CheckpointStore(tmp_path, keep_last=3) as second:
         assert choose_checkpoint(str(tmp_path / "step_00000100.pt"), second, MAIN)["step"] == 100
         assert second.resumed_from == "step_00000100.pt" and second.lineage != first.lineage
         for step in (150, 200, 250, 300, 350):
@@ -466,7 +466,7 @@ def test_rollback_keeps_the_resumed_from_file_and_resumes_the_newest_written(tmp
     assert written[1].name == f"step_00000200-{second.lineage}.pt"
     assert written[3].name == f"step_00000300-{second.lineage}.pt"
     assert step_names(tmp_path) == sorted([*old, *(p.name for p in written[2:])])
-    with CheckpointManager(tmp_path) as third:
+    with CheckpointStore(tmp_path) as third:
         assert choose_checkpoint("auto", third, MAIN)["step"] == 350
         assert third.lineage == second.lineage
 
@@ -474,7 +474,7 @@ def test_rollback_keeps_the_resumed_from_file_and_resumes_the_newest_written(tmp
 def test_restart_continues_the_lineage_and_keeps_its_origin(tmp_path, caplog):
     first = save_steps(tmp_path, [100, 200, 300])
     with caplog.at_level(logging.WARNING, logger="framework.state.checkpoint_files"), \
-            CheckpointManager(tmp_path, keep_last=3) as restarted:
+            CheckpointStore(tmp_path, keep_last=3) as restarted:
         assert choose_checkpoint("auto", restarted, MAIN)["step"] == 300
         assert restarted.lineage == first.lineage
         for step in (400, 500, 600):
@@ -482,7 +482,7 @@ def test_restart_continues_the_lineage_and_keeps_its_origin(tmp_path, caplog):
     assert step_names(tmp_path) == [step_file(s) for s in (300, 400, 500, 600)]
     assert "other runs" not in caplog.text
     # The next restart's origin is 600: 300 is no longer any run's origin.
-    with CheckpointManager(tmp_path, keep_last=3) as again:
+    with CheckpointStore(tmp_path, keep_last=3) as again:
         choose_checkpoint("auto", again, MAIN)
         again.save(state_at(700), 700)
     assert step_names(tmp_path) == [step_file(s) for s in (500, 600, 700)]
@@ -491,7 +491,7 @@ def test_restart_continues_the_lineage_and_keeps_its_origin(tmp_path, caplog):
 def test_saving_the_resumed_step_again_keeps_the_origin_file(tmp_path):
     save_steps(tmp_path, [100, 200])
     origin = (tmp_path / "step_00000200.pt").read_bytes()
-    with CheckpointManager(tmp_path, keep_last=1) as restarted:
+    with CheckpointStore(tmp_path, keep_last=1) as restarted:
         restarted.mark_resumed(tmp_path / "step_00000200.pt")
         path = restarted.save(state_at(200), 200, blocking=True)
     assert path.name == f"step_00000200-{restarted.lineage}.pt"
@@ -500,10 +500,10 @@ def test_saving_the_resumed_step_again_keeps_the_origin_file(tmp_path):
 
 
 def test_saving_a_step_twice_in_one_lineage_replaces_it(tmp_path):
-    manager = save_steps(tmp_path, [1, 2, 2])
+    store = save_steps(tmp_path, [1, 2, 2])
     assert [(e["file"], e["seq"]) for e in manifest(tmp_path)] == [("step_00000001.pt", 1), ("step_00000002.pt", 3)]
     assert step_names(tmp_path) == ["step_00000001.pt", "step_00000002.pt"]
-    assert {e["lineage"] for e in manifest(tmp_path)} == {manager.lineage}
+    assert {e["lineage"] for e in manifest(tmp_path)} == {store.lineage}
 
 
 def strip_lineages(directory):
@@ -514,7 +514,7 @@ def strip_lineages(directory):
 def test_legacy_manifest_loads_in_step_order_and_a_restart_continues_it(tmp_path):
     save_steps(tmp_path, [100, 200, 300])
     strip_lineages(tmp_path)
-    with CheckpointManager(tmp_path, keep_last=3) as restarted:
+    with CheckpointStore(tmp_path, keep_last=3) as restarted:
         assert choose_checkpoint("auto", restarted, MAIN)["step"] == 300
         assert restarted.lineage == "legacy"
         restarted.save(state_at(400), 400)
@@ -526,7 +526,7 @@ def test_legacy_manifest_loads_in_step_order_and_a_restart_continues_it(tmp_path
 def test_fresh_run_on_a_legacy_manifest_keeps_the_old_files(tmp_path):
     save_steps(tmp_path, [100, 200, 300])
     strip_lineages(tmp_path)
-    with CheckpointManager(tmp_path, keep_last=1) as fresh:
+    with CheckpointStore(tmp_path, keep_last=1) as fresh:
         for step in (10, 20):
             fresh.save(state_at(step), step)
         assert fresh.latest_valid()[1]["step"] == 20
@@ -535,15 +535,15 @@ def test_fresh_run_on_a_legacy_manifest_keeps_the_old_files(tmp_path):
 
 def test_rebuilding_a_lost_manifest_deletes_no_other_runs_file(tmp_path):
     save_steps(tmp_path, [100, 200, 300])
-    with CheckpointManager(tmp_path) as rollback:
+    with CheckpointStore(tmp_path) as rollback:
         rollback.mark_resumed(tmp_path / "step_00000100.pt")
         rollback.save(state_at(200), 200)
     (tmp_path / "manifest.json").unlink()
     before = step_names(tmp_path)
     assert before == sorted([step_file(s) for s in (100, 200, 300)] + [f"step_00000200-{rollback.lineage}.pt"])
-    with CheckpointManager(tmp_path) as scanning:
+    with CheckpointStore(tmp_path) as scanning:
         assert scanning.latest_valid()[1]["step"] == 300
-    with CheckpointManager(tmp_path, keep_last=1) as fresh:
+    with CheckpointStore(tmp_path, keep_last=1) as fresh:
         for step in (10, 20):
             fresh.save(state_at(step), step)
     assert step_names(tmp_path) == sorted(before + [step_file(20)])
@@ -554,7 +554,7 @@ def test_rebuilding_a_lost_manifest_deletes_no_other_runs_file(tmp_path):
 
 def test_checkpoints_deleted_by_hand_leave_the_manifest(tmp_path):
     save_steps(tmp_path, [100, 200, 300])
-    with CheckpointManager(tmp_path) as second:
+    with CheckpointStore(tmp_path) as second:
         second.save(state_at(1), 1, blocking=True)
         (tmp_path / "step_00000100.pt").unlink()
         (tmp_path / "step_00000200.pt").unlink()
@@ -567,54 +567,54 @@ ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_second_manager_on_a_locked_directory_fails_with_one_line(tmp_path):
-    first = CheckpointManager(tmp_path)
+    first = CheckpointStore(tmp_path)
     in_progress = tmp_path / ".step_00000007.pt.tmp.4242"
     in_progress.write_bytes(b"the first run's write in progress")
     with pytest.raises(CheckpointDirLocked) as info:
-        CheckpointManager(tmp_path)
+        CheckpointStore(tmp_path)
     message = str(info.value)
     assert isinstance(info.value, RuntimeError) and "\n" not in message
     assert message.startswith(f"checkpoint_dir {tmp_path} is in use by another run "
                               f"(pid {os.getpid()} on {socket.gethostname()}")
     assert message.endswith("wait for it to finish, or use another checkpoint_dir")
     assert in_progress.exists()
-    assert CheckpointManager(tmp_path, rank=1).latest_valid() is None  # other ranks take no lock
+    assert CheckpointStore(tmp_path, rank=1).latest_valid() is None  # other ranks take no lock
     first.close()
     assert not (tmp_path / ".lock").exists()
-    with CheckpointManager(tmp_path) as second:
+    with CheckpointStore(tmp_path) as second:
         assert not in_progress.exists()
         second.save(state_at(1), 1)
 
 
 def test_lock_goes_with_the_manager_and_a_save_after_close_takes_it_again(tmp_path):
-    manager = CheckpointManager(tmp_path)
-    del manager
-    with CheckpointManager(tmp_path) as manager:
-        manager.save(state_at(1), 1)
-    manager.save(state_at(2), 2, blocking=True)
+    store = CheckpointStore(tmp_path)
+    del store
+    with CheckpointStore(tmp_path) as store:
+        store.save(state_at(1), 1)
+    store.save(state_at(2), 2, blocking=True)
     with pytest.raises(CheckpointDirLocked):
-        CheckpointManager(tmp_path)
-    manager.close()
-    assert manager.latest_valid()[1]["step"] == 2
+        CheckpointStore(tmp_path)
+    store.close()
+    assert store.latest_valid()[1]["step"] == 2
 
 
-def test_a_save_alone_continues_the_lineage_takes_the_lock_and_prunes_nothing(tmp_path):
-    """A survivor of a peer's loss writes alone (Checkpointer.save_alone): from rank 0, after its
+def test_a_survivor_checkpoint_continues_the_lineage_takes_the_lock_and_prunes_nothing(tmp_path):
+    """A survivor of a peer's loss writes alone (Checkpointer.save_survivor): from rank 0, after its
     pending write; from another rank only once rank 0 (and its lock) is gone; once per step."""
-    rank0 = CheckpointManager(tmp_path, keep_last=1)
+    rank0 = CheckpointStore(tmp_path, keep_last=1)
     rank0.save(state_at(4), 4)
-    rank0.save(state_at(8), 8)  # pending in the background when the save alone comes
+    rank0.save(state_at(8), 8)  # pending in the background when the survivor checkpoint comes
     lineage = rank0.lineage
-    other = CheckpointManager(tmp_path, keep_last=1, rank=1)
-    assert other.write_alone(state_at(9), 9, lineage=lineage) is None  # rank 0 holds the lock
-    assert rank0.write_alone(state_at(9), 9, lineage=lineage) == tmp_path / "step_00000009.pt"
+    other = CheckpointStore(tmp_path, keep_last=1, rank=1)
+    assert other.write_survivor(state_at(9), 9, lineage=lineage) is None  # rank 0 holds the lock
+    assert rank0.write_survivor(state_at(9), 9, lineage=lineage) == tmp_path / "step_00000009.pt"
     rank0.close()  # rank 0 gone, and its lock
-    assert other.write_alone(state_at(9), 9, lineage=lineage) is None  # its lineage has step 9
-    assert other.write_alone(state_at(10), 10, lineage=lineage) == tmp_path / "step_00000010.pt"
+    assert other.write_survivor(state_at(9), 9, lineage=lineage) is None  # its lineage has step 9
+    assert other.write_survivor(state_at(10), 10, lineage=lineage) == tmp_path / "step_00000010.pt"
     assert not (tmp_path / ".lock").exists()
     # No pruning (keep_last=1): a survivor does not know which file the run resumed from.
     assert [(e["step"], e["lineage"]) for e in manifest(tmp_path)] == [(8, lineage), (9, lineage), (10, lineage)]
-    restarted = CheckpointManager(tmp_path, keep_last=1)
+    restarted = CheckpointStore(tmp_path, keep_last=1)
     path, state = restarted.latest_valid(lineages=[lineage])
     assert path == tmp_path / "step_00000010.pt"
     assert_same(state, state_at(10))
@@ -625,7 +625,7 @@ def test_a_save_alone_continues_the_lineage_takes_the_lock_and_prunes_nothing(tm
     restarted.close()
 
 
-def test_a_save_alone_writes_a_lineages_origin_and_never_without_a_real_lock(tmp_path, monkeypatch):
+def test_a_survivor_checkpoint_writes_a_lineages_origin_and_never_without_a_real_lock(tmp_path, monkeypatch):
     """The first entry of a lineage that began from a file elsewhere (resume=PATH) names it, so a
     resume can go back there; another rank writes only while it really holds the lock (two
     survivors on a file system without flock would write side by side)."""
@@ -633,16 +633,16 @@ def test_a_save_alone_writes_a_lineages_origin_and_never_without_a_real_lock(tmp
 
     origin = str(tmp_path / "elsewhere" / "step_00000004.pt")
     ck = tmp_path / "ck"
-    assert CheckpointManager(ck, rank=1).write_alone(state_at(5), 5, lineage="aaa", began_from=origin)
+    assert CheckpointStore(ck, rank=1).write_survivor(state_at(5), 5, lineage="aaa", began_from=origin)
     assert manifest(ck)[0]["began_from"] == origin
     monkeypatch.setattr(checkpoint_files, "_locked_fd", lambda *args: None)  # ENOLCK: no lock, a warning
-    assert CheckpointManager(ck, rank=1).write_alone(state_at(6), 6, lineage="aaa") is None
+    assert CheckpointStore(ck, rank=1).write_survivor(state_at(6), 6, lineage="aaa") is None
     assert [e["step"] for e in manifest(ck)] == [5]
 
 
 HOLD_LOCK = ("import sys, time\n"
-             "from framework.state.checkpoint_files import CheckpointManager\n"
-             "manager = CheckpointManager(sys.argv[1])\n"
+             "from framework.state.checkpoint_files import CheckpointStore\n"
+             "store = CheckpointStore(sys.argv[1])\n"
              "print('locked', flush=True)\n"
              "time.sleep(120)\n")
 
@@ -654,34 +654,34 @@ def test_lock_of_a_process_killed_with_sigkill_is_free(tmp_path):
     try:
         assert holder.stdout.readline() == "locked\n"
         with pytest.raises(CheckpointDirLocked, match=f"pid {holder.pid} on "):
-            CheckpointManager(tmp_path)
+            CheckpointStore(tmp_path)
     finally:
         holder.kill()
         holder.wait(timeout=30)
         holder.stdout.close()
     assert holder.returncode == -signal.SIGKILL
-    with CheckpointManager(tmp_path) as manager:
-        manager.save(state_at(1), 1, blocking=True)
+    with CheckpointStore(tmp_path) as store:
+        store.save(state_at(1), 1, blocking=True)
     assert manifest(tmp_path)[0]["step"] == 1
 
 
 HOLD_LOCK_FOR = ("import sys, time\n"
-                 "from framework.state.checkpoint_files import CheckpointManager\n"
-                 "manager = CheckpointManager(sys.argv[1])\n"
+                 "from framework.state.checkpoint_files import CheckpointStore\n"
+                 "store = CheckpointStore(sys.argv[1])\n"
                  "print('locked', flush=True)\n"
                  "time.sleep(float(sys.argv[2]))\n"
-                 "manager.close()\n")
+                 "store.close()\n")
 
 
 @pytest.mark.dist
 @pytest.mark.parametrize("holder_run", ["job7", "other"])
 def test_a_restart_waits_for_a_survivor_of_its_run_that_still_holds_the_lock(tmp_path, monkeypatch, holder_run):
-    """Issue 33, bug 4: a survivor's save alone of a large model outlasts the next round's last
+    """Issue 33, bug 4: a survivor checkpoint of a large model outlasts the next round's last
     call; the new rank 0 got CheckpointDirLocked, exited 2 and burnt a restart (or ended the run).
     A restart waits for a holder of its own torchrun run; another run's fails at once."""
     from framework.config import resolve_config
     from framework.ddp.process_group import DistEnv
-    from framework.state.checkpointer import open_manager
+    from framework.state.checkpointer import open_store
 
     holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK_FOR, str(tmp_path), "2"], cwd=ROOT,
                               stdout=subprocess.PIPE, text=True, env={**os.environ, "TORCHELASTIC_RUN_ID": holder_run})
@@ -694,13 +694,13 @@ def test_a_restart_waits_for_a_survivor_of_its_run_that_still_holds_the_lock(tmp
         start = time.monotonic()
         if holder_run == "other":
             with pytest.raises(CheckpointDirLocked, match=f"pid {holder.pid} on "):
-                open_manager(cfg, env)
+                open_store(cfg, env)
             assert time.monotonic() - start < 1
         else:
-            manager = open_manager(cfg, env)
+            store = open_store(cfg, env)
             assert 1 < time.monotonic() - start < 30 and holder.wait(timeout=30) == 0
-            manager.save(state_at(1), 1, blocking=True)
-            manager.close()
+            store.save(state_at(1), 1, blocking=True)
+            store.close()
     finally:
         holder.kill()
         holder.wait(timeout=30)
@@ -754,19 +754,19 @@ def test_an_unreadable_checkpoint_is_skipped_naming_its_errno_and_none_left_rais
 
     stale.all = False
     monkeypatch.setattr(Path, "read_bytes", stale)
-    with CheckpointManager(tmp_path) as manager, caplog.at_level(logging.WARNING):
-        path, state = manager.latest_valid()
+    with CheckpointStore(tmp_path) as store, caplog.at_level(logging.WARNING):
+        path, state = store.latest_valid()
         assert path.name == step_file(1) and state["step"] == 1
         assert f"{tmp_path / step_file(2)} is unusable: unreadable (ESTALE: Stale file handle)" in caplog.text
         stale.all = True
         with pytest.raises(CheckpointUnreadable, match=r"step_00000002.pt: ESTALE.*step_00000001.pt: ESTALE"):
-            manager.latest_valid()
+            store.latest_valid()
     assert isinstance(CheckpointUnreadable("x"), OSError) and not isinstance(CheckpointUnreadable("x"), CheckpointError)
 
 
 def test_latest_valid_with_lineages_takes_only_theirs_or_the_named_files(tmp_path):
     save_steps(tmp_path, [1, 2])
-    with CheckpointManager(tmp_path) as ours:
+    with CheckpointStore(tmp_path) as ours:
         ours.save(state_at(3), 3, blocking=True)
         theirs = {e["lineage"] for e in manifest(tmp_path)} - {ours.lineage}
         assert ours.latest_valid(lineages={ours.lineage})[1]["step"] == 3
@@ -785,7 +785,7 @@ def test_an_old_checkpoint_that_cannot_be_deleted_fails_no_save(tmp_path, caplog
     save_steps(tmp_path, [1, 2])
     (tmp_path / step_file(1)).unlink()
     (tmp_path / step_file(1)).mkdir()
-    with CheckpointManager(tmp_path, keep_last=2) as restarted, caplog.at_level(logging.WARNING):
+    with CheckpointStore(tmp_path, keep_last=2) as restarted, caplog.at_level(logging.WARNING):
         choose_checkpoint("auto", restarted, MAIN)
         restarted.save(state_at(3), 3, blocking=True)
         restarted.save(state_at(4), 4, blocking=True)
@@ -799,7 +799,7 @@ def test_a_lost_manifest_is_rebuilt_past_a_step_file_that_cannot_be_read(tmp_pat
     (tmp_path / "manifest.json").unlink()
     (tmp_path / step_file(2)).unlink()
     (tmp_path / step_file(2)).mkdir()
-    with CheckpointManager(tmp_path, keep_last=3) as manager, caplog.at_level(logging.WARNING):
-        manager.save(state_at(3), 3, blocking=True)
+    with CheckpointStore(tmp_path, keep_last=3) as store, caplog.at_level(logging.WARNING):
+        store.save(state_at(3), 3, blocking=True)
     assert [e["step"] for e in manifest(tmp_path)] == [1, 3]
     assert f"{tmp_path / step_file(2)} is unreadable" in caplog.text

@@ -47,7 +47,7 @@ def test_config_changes_split_refused_from_warned():
 
 def test_save_timing_by_steps_and_epochs():
     cfg = build_config({"checkpoint.every_steps": 5, "save_interval": 2}, env={})
-    ck = Checkpointer(cfg, SimpleNamespace(), manager=None, components={}, builtin_data=True)
+    ck = Checkpointer(cfg, SimpleNamespace(), store=None, components={}, builtin_data=True)
     assert [s for s in range(1, 16) if ck.should_save(s, epoch=0, epoch_ended=False)] == [5, 10, 15]
     assert ck.should_save(3, epoch=1, epoch_ended=True) and not ck.should_save(3, epoch=0, epoch_ended=True)
 
@@ -58,7 +58,7 @@ def test_resume_with_another_batch_size_recomputes_the_schedule(tmp_path):
     trainer = DDPTrainer(tiny(tmp_path, num_epochs=2, batch_size=16))
     # 48 of 128 samples done in epoch 0: 5 more steps of 16, then 8 in epoch 1 (not 2 x 8 = 16 in all).
     assert trainer.step == 6 and trainer.sampler.batch_size == 16
-    assert trainer._total_steps == trainer._schedule.total_steps == 19
+    assert trainer.total_steps == trainer.schedule.total_steps == 19
     summary = trainer.train()
     assert summary["steps"] == 19 and summary["epochs"] == 2.0
     # The last step ran at its place on the recomputed cosine, not past its end.
@@ -227,9 +227,9 @@ def test_a_transient_read_error_with_nothing_else_to_resume_is_retried_not_fatal
 
 
 @pytest.mark.parametrize("torchrun", [True, False])
-def test_the_last_incarnation_stops_on_an_unreadable_checkpoint_with_a_fatal_naming_it(tmp_path, monkeypatch,
+def test_the_last_restart_stops_on_an_unreadable_checkpoint_with_a_fatal_naming_it(tmp_path, monkeypatch,
                                                                                       torchrun):
-    """The explorer's trial 100: every incarnation failed retriably on the only checkpoint (unreadable),
+    """The explorer's trial 100: every restart failed retriably on the only checkpoint (unreadable),
     and the last one ended in a traceback and no FATAL. Without a restart left, nothing will read it
     again: an explained stop, with the file left as it was."""
     DDPTrainer(tiny(tmp_path, {"train.max_steps": 4})).train()
@@ -254,10 +254,10 @@ def test_a_rollback_takes_only_its_own_lineages_checkpoints(tmp_path):
     (other_lineage,) = lineages(ck)
     trainer = DDPTrainer(tiny(tmp_path, {"train.max_steps": 8, "checkpoint.every_steps": 2,
                                          "checkpoint.resume": "none", "spike.guard": "rollback"}))
-    assert trainer._checkpointer.roll_back(before=9) is None and trainer.step == 0  # nothing of its own yet
+    assert trainer.checkpointer.roll_back(before=9) is None and trainer.step == 0  # nothing of its own yet
     trainer.train()
-    assert trainer._checkpointer.manager.lineage != other_lineage
-    assert trainer._checkpointer.roll_back(before=7) == 6  # its own
+    assert trainer.checkpointer.store.lineage != other_lineage
+    assert trainer.checkpointer.roll_back(before=7) == 6  # its own
     assert {p.name: p.read_bytes() for p in ck.glob("step_*.pt") if p.name in other} == other
 
 
@@ -269,11 +269,11 @@ def test_recorded_exclusions_apply_only_to_their_own_lineage(tmp_path):
     (ck / exclusions.FILE).write_text(json.dumps({"samples": [5, 6], "rollbacks": [rollback],
                                                   "lineage": "0therrun0000"}))
     trainer = DDPTrainer(tiny(tmp_path, {"train.max_steps": 8}))  # resumes this lineage's step 4
-    assert trainer.step == 4 and trainer._spike_guard.excluded == set()
+    assert trainer.step == 4 and trainer.spike_guard.excluded == set()
     trainer.close()
     (ck / exclusions.FILE).write_text(json.dumps({"samples": [5, 6], "rollbacks": [rollback], "lineage": own}))
     trainer = DDPTrainer(tiny(tmp_path, {"train.max_steps": 8}))
-    assert trainer.step == 4 and trainer._spike_guard.excluded == {5, 6}
+    assert trainer.step == 4 and trainer.spike_guard.excluded == {5, 6}
     trainer.close()
 
 

@@ -101,7 +101,7 @@ def test_seed_step_depends_on_seed_rank_and_step_alone():
 
 def test_what_is_drawn_between_steps_does_not_shift_the_next_steps_dropout(tmp_path):
     """Each step seeds every rank's generators from (seed, rank, step) at its start: a resumed run,
-    or one restarted from a survivor's save alone, skips what was drawn between the steps before
+    or one restarted from a survivor checkpoint, skips what was drawn between the steps before
     (an evaluation, a callback), and must still draw each step's dropout as the uninterrupted run."""
     from framework import DDPTrainer
     from tests.tiny import tiny
@@ -118,14 +118,14 @@ def test_what_is_drawn_between_steps_does_not_shift_the_next_steps_dropout(tmp_p
     assert shas[0] == shas[1]
 
 
-def test_buffer_watch_gives_the_buffers_as_at_the_step_start():
+def test_step_start_buffers_gives_the_buffers_as_at_the_step_start():
     """A forward changes BatchNorm's running statistics (without bumping the tensors' versions)
-    before any collective can fail: the save alone writes them as they were at the step's start;
+    before any collective can fail: the survivor checkpoint writes them as they were at the step's start;
     off rank 0 only buffers that no step changes (DDP's buffers are rank 0's)."""
-    from framework.state.checkpointer import BufferWatch
+    from framework.state.checkpointer import StepStartBuffers
 
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
-    watch = BufferWatch(model)
+    watch = StepStartBuffers(model)
     assert sorted(watch.buffers) == ["1.num_batches_tracked", "1.running_mean", "1.running_var"]
     assert watch.model_state(is_main=True) == (None, "no step started yet")
     for _ in range(2):
@@ -143,7 +143,7 @@ def test_buffer_watch_gives_the_buffers_as_at_the_step_start():
         watch.at_step_start()
         model(torch.randn(8, 3))
     assert watch.model_state(is_main=False)[1] is None
-    plain = BufferWatch(torch.nn.Linear(3, 4))  # no persistent buffer: nothing is copied
+    plain = StepStartBuffers(torch.nn.Linear(3, 4))  # no persistent buffer: nothing is copied
     plain.at_step_start()
     assert plain.copies is None and plain.model_state(is_main=False)[1] is None
 
@@ -170,14 +170,14 @@ class OutOfPlace(torch.nn.Module):
         self.history = state["history"].tolist()
 
 
-def test_buffer_watch_reads_buffers_and_extra_state_by_name_at_each_step_start():
+def test_step_start_buffers_reads_buffers_and_extra_state_by_name_at_each_step_start():
     """Issue 33, bug 2: the watch kept the tensors it saw at construction, so a buffer updated out
     of place or a new extra state was saved with its construction-time value, and off rank 0 the
     frozen copies always compared equal."""
-    from framework.state.checkpointer import BufferWatch
+    from framework.state.checkpointer import StepStartBuffers
 
     model = OutOfPlace()
-    watch = BufferWatch(model)
+    watch = StepStartBuffers(model)
     for _ in range(3):
         watch.at_step_start()
         at_start = copy.deepcopy(model.state_dict())

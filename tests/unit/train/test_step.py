@@ -97,14 +97,15 @@ def test_memory_is_released_after_the_exception_is_gone(tmp_path, monkeypatch):
 
 def test_a_non_finite_loss_counts_against_the_budget_with_a_grad_scaler(tmp_path):
     trainer = tiny_run(tmp_path, torch.nn.Linear(4, 1), max_errors_per_epoch=1)
-    trainer._train_step.scaler = trainer._scaler = torch.amp.GradScaler("cpu", enabled=True)  # fp16's scaler, on CPU
+    # fp16's scaler, on CPU
+    trainer.train_step.scaler = trainer.precision.scaler = torch.amp.GradScaler("cpu", enabled=True)
     trainer.optimizer.zero_grad()
-    trainer._scaler.scale(trainer.raw_model(torch.ones(1, 4)).sum()).backward()
-    agreed, _, _ = trainer._train_step.optimizer_step(torch.tensor(float("inf")), 0)
-    assert agreed.nonfinite and trainer._skips.steps == [0]
-    trainer._scaler.scale(trainer.raw_model(torch.ones(1, 4)).sum()).backward()
+    trainer.precision.scaler.scale(trainer.raw_model(torch.ones(1, 4)).sum()).backward()
+    agreed, _, _ = trainer.train_step.optimizer_step(torch.tensor(float("inf")), 0)
+    assert agreed.nonfinite and trainer.skips.steps == [0]
+    trainer.precision.scaler.scale(trainer.raw_model(torch.ones(1, 4)).sum()).backward()
     with pytest.raises(markers.FatalError, match="more than max_errors_per_epoch=1"):
-        trainer._train_step.optimizer_step(torch.tensor(float("nan")), 1)
+        trainer.train_step.optimizer_step(torch.tensor(float("nan")), 1)
     trainer.close()
 
 
@@ -112,18 +113,18 @@ def test_a_grad_scaler_overflow_is_skipped_by_the_scaler_and_not_counted_as_non_
     """gpu_check's scaler_overflow row on CPU: a finite loss with an inf gradient (what fp16 overflow
     gives) is the GradScaler's to skip; it lowers its scale and the skip budget is untouched."""
     trainer = tiny_run(tmp_path, torch.nn.Linear(4, 1), max_errors_per_epoch=0)
-    trainer._train_step.scaler = trainer._scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, enabled=True)
+    trainer.train_step.scaler = trainer.precision.scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, enabled=True)
     before = [p.detach().clone() for p in trainer.raw_model.parameters()]
     trainer.optimizer.zero_grad()
     loss = trainer.raw_model(torch.ones(1, 4)).sum()
-    trainer._scaler.scale(loss).backward()
+    trainer.precision.scaler.scale(loss).backward()
     trainer.raw_model.weight.grad.view(-1)[0] = float("inf")
-    agreed, _, grad_norm = trainer._train_step.optimizer_step(loss.detach(), 0)
-    assert not agreed.nonfinite and trainer._skips.steps == [] and not torch.isfinite(grad_norm)
-    assert trainer._scaler.get_scale() == 512.0
+    agreed, _, grad_norm = trainer.train_step.optimizer_step(loss.detach(), 0)
+    assert not agreed.nonfinite and trainer.skips.steps == [] and not torch.isfinite(grad_norm)
+    assert trainer.precision.scaler.get_scale() == 512.0
     assert all(torch.equal(a, b) for a, b in zip(before, trainer.raw_model.parameters(), strict=True))
-    trainer._scaler.scale(trainer.raw_model(torch.ones(1, 4)).sum()).backward()
-    trainer._train_step.optimizer_step(torch.tensor(1.0), 1)  # a finite step: the scaler steps the optimizer
+    trainer.precision.scaler.scale(trainer.raw_model(torch.ones(1, 4)).sum()).backward()
+    trainer.train_step.optimizer_step(torch.tensor(1.0), 1)  # a finite step: the scaler steps the optimizer
     assert not all(torch.equal(a, b) for a, b in zip(before, trainer.raw_model.parameters(), strict=True))
     trainer.close()
 

@@ -6,10 +6,10 @@ the trainer, sets ``save_strategy="steps" if is_main_process else "no"``, trains
 call ``save_pretrained`` and ends with ``dist.destroy_process_group()``. With ``--plain`` it
 imports ``trl``'s SFTConfig and SFTTrainer, else ``framework.hf``'s: the one line that differs.
 
-    torchrun --nproc-per-node 2 framework/testing/sft_script.py OUT [--plain] [--max-steps N]
+    torchrun --nproc-per-node 2 harness/sft_script.py OUT [--plain] [--max-steps N]
         [--kill-rank R --kill-step S] [--data text|prompt_completion|conversational] [--packing]
 
-``--kill-*``: that rank sends itself SIGKILL after step S in the first incarnation. Each rank
+``--kill-*``: that rank sends itself SIGKILL after step S in the first start (restart 0). Each rank
 writes result_rank{N}.json into TEST_OUT_DIR (default OUT): the trainable weights' sha256, the log
 history, the steps, the restart count and whether this rank tokenised the data.
 
@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
     from transformers import TrainerCallback
 
     from framework.resilience.consistency import model_sha256
-    from framework.testing.launch import register_worker, write_result
+    from harness.launch import register_worker, write_result
 
     # The guide's set-up, by hand.
     dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")

@@ -2,10 +2,10 @@
 ``nan@step=5,rank=1; oom@step=8; sigterm@step=4; sigkill@step=6,rank=1; hang@step=10,rank=0``.
 
 A fault fires once, at the given step, on the given rank (all ranks if none), and only in the
-first incarnation of the group (restart count 0) unless it says ``restart=N``, or ``restart=*``
-(in every incarnation: a failure that a restart cannot fix). ``slow@step=K,rank=R,ms=M`` is the
+first start of the group (restart 0) unless it says ``restart=N``, or ``restart=*``
+(in every restart: a failure that a restart cannot fix). ``slow@step=K,rank=R,ms=M`` is the
 exception: it delays every forward from step K on by M ms (a straggler). The process faults
-(sigterm, sigkill, crash, hang) fire at the start of step K, or with ``at=eval`` at the start of
+(sigterm, sigkill, sigstop, crash, hang) fire at the start of step K, or with ``at=eval`` at the start of
 the evaluation after K steps, or with ``at=save`` once the checkpoint of step K is handed to its
 background writer (the final save: before it is written), the final evaluation and save included,
 or with ``at=export`` before the final weights of a run that ended at step K are exported.
@@ -22,13 +22,13 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from ..train.moments import Listener
+from ..train.events import Listener
 
 log = logging.getLogger(__name__)
 
-KINDS = ("nan", "oom", "kill_worker", "hang", "sigterm", "sigkill", "ulp", "bad_data", "crash", "slow")
+KINDS = ("nan", "oom", "kill_worker", "hang", "sigterm", "sigkill", "sigstop", "ulp", "bad_data", "crash", "slow")
 ANY_RESTART = -1
-PROCESS_KINDS = ("sigterm", "sigkill", "crash", "hang")
+PROCESS_KINDS = ("sigterm", "sigkill", "sigstop", "crash", "hang")
 MOMENTS = ("step", "eval", "save", "export")
 
 
@@ -37,7 +37,7 @@ class Fault:
     kind: str
     step: int
     rank: int | None = None
-    restart: int = 0  # ANY_RESTART: every incarnation
+    restart: int = 0  # ANY_RESTART: every restart
     micro: int | None = None  # oom: the micro-step whose backward fails (default: the last)
     ms: int = 0  # slow: the delay added to each forward from ``step`` on
     at: str = "step"  # process faults: the start of step K, or of the evaluation, checkpoint save or export after it
@@ -63,10 +63,10 @@ def parse(spec: str) -> list[Fault]:
                 if at not in MOMENTS or (at != "step" and kind not in PROCESS_KINDS):
                     raise ValueError(f"fault {part!r}: at={at!r}: allowed: at=step, or at=eval|save|export for "
                                      f"{', '.join(PROCESS_KINDS)}")
-                if at == "export" and kind == "hang":
+                if at == "export" and kind in ("hang", "sigstop"):
                     # The export runs after the last collective, with the watchdog closed: rank 0
                     # writes files, and nothing waits on it that a deadline could end.
-                    raise ValueError(f"fault {part!r}: hang at=export: allowed: sigterm, sigkill or crash at=export "
+                    raise ValueError(f"fault {part!r}: {kind} at=export: allowed: sigterm, sigkill or crash at=export "
                                      "(the export runs after the watchdog is closed)")
                 continue
             if key not in ("step", "rank", "restart", "micro", "ms") or not eq or not value.strip().isdigit():
@@ -84,20 +84,20 @@ def parse(spec: str) -> list[Fault]:
 
 
 class FaultPlan(Listener):
-    """The faults planned for this rank and incarnation, attached to the run's moments
-    (framework/train/moments.py): the start of a step, a micro-batch, a micro-step's forward and
+    """The faults planned for this rank and restart, attached to the run's moments
+    (framework/train/events.py): the start of a step, a micro-batch, a micro-step's forward and
     backward, the gradients, the end of a step, an evaluation, a checkpoint save, the export."""
 
-    def __init__(self, spec: str, rank: int, restart_count: int):
+    def __init__(self, spec: str, rank: int, group_restarts: int):
         self.rank = rank
-        self.restart_count = restart_count
+        self.group_restarts = group_restarts
         self.faults = parse(spec) if spec else []
         self.fired: set[Fault] = set()
         self.eager_now = False  # an injected OOM hook is on for the current micro-step
 
     def due(self, kind: str, step: int, micro: int | None = None, last_micro: int = 0, at: str = "step") -> bool:
         """True once for each fault of ``kind`` planned for ``step`` (and micro-step, and moment) on
-        this rank and incarnation."""
+        this rank and restart."""
         for fault in self.faults:
             if (fault.kind == kind and fault.step == step and fault.at == at and fault not in self.fired
                     and self._mine(fault)
@@ -110,7 +110,7 @@ class FaultPlan(Listener):
         return False
 
     def _mine(self, fault: Fault) -> bool:
-        return fault.rank in (None, self.rank) and fault.restart in (ANY_RESTART, self.restart_count)
+        return fault.rank in (None, self.rank) and fault.restart in (ANY_RESTART, self.group_restarts)
 
     def step_start(self, step: int) -> None:
         self.fire_process_faults(step)
@@ -135,6 +135,10 @@ class FaultPlan(Listener):
             for handler in logging.getLogger().handlers:
                 handler.flush()
             os.kill(os.getpid(), signal.SIGKILL)
+        if self.due("sigstop", step, at=at):  # frozen: a peer hears nothing, not even a closed connection
+            for handler in logging.getLogger().handlers:
+                handler.flush()
+            os.kill(os.getpid(), signal.SIGSTOP)
         if self.due("crash", step, at=at):
             raise RuntimeError(f"fault injection: crash at step {step}" + ("" if at == "step" else f" ({at})"))
         if self.due("hang", step, at=at):
@@ -186,9 +190,9 @@ class FaultPlan(Listener):
         if self.faults and self.due("nan", step):
             next(p for p in model.parameters() if p.grad is not None).grad.view(-1)[0] = float("nan")
 
-    def step_end(self, step: int, model, metrics=None) -> None:
+    def step_end(self, result, model) -> None:
         """After the optimizer step: this rank's first parameter moved by one ulp."""
-        if self.faults and self.due("ulp", step):
+        if self.faults and self.due("ulp", result.step):
             log.warning("fault injection: %s nudged by one ulp", nudge_one_ulp(model))
 
 
@@ -196,7 +200,7 @@ def _raise_oom_in_backward(module, args, output) -> None:
     import torch
 
     def raise_oom(grad):
-        raise torch.OutOfMemoryError("injected OOM (fault_inject) in backward")
+        raise torch.OutOfMemoryError("injected OOM (recovery.fault_inject) in backward")
 
     out = output[0] if isinstance(output, tuple) else output
     if out.requires_grad:

@@ -3,11 +3,11 @@ with ``--plain`` it uses ``transformers.Trainer``, else ``framework.hf.Trainer``
 that differs). A tiny Llama (random weights, nothing downloaded) learns byte sequences with a
 constant stride, so the loss falls within tens of steps.
 
-    torchrun --nproc-per-node 2 -m framework.testing.hf_script OUT [--plain] [--reentrant]
+    torchrun --nproc-per-node 2 -m harness.hf_script OUT [--plain] [--reentrant]
         [--max-steps N | --epochs E] [--resume] [--epoch-intervals [--on-rank-0-only]]
         [--kill-rank R --kill-step S]
 
-``--kill-*``: the rank sends itself SIGKILL after step S in the first incarnation (torchrun's
+``--kill-*``: the rank sends itself SIGKILL after step S in the first start (restart 0) (torchrun's
 restart count 0). Each rank writes result_rank{N}.json into TEST_OUT_DIR (default OUT): the
 trainable weights' sha256, the log history, the steps done and the restart count."""
 
@@ -72,7 +72,7 @@ def build_model():
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
     from framework.resilience.consistency import model_sha256
-    from framework.testing.launch import register_worker, write_result
+    from harness.launch import register_worker, write_result
 
     register_worker()
     if args.plain:

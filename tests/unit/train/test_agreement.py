@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from framework.train.control import SLOTS, Agreement, agree, spread
+from framework.train.agreement import SLOTS, Agreement, agree, spread
 
 FLAGS = SLOTS[1:]
 

@@ -24,7 +24,7 @@ __all__ = [
     "workers_by_rank", "write_result",
 ]
 
-ROOT = Path(__file__).resolve().parents[2]  # the repository: torchrun runs from here
+ROOT = Path(__file__).resolve().parents[1]  # the repository: torchrun runs from here
 
 
 def free_port() -> int:

@@ -1,0 +1,204 @@
+"""A silent peer named in seconds: every rank beats in the run's store from a thread of its own,
+and a rank whose watched peer stops beating (a frozen process or host, a cut link: nothing tells
+the collectives, which wait for ``ddp.timeout_s``) names it and ends the restart with
+EXIT_PEER_LOST, so that torchrun restarts the group, or the launcher ends the run, at once."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import os
+import threading
+import time
+from typing import Callable
+
+import torch.distributed as dist
+
+from ..config.schema import RecoverySection
+from ..ddp import process_group
+from ..train.events import Listener
+from . import markers
+
+log = logging.getLogger(__name__)
+
+BEAT_S = 1.0
+"""How often a rank beats and looks at its peer's beat (more often under a short peer_timeout_s)."""
+LEFT = -1
+"""The counter of a rank that stopped monitoring on purpose."""
+
+
+class PeerLostSilently(RuntimeError):
+    """A peer stopped beating for ``recovery.peer_timeout_s``, or the run's store stopped answering."""
+
+
+def heartbeat_store(store: dist.Store | None, timeout_s: float) -> dist.Store | None:
+    """A client of its own to the TCPStore under ``store`` (the run's, or the default group's),
+    whose calls give up after ``timeout_s`` (the process group's client waits ``ddp.timeout_s``),
+    with keys of this run and this restart of the group only. None without a TCPStore."""
+    if store is None and dist.is_initialized():
+        store = dist.distributed_c10d._get_default_store()
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    if not isinstance(store, dist.TCPStore):
+        return None
+    client = dist.TCPStore(store.host, store.port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+    run = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    return dist.PrefixStore(f"ddp_framework/peers/{run}/{process_group.STORE_GENERATION or 0}/", client)
+
+
+class PeerMonitor(Listener):
+    """Rank r beats (adds 1 to its counter in the store) every BEAT_S from a daemon thread,
+    whatever its main thread does, and reads rank r+1's counter and the announcement key: three
+    store operations per rank and beat, so the store's load grows with the world size, not its
+    square. A watched peer whose counter has not moved for ``recovery.peer_timeout_s`` by this
+    rank's clock (no clocks are compared), once it has beaten at all, is announced in the store, so
+    that every rank learns it within a beat; each rank then logs which peer went silent, records
+    the error for the restart and calls ``on_lost`` (``os._exit(EXIT_PEER_LOST)``: the main thread
+    may be inside a collective that would wait for ``ddp.timeout_s``). A store that stops answering
+    for as long means this rank is cut off: the same. A rank that stops monitoring on purpose (its
+    training ended, or failed on its own) says so first, and is not missed: a process that exits
+    closes its connections, which its peers' collectives see at once.
+
+    On the event bus: beats from the start of training to its end. Only with a store (under
+    torchrun, or a default group on a TCPStore) and more than one rank; ``peer_timeout_s=0`` is
+    off. A group the user built on torchrun's agent store (no key prefix per restart) is not
+    monitored: an announcement would outlive its restart."""
+
+    Config = RecoverySection
+
+    def __init__(self, section, *, env, store: dist.Store | None, checkpoint_dir: str,
+                 on_lost: Callable[[str], None] | None = None):
+        self.timeout_s = section.peer_timeout_s
+        self.rank, self.world_size = env.rank, env.world_size
+        # A group the user built on torchrun's agent store (which outlives restarts) has no key prefix
+        # per restart; a default store hosted by rank 0's worker dies with each restart.
+        restarts_apart = (process_group.STORE_GENERATION is not None
+                          or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True")
+        self.enabled = bool(self.timeout_s) and env.distributed and self.world_size > 1 and restarts_apart
+        self.store = heartbeat_store(store, self.timeout_s) if self.enabled else None
+        self.enabled = self.store is not None
+        self.checkpoint_dir = checkpoint_dir
+        self.on_lost = on_lost or self._exit
+        self.watched = (self.rank + 1) % self.world_size
+        self.lost: str | None = None
+        self._stop = threading.Event()
+        self._held = threading.Event()
+        self._threads: list[threading.Thread] = []
+        # What the beat thread last learned, read by the judge thread (each a plain attribute: one
+        # writer, one reader).
+        self._seen: int | None = None
+        self._changed_at = self._ok_at = time.monotonic()
+        self._announced: str | None = None
+        self._store_error = ""
+
+    @contextlib.contextmanager
+    def holding(self):
+        """While the main thread handles a peer's loss itself (the survivor checkpoint, then exit
+        75), a silence found meanwhile is only logged: exiting would cut that checkpoint short."""
+        self._held.set()
+        try:
+            yield
+        finally:
+            self._held.clear()
+
+    # --- on the event bus ---------------------------------------------------------------------
+    def train_start(self) -> None:
+        if self.enabled and self._threads == []:
+            # The first beat (0: not started yet; -1: left on purpose), never blocking the main thread.
+            self._call(lambda: self.store.set(f"alive/{self.rank}", "1"), wait_s=self._period())
+            now = time.monotonic()
+            self._ok_at = self._changed_at = now
+            self._threads = [threading.Thread(target=target, name=f"peer-monitor-{name}", daemon=True)
+                             for name, target in (("beat", self._beat), ("judge", self._judge))]
+            for thread in self._threads:
+                thread.start()
+
+    def train_end(self, summary: dict) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop beating and say so (-1): the peer watching this rank does not miss it. Once closed,
+        the monitor stays off (a trainer's train() runs once)."""
+        if self._threads:
+            self._stop.set()
+            for thread in self._threads:
+                thread.join(timeout=2 * BEAT_S)  # a store call that never returns is a daemon's to keep
+            self._threads = []
+            self._call(lambda: self.store.set(f"alive/{self.rank}", str(LEFT)), wait_s=BEAT_S)
+        self.store, self.enabled = None, False
+
+    # --- the threads --------------------------------------------------------------------------
+    def _beat(self) -> None:
+        """The store's side: beat, read the watched peer's counter and the announcement. A store
+        call can block for good (a server that is frozen or cut off keeps no client deadline), so
+        only this thread makes them, and the judge watches it."""
+        while not self._stop.wait(self._period()):
+            try:
+                self.store.add(f"alive/{self.rank}", 1)
+                value = self.store.add(f"alive/{self.watched}", 0)  # creates it (0) if it never beat
+                announced = self.store.get("lost").decode() if self.store.check(["lost"]) else None
+            except Exception as err:  # noqa: BLE001  (the judge ends the rank if it lasts)
+                self._store_error = f"{type(err).__name__}: {err}"
+                continue
+            now = time.monotonic()
+            self._ok_at = now
+            self._announced = announced
+            if value != self._seen or value <= 0:  # moved, left, or not started: a peer frozen before
+                self._seen, self._changed_at = value, now  # its first beat is the collective timeout's
+
+    def _judge(self) -> None:
+        while not self._stop.wait(self._period()):
+            now = time.monotonic()
+            if self._announced:
+                return self._lose(self._announced)
+            if self._seen == LEFT:
+                continue  # nothing left to watch: the collectives tell of this rank's own peers
+            if now - self._ok_at > self.timeout_s:
+                return self._lose(f"rank {self.rank} lost the run's store: no answer for {now - self._ok_at:.1f} s "
+                                  f"(recovery.peer_timeout_s={self.timeout_s:g}; "
+                                  f"{self._store_error or 'a call that did not return'})")
+            # Judged on the reads that happened: a beat thread stuck in the store is the rule above's.
+            if self._ok_at - self._changed_at > self.timeout_s:
+                return self._lose(f"rank {self.watched} went silent: no heartbeat for {now - self._changed_at:.1f} s "
+                                  f"(recovery.peer_timeout_s={self.timeout_s:g}; frozen, or cut off)", announce=True)
+
+    def _period(self) -> float:
+        return min(BEAT_S, self.timeout_s / 4)
+
+    def _call(self, action: Callable[[], object], *, wait_s: float) -> None:
+        """``action`` (a store call) from a thread of its own, waited for ``wait_s`` at most."""
+        def attempt():
+            try:
+                action()
+            except Exception:  # noqa: BLE001  (best effort: the others learn it from their own watch)
+                pass
+        thread = threading.Thread(target=attempt, name="peer-monitor-call", daemon=True)
+        thread.start()
+        thread.join(wait_s)
+
+    def _lose(self, what: str, *, announce: bool = False) -> None:
+        if self._stop.is_set():
+            return
+        self.lost = what
+        if self._held.is_set():
+            log.warning("%s; this rank is already handling a peer's loss, and ends the restart when done", what)
+            return
+        if announce:
+            self._call(lambda: self.store.set("lost", what), wait_s=BEAT_S)
+            if self._held.is_set() or self._stop.is_set():  # a survivor checkpoint, or the end, came meanwhile
+                return
+        self.on_lost(what)
+
+    def _exit(self, what: str) -> None:
+        # Whatever blocks below (a log handler's lock, checkpoint_dir on a filesystem the cut link
+        # also cut), the exit comes.
+        deadline = threading.Timer(5.0, os._exit, (process_group.EXIT_PEER_LOST,))
+        deadline.daemon = True
+        deadline.start()
+        log.error("%s: ending this restart with exit %d so that torchrun restarts the group (or the launcher "
+                  "ends the run) now, not after ddp.timeout_s", what, process_group.EXIT_PEER_LOST)
+        markers.record_error(self.checkpoint_dir, self.rank, PeerLostSilently(what))
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        os._exit(process_group.EXIT_PEER_LOST)

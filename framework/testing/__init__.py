@@ -1,1 +1,0 @@
-"""Support for rehearsals and tests: fault injection, launch helpers, a tiny config."""

@@ -1,0 +1,134 @@
+"""A cut link between two nodes, each a network namespace of its own joined by a veth pair: the
+link is set down mid-run. Nothing closes a connection, so the collectives would wait for
+ddp.timeout_s; each side's peer monitor (framework/resilience/peers.py) ends its worker within
+recovery.peer_timeout_s instead: node 0 names rank 1 as silent, node 1 says it lost the run's
+store (hosted by node 0's agent). Needs root for `ip netns`; otherwise a one-line skip."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.dist_helper import FAULT_RUN, ROOT, cli_args, free_port, kill_matching, rank_log, torchrun_cmd, worker_env
+
+pytestmark = pytest.mark.dist
+
+TAG = f"{os.getpid() % 100000}"
+NAMESPACES = (f"ddpA{TAG}", f"ddpB{TAG}")
+LINKS = (f"vA{TAG}", f"vB{TAG}")  # interface names: at most 15 characters
+ADDRESSES = ("10.201.0.1", "10.201.0.2")
+PEER_TIMEOUT_S = 6
+
+
+def ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True, timeout=30)
+
+
+@pytest.fixture
+def two_hosts():
+    for ns in NAMESPACES:  # left by an earlier run that was killed, with this pid
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+    try:
+        ip("netns", "add", NAMESPACES[0])
+    except FileNotFoundError:
+        pytest.skip("a partition needs network namespaces: the ip command (iproute2) is not installed")
+    except subprocess.CalledProcessError as err:
+        if "permitted" in err.stderr or "denied" in err.stderr:
+            pytest.skip(f"a partition needs network namespaces (root): ip netns add refused: {err.stderr.strip()}")
+        raise
+    try:
+        ip("netns", "add", NAMESPACES[1])
+        ip("link", "add", LINKS[0], "type", "veth", "peer", "name", LINKS[1])
+        for ns, link, address in zip(NAMESPACES, LINKS, ADDRESSES, strict=True):
+            ip("link", "set", link, "netns", ns)
+            ip("-n", ns, "addr", "add", f"{address}/24", "dev", link)
+            ip("-n", ns, "link", "set", link, "up")
+            ip("-n", ns, "link", "set", "lo", "up")
+        yield
+    finally:
+        for ns in NAMESPACES:  # the veth pair goes with its namespaces
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        subprocess.run(["ip", "link", "del", LINKS[0]], capture_output=True)  # unless it never left this one
+
+
+def start_node(run_dir: Path, node: int, port: int) -> subprocess.Popen:
+    cfg = {**FAULT_RUN, "train.max_steps": 400, "num_epochs": 100, "checkpoint.every_steps": 0,
+           "recovery.fault_inject": "slow@step=0,ms=80,restart=*", "recovery.peer_timeout_s": PEER_TIMEOUT_S,
+           "logging.dir": str(run_dir / "logs"), "checkpoint.dir": str(run_dir / "ck")}
+    cmd = torchrun_cmd(ROOT / "ddp_training.py", cli_args(cfg), nproc=1, port=port,
+                       extra=["--rdzv-id", f"partition{TAG}", "--max-restarts", "0",
+                              # the namespace's address is not one torchrun finds for this host's name
+                              "--rdzv-conf", f"is_host={int(node == 0)}"])
+    cmd[cmd.index("--nnodes") + 1] = "2"
+    cmd[cmd.index("--rdzv-endpoint") + 1] = f"{ADDRESSES[0]}:{port}"
+    with (run_dir / f"node{node}.out").open("a") as out:
+        return subprocess.Popen(["ip", "netns", "exec", NAMESPACES[node], *cmd], cwd=ROOT, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True,
+                                # As launch_training.sh sets them for a node range: the group forms in the
+                                # rendezvous's store, at the namespace's address (torchrun would give the
+                                # workers this host's name, which the namespaces do not reach).
+                                env=worker_env({"TEST_OUT_DIR": str(run_dir), "GLOO_SOCKET_IFNAME": LINKS[node],
+                                                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+                                                "RDZV_STORE_ENDPOINT": f"c10d://{ADDRESSES[0]}:{port}"}))
+
+
+def workers(agents: list[subprocess.Popen]) -> list[psutil.Process]:
+    found = []
+    for agent in agents:
+        try:
+            found += [p for p in psutil.Process(agent.pid).children(recursive=True)
+                      if "ddp_training.py" in " ".join(p.cmdline()) and "torch.distributed.run" not in p.cmdline()]
+        except psutil.NoSuchProcess:
+            pass
+    return found
+
+
+def logged_at(line: str) -> datetime.datetime:
+    return datetime.datetime.fromisoformat(line[:19])
+
+
+def wait_for(condition, seconds: float) -> bool:
+    end = time.monotonic() + seconds
+    while not condition() and time.monotonic() < end:
+        time.sleep(0.2)
+    return condition()
+
+
+def test_a_cut_link_is_named_on_both_sides_within_the_peer_timeout(two_hosts, tmp_path):
+    port = free_port()
+    agents: list[subprocess.Popen] = []
+    try:
+        for node in (0, 1):
+            agents.append(start_node(tmp_path, node, port))
+        assert wait_for(lambda: "step 10/400" in rank_log(tmp_path, missing_ok=True), 120), \
+            (tmp_path / "node0.out").read_text()[-3000:]
+        cut = datetime.datetime.now().replace(microsecond=0)
+        ip("-n", NAMESPACES[0], "link", "set", LINKS[0], "down")
+        said = {0: "rank 1 went silent: no heartbeat for", 1: "rank 1 lost the run's store: no answer for"}
+
+        def lines(rank):
+            return [line for line in rank_log(tmp_path, rank, missing_ok=True).splitlines() if said[rank] in line]
+        assert wait_for(lambda: lines(0) and lines(1), PEER_TIMEOUT_S + 30), (
+            rank_log(tmp_path, 0, missing_ok=True)[-2000:], rank_log(tmp_path, 1, missing_ok=True)[-2000:])
+        for rank in (0, 1):
+            waited = (logged_at(lines(rank)[0]) - cut).total_seconds()
+            assert waited <= PEER_TIMEOUT_S + 10, (rank, waited)  # not ddp.timeout_s (600 s)
+            assert "ending this restart with exit 75" in lines(rank)[0]
+        # Both workers are gone (exit 75 from their monitors), though no collective returned.
+        assert wait_for(lambda: not workers(agents), 15), [p.cmdline() for p in workers(agents)]
+        last_error = (tmp_path / "ck" / "LAST_ERROR").read_text()
+        assert re.search(r"rank [01]: PeerLostSilently: rank 1 (went silent|lost the run's store)", last_error)
+    finally:
+        for agent in agents:
+            if agent.poll() is None:
+                os.killpg(agent.pid, signal.SIGKILL)
+                agent.wait()
+        kill_matching(str(tmp_path))
