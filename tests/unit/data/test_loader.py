@@ -146,15 +146,17 @@ def test_timed_out_fetch_restarts(tmp_path, caplog):
         stream.shutdown()
 
 
-def test_other_errors_are_not_retried():
+@pytest.mark.parametrize("error", [RuntimeError("a bug in the dataset"), FileNotFoundError("shard 3 is missing")],
+                         ids=["RuntimeError", "OSError"])
+def test_without_workers_the_datasets_own_errors_are_not_retried(error):
     class Broken(TensorDataset):
         def __getitem__(self, i):
-            raise RuntimeError("a bug in the dataset")
+            raise error
 
     sampler, stream = make_stream(Broken(torch.arange(N)), workers=0)
     try:
         stream.start_epoch()
-        with pytest.raises(RuntimeError, match="a bug in the dataset"):
+        with pytest.raises(type(error), match=str(error)):
             stream.next_step()
         assert stream.restarts_this_epoch == 0
     finally:
@@ -307,19 +309,6 @@ def test_a_datasets_own_oserror_in_a_worker_is_raised_not_retried(error):
         stream.shutdown()
 
 
-def test_an_oserror_without_workers_is_the_datasets_own():
-    class Missing(TensorDataset):
-        def __getitem__(self, i):
-            raise FileNotFoundError(f"shard {i} is missing")
-
-    sampler, stream = make_stream(Missing(torch.arange(N)), workers=0)
-    try:
-        stream.start_epoch()
-        with pytest.raises(FileNotFoundError, match="shard"):
-            stream.next_step()
-        assert stream.restarts_this_epoch == 0
-    finally:
-        stream.shutdown()
 
 
 # --- rewind, epoch boundaries, and what a stream leaves behind -----------------------------------
