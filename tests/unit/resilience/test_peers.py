@@ -61,6 +61,7 @@ def wait_for(condition, seconds):
     return condition()
 
 
+@pytest.mark.slow
 def test_a_silent_peer_is_named_within_the_timeout_and_every_rank_learns_it(store, tmp_path):
     made, heard = monitors(store, tmp_path, 3)
     try:
@@ -79,6 +80,7 @@ def test_a_silent_peer_is_named_within_the_timeout_and_every_rank_learns_it(stor
             m.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["finished", "failed on its own"])
 def test_a_peer_that_left_on_purpose_is_not_lost_nor_a_store_error_after_it(store, tmp_path, how):
     made, heard = monitors(store, tmp_path, 2)
@@ -97,6 +99,7 @@ def test_a_peer_that_left_on_purpose_is_not_lost_nor_a_store_error_after_it(stor
         made[0]._stop.set()
 
 
+@pytest.mark.slow
 def test_a_peer_that_never_beat_is_left_to_the_collective_timeout(store, tmp_path):
     heard = []
     alone = PeerMonitor(RecoverySection(peer_timeout_s=TIMEOUT_S),
@@ -110,6 +113,7 @@ def test_a_peer_that_never_beat_is_left_to_the_collective_timeout(store, tmp_pat
         alone.close()
 
 
+@pytest.mark.slow
 def test_a_rank_cut_off_from_the_store_says_so(store, tmp_path):
     made, heard = monitors(store, tmp_path, 2)
     try:
@@ -135,6 +139,7 @@ def test_off_with_a_zero_timeout_or_one_process(store, tmp_path):
     assert off._threads == [] and alone._threads == []
 
 
+@pytest.mark.slow
 def test_a_silence_found_while_the_main_thread_saves_for_a_lost_peer_does_not_cut_it_short(store, tmp_path):
     made, heard = monitors(store, tmp_path, 2)
     try:
@@ -148,6 +153,7 @@ def test_a_silence_found_while_the_main_thread_saves_for_a_lost_peer_does_not_cu
             m.close()
 
 
+@pytest.mark.slow
 def test_a_peer_frozen_right_after_it_started_is_named(store, tmp_path):
     """Its start is its first beat: a tiny model's rank can freeze before its thread beat even once
     (the 2-rank SIGSTOP test stopped 1 s after the start and was missed)."""
@@ -161,6 +167,7 @@ def test_a_peer_frozen_right_after_it_started_is_named(store, tmp_path):
             m.close()
 
 
+@pytest.mark.slow
 def test_a_store_call_that_never_returns_is_a_lost_store(store, tmp_path):
     """A store server that is frozen or cut off keeps the connection open and never answers: the
     client's timeout does not bound add() (measured: blocked for good), so the judge thread does."""

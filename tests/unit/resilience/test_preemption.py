@@ -176,6 +176,7 @@ def test_sigterm_in_the_final_evaluation_stops_it_at_the_next_batch_saves_and_th
     assert second["final_val_loss"] == whole["final_val_loss"]
 
 
+@pytest.mark.slow
 def test_sigterm_in_a_mid_run_evaluation_stops_it_saves_and_the_resume_evaluates_that_step_first(
         tmp_path, monkeypatch):
     from framework import DDPTrainer

@@ -145,6 +145,7 @@ def lineages(ck: Path) -> set[str]:
     return {e["lineage"] for e in json.loads((ck / "manifest.json").read_text())}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["none", "path"])
 def test_a_restart_continues_its_own_lineage_whatever_the_resume_mode(tmp_path, monkeypatch, mode):
     """resume= describes the launch; a restart of it (crashed at step 25, checkpoints every 10)
@@ -290,6 +291,7 @@ def test_resuming_fp16_from_a_checkpoint_without_loss_scaling_is_a_one_line_chec
     assert "\n" not in message and "saved without fp16 loss scaling" in message and "precision.autocast" in message
 
 
+@pytest.mark.slow
 def test_resume_auto_goes_back_to_where_a_path_run_began_when_all_its_checkpoints_are_unusable(tmp_path):
     """The explorer's trial 187 of seed 3000: a run begun with resume=PATH wrote one checkpoint,
     which was damaged; relaunched with resume=auto, it found nothing usable and started afresh from
