@@ -19,13 +19,13 @@ import typing
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
-from framework.data.config import DataSection
-from framework.ddp.config import CompileSection, DDPSection
-from framework.model.config import MemorySection, ModelSection
-from framework.observability.config import LoggingSection
-from framework.resilience.config import RecoverySection, SpikeSection, StragglerSection
-from framework.state.config import CheckpointSection
-from framework.train.config import EvalSection, OptimSection, PrecisionSection, TrainSection
+from ..data.config import DataSection
+from ..ddp.config import CompileSection, DDPSection
+from ..model.config import MemorySection, ModelSection
+from ..observability.config import LoggingSection
+from ..resilience.config import RecoverySection, SpikeSection, StragglerSection
+from ..state.config import CheckpointSection
+from ..train.config import EvalSection, OptimSection, PrecisionSection, TrainSection
 
 from .fields import (AUTO, RESUME_CLASSES, ActivationCheckpointing, Builtin, GradientCheckpointing, Resume, Switch,
                      bounded, option)
@@ -104,7 +104,7 @@ RESUME = {key: f.metadata["resume"] for key, f in FIELDS.items()}
 
 @functools.cache
 def field_docs() -> dict[str, str]:
-    """Dotted key -> the string literal under its field. Parsed from this module's source on first
+    """Dotted key -> the string literal under its field. Parsed from the sections' sources on first
     use (help, docs, tests), not at import: that takes 0.1 s, which every worker's start would pay."""
     return {f"{name}.{key}": doc for name, cls in SECTIONS.items() for key, doc in _field_docs(cls).items()}
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from framework.config.fields import AUTO, bounded, option
+from ..config.fields import AUTO, bounded, option
 
 
 @dataclass

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from framework.config.fields import ActivationCheckpointing, bounded, option
+from ..config.fields import ActivationCheckpointing, bounded, option
 
 
 @dataclass

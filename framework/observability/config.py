@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from framework.config.fields import Switch, bounded, option
+from ..config.fields import Switch, bounded, option
 
 
 @dataclass
