@@ -1,0 +1,130 @@
+"""Collectives a lost peer cannot hold: each is started asynchronously and waited for until it
+completes or a ``Breaker`` names a lost peer, whichever comes first; the loss ends the wait with
+``PeerLostError`` at once.
+
+Why: a rank frozen or cut off (SIGSTOP, a partition) sends no reset, so gloo waits out the
+group's timeout (``ddp.timeout_s``), and on torch 2.13 neither ``ProcessGroupGloo.abort()`` (it
+does not end a wait already blocked: bench/heal_probe.py) nor ``dist.shrink_group`` (NCCL only:
+bench/torchft_probe.py) gets the survivors out. The peer monitor (framework/resilience/peers.py)
+tells dead from slow from a thread of its own; a breaker carries its verdict into every wait.
+
+A collective that was broken never completes: its work and group are parked (kept referenced for
+the life of the process, since freeing them joins gloo threads that may never return), and the
+survivors form a new group."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+PARKED: list[Any] = []
+"""Broken collectives' works and their groups, never freed (see the module's docstring)."""
+
+
+class PeerLostError(RuntimeError):
+    """A collective was given up because ``ranks`` (of its group) were named lost."""
+
+    def __init__(self, ranks: list[int], what: str = "a collective"):
+        self.ranks = sorted(ranks)
+        super().__init__(f"{what} given up: peer rank(s) {self.ranks} lost")
+
+
+class Breaker:
+    """The peers named lost, and what to cancel when one is. Thread-safe: the peer monitor's
+    thread names, the training thread waits (and gloo's threads complete futures)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._lost: list[int] = []
+        self._cancels: dict[int, Callable[[list[int]], None]] = {}
+        self._next = 0
+
+    def lost(self) -> list[int]:
+        with self._lock:
+            return list(self._lost)
+
+    def name(self, ranks: list[int]) -> None:
+        """Name ``ranks`` lost: every wait in progress, and every later one, ends with PeerLostError."""
+        with self._lock:
+            self._lost = sorted(set(self._lost) | set(ranks))
+            lost, cancels = list(self._lost), list(self._cancels.values())
+        for cancel in cancels:
+            cancel(lost)
+
+    def reset(self) -> None:
+        """A new group was formed: nobody in it is lost."""
+        with self._lock:
+            self._lost = []
+
+    def _watch(self, cancel: Callable[[list[int]], None]) -> int:
+        """Register ``cancel`` (called at once if a peer is already lost); returns its key."""
+        with self._lock:
+            key, self._next = self._next, self._next + 1
+            self._cancels[key] = cancel
+            lost = list(self._lost)
+        if lost:
+            cancel(lost)
+        return key
+
+    def _unwatch(self, key: int) -> None:
+        with self._lock:
+            self._cancels.pop(key, None)
+
+    def wait(self, work: dist.Work, what: str = "a collective", timeout_s: float | None = None) -> None:
+        """Wait for ``work``; raise PeerLostError as soon as a peer is named lost (at once if one
+        already is), or TimeoutError after ``timeout_s``. A work given up is parked."""
+        event, done = threading.Event(), work.get_future()
+        done.then(lambda _: event.set())
+        key = self._watch(lambda _lost: event.set())
+        try:
+            event.wait(timeout_s)
+        finally:
+            self._unwatch(key)
+        if not done.done():  # (a failed work's is_completed() stays False)
+            PARKED.append(work)
+            lost = self.lost()
+            if lost:
+                raise PeerLostError(lost, what)
+            raise TimeoutError(f"{what} did not complete within {timeout_s} s")
+        work.wait()  # raises the collective's own error, if it failed (gloo's timeout, a closed connection)
+
+    def future(self, fut: torch.futures.Future, what: str = "a gradient all-reduce") -> torch.futures.Future:
+        """A future that completes as ``fut`` does, or fails with PeerLostError when a peer is named
+        lost first: what a DDP comm hook returns, so that backward raises instead of waiting."""
+        out: torch.futures.Future = torch.futures.Future()
+        settle = threading.Lock()
+
+        def cancel(lost: list[int]) -> None:
+            with settle:
+                if not out.done():
+                    PARKED.append(fut)
+                    out.set_exception(PeerLostError(lost, what))
+
+        key = self._watch(cancel)
+
+        def finish(source: torch.futures.Future) -> None:
+            self._unwatch(key)
+            with settle:
+                if out.done():
+                    return
+                try:
+                    value = source.value()
+                except Exception as err:  # noqa: BLE001 - the collective's own error, passed on
+                    out.set_exception(err)
+                else:
+                    out.set_result(value)
+
+        fut.then(finish)
+        return out
+
+
+def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, *, breaker: Breaker | None, group=None,
+               what: str = "an all-reduce") -> None:
+    """``dist.all_reduce``, broken by ``breaker`` (None: the plain blocking call)."""
+    if breaker is None:
+        dist.all_reduce(tensor, op, group=group)
+        return
+    breaker.wait(dist.all_reduce(tensor, op, group=group, async_op=True), what)
