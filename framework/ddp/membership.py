@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from .collectives import PARKED
+from .collectives import park
 
 PREFIX = "ddp_framework/heal/"
 
@@ -46,22 +46,28 @@ def _decode(number: int, text: bytes | str) -> Generation:
 
 
 class Membership:
-    """The generations of one run in ``store`` (a client of the run's TCPStore, or etcd's)."""
+    """The generations of one run in ``store`` (a client of the run's TCPStore: torch's EtcdStore
+    has no compare_set)."""
 
     def __init__(self, store: dist.Store, replica: int, *, timeout_s: float = 60.0):
         self.store = dist.PrefixStore(PREFIX, store)
         self.replica = replica
         self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.formed_s: float | None = None
 
     def newest(self, after: int = 0) -> Generation | None:
         """The newest agreed generation (scanning up from ``after``), or None before the first."""
-        number = after
+        number = after if after and self.store.check([f"members/{after}"]) else 0
         while self.store.check([f"members/{number + 1}"]):
             number += 1
         return _decode(number, self.store.get(f"members/{number}")) if number else None
 
     def propose(self, number: int, members) -> Generation:
-        """Generation ``number`` with ``members``, unless someone proposed it first: then theirs."""
+        """Generation ``number`` with ``members``, unless someone proposed it first: then theirs.
+        A generation number is never reused: after a group that failed to form, propose the
+        newest one's number + 1."""
+        if not members:
+            raise ValueError(f"generation {number}: no members")
         return _decode(number, self.store.compare_set(f"members/{number}", "", _encode(members)))
 
     def wait_for(self, number: int, timeout_s: float | None = None) -> Generation:
@@ -78,8 +84,11 @@ class Membership:
         if rank is None:
             raise ValueError(f"replica {self.replica} is not a member of generation {generation.number} "
                              f"({list(generation.members)})")
-        if dist.is_initialized():
-            PARKED.append(dist.group.WORLD)
+        newest = self.newest(after=generation.number)
+        if newest is not None and newest.number > generation.number:
+            raise ValueError(f"generation {generation.number} is stale: generation {newest.number} was proposed")
+        if dist.is_initialized():  # every group, not only the default one: destroying drops them all
+            park(*dist.distributed_c10d._world.pg_map)
             dist.destroy_process_group()
         group_store = dist.PrefixStore(f"group/{generation.number}/", self.store)
         started = time.monotonic()

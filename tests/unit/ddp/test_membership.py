@@ -94,3 +94,15 @@ def test_survivors_go_on_in_their_processes_and_a_newcomer_joins_them():
     assert len({g["pid"] for g in zero}) == 1 and len({g["pid"] for g in one}) == 1  # the same processes
     assert new == [{"generation": 3, "members": [0, 1, 2], "rank": 2, "sum": 6.0, "pid": new[0]["pid"]}]
     assert new[0]["pid"] != first["pid"]
+
+
+def test_a_stale_generation_is_not_formed_and_an_empty_one_not_proposed():
+    store = dist.HashStore()
+    m = Membership(store, 0)
+    first = m.propose(1, [0, 1])
+    m.propose(2, [0])
+    with pytest.raises(ValueError, match="generation 1 is stale: generation 2 was proposed"):
+        m.form(first, "gloo", 5)
+    with pytest.raises(ValueError, match="generation 3: no members"):
+        m.propose(3, [])
+    assert m.newest(after=7) == Generation(2, (0,))  # a number never proposed: scanned from the start
