@@ -93,7 +93,7 @@ def main() -> None:
     import torch
     torch.set_num_threads(1)
     from framework.config import parse_command_line
-    from framework.config.schema import RecoverySection
+    from framework.resilience.config import RecoverySection
     from framework.resilience.watchdog import Watchdog
     from framework.resilience.consistency import parameter_hashes
     from framework.resilience.memory import memory_stats

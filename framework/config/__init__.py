@@ -1,7 +1,8 @@
 """The one training configuration: sections of validated dataclass fields, each owned by a
 component, and the sources they are read from. Imports no torch (``--check-config`` runs without it).
 
-- ``schema``: the sections, ``TrainConfig``, each field's bounds, resume class and flat alias;
+- ``schema``: ``TrainConfig``, assembled from the sections beside their owners
+  (``framework/<package>/config.py``, built with ``fields``), each field's bounds, resume class and flat alias;
 - ``sources``: defaults, dicts, files, environment and flags, merged (and the flat aliases);
 - ``checks``: the validation, before any process group starts;
 - ``help``: the ``--help`` text and the generated configuration table.

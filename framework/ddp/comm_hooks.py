@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
 
-from ..config.schema import DDPSection
+from .config import DDPSection
 
 log = logging.getLogger(__name__)
 

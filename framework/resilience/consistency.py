@@ -10,7 +10,7 @@ import logging
 import torch
 import torch.distributed as dist
 
-from ..config.schema import RecoverySection
+from .config import RecoverySection
 from ..ddp.policy import unwrap
 from ..train.events import Listener
 from .markers import FatalError

@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch.distributed as dist
 
-from ..config.schema import RecoverySection
+from .config import RecoverySection
 from ..ddp import process_group
 from ..train.events import Listener
 from . import markers

@@ -16,7 +16,7 @@ import logging
 import math
 from dataclasses import dataclass
 
-from ..config.schema import SpikeSection
+from .config import SpikeSection
 from ..train.events import Listener
 from . import exclusions
 from .markers import FatalError

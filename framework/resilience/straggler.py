@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ..config.schema import StragglerSection
+from .config import StragglerSection
 from ..observability.logs import DETAIL
 from ..train.events import Listener
 from .markers import FatalError

@@ -12,7 +12,7 @@ import threading
 import time
 from collections import deque
 
-from ..config.schema import RecoverySection
+from .config import RecoverySection
 from ..train.events import Listener
 
 log = logging.getLogger(__name__)

@@ -9,7 +9,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from ..config.schema import EvalSection
+from .config import EvalSection
 from ..data.batches import batch_loss, fetch, num_samples, to_device
 from ..data.sampler import eval_indices
 from .agreement import agree

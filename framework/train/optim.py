@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from ..config.schema import PrecisionSection
+from .config import PrecisionSection
 
 
 def lr_at(step: int, *, lr: float, warmup_steps: int, total_steps: int, min_lr: float) -> float:

@@ -12,7 +12,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from framework.ddp.policy import unwrap
 from framework.resilience.consistency import ConsistencyCheck, first_divergent, model_sha256, parameter_hashes
 from framework.resilience.watchdog import Watchdog
-from framework.config.schema import RecoverySection
+from framework.resilience.config import RecoverySection
 
 
 def small_model(seed: int = 0) -> nn.Module:

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch.distributed as dist
 
-from framework.config.schema import RecoverySection
+from framework.resilience.config import RecoverySection
 from framework.resilience.peers import PeerMonitor
 
 TIMEOUT_S = 2.0  # each beat 0.5 s: a thread starved for 2 s in this process would be a false loss

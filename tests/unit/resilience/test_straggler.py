@@ -9,7 +9,7 @@ import torch
 
 from framework.resilience.faults import parse
 from framework.observability.metrics import read_metrics
-from framework.config import StragglerSection
+from framework.resilience.config import StragglerSection
 from framework.ddp.process_group import DistEnv
 from framework.resilience.straggler import SECTIONS, StragglerMonitor, scores, slow_sections, timed_step
 from tests.dist_helper import launch_cases

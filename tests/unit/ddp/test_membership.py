@@ -1,0 +1,108 @@
+"""framework/ddp/membership.py: generations agreed through the store, and the group re-formed in
+the same processes: three replicas, one leaves (its process ends), the two survivors go on as
+generation 2 without a restart, and the replica's new process joins them as generation 3."""
+
+import datetime
+import json
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from framework.ddp.membership import Generation, Membership
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def test_the_first_proposal_of_a_generation_is_everyones():
+    store = dist.HashStore()
+    a, b = Membership(store, 0), Membership(store, 1)
+    assert a.newest() is None
+    assert a.propose(1, [0, 1, 2]) == Generation(1, (0, 1, 2))
+    seen = []
+    threads = [threading.Thread(target=lambda m=m, p=p: seen.append(m.propose(2, p)))
+               for m, p in ((a, [0, 1]), (b, [1, 2]))]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert seen[0] == seen[1] and seen[0].members in ((0, 1), (1, 2))
+    assert b.newest() == seen[0] and b.newest(after=2) == seen[0]
+    assert seen[0].rank(1) in (0, 1) and Generation(2, (0, 1)).rank(2) is None
+
+
+REPLICA = textwrap.dedent("""
+    import json, os, sys, time
+    import torch, torch.distributed as dist
+    from framework.ddp.membership import Membership
+    replica, port, plan = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=__import__("datetime").timedelta(seconds=60))
+    m = Membership(client, replica, timeout_s=60)
+    pid = os.getpid()
+
+    def total(gen):
+        m.form(gen, "gloo", 30)
+        t = torch.tensor([float(replica + 1)])
+        dist.all_reduce(t)
+        return {"generation": gen.number, "members": list(gen.members), "rank": dist.get_rank(),
+                "sum": t.item(), "pid": pid}
+
+    out = []
+    if plan == "newcomer":
+        client.set(f"join/{replica}", "1")
+        out.append(total(m.wait_for(3)))
+    else:
+        out.append(total(m.propose(1, [0, 1, 2])))
+        if plan == "leaves":
+            print(json.dumps(out), flush=True)
+            os._exit(0)
+        survivors = [r for r in (0, 1, 2) if r != 2]  # the peer monitor would name replica 2
+        out.append(total(m.propose(2, survivors)))
+        client.wait(["join/2"])  # rank 0 would see this at a step boundary, and tell the others
+        out.append(total(m.propose(3, survivors + [2])))
+    print(json.dumps(out), flush=True)
+    os._exit(0)
+""")
+
+
+@pytest.mark.slow
+def test_survivors_go_on_in_their_processes_and_a_newcomer_joins_them():
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=60))
+    env = {"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+
+    def start(replica, plan):
+        return subprocess.Popen([sys.executable, "-c", REPLICA, str(replica), str(store.port), plan], cwd=ROOT,
+                                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    procs = [start(0, "stays"), start(1, "stays"), start(2, "leaves")]
+    leaver_out, leaver_err = procs[2].communicate(timeout=120)
+    assert procs[2].returncode == 0, leaver_err[-2000:]
+    newcomer = start(2, "newcomer")
+    outs = []
+    for proc in (procs[0], procs[1], newcomer):
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err[-2000:]
+        outs.append(json.loads(out.strip().splitlines()[-1]))
+    first = json.loads(leaver_out.strip().splitlines()[-1])[0]
+    zero, one, new = outs
+    assert first["sum"] == zero[0]["sum"] == 6.0  # replicas 0, 1, 2 add 1 + 2 + 3
+    assert [g["sum"] for g in zero] == [6.0, 3.0, 6.0] and [g["sum"] for g in one] == [6.0, 3.0, 6.0]
+    assert [g["generation"] for g in zero] == [1, 2, 3] and zero[1]["members"] == [0, 1]
+    assert len({g["pid"] for g in zero}) == 1 and len({g["pid"] for g in one}) == 1  # the same processes
+    assert new == [{"generation": 3, "members": [0, 1, 2], "rank": 2, "sum": 6.0, "pid": new[0]["pid"]}]
+    assert new[0]["pid"] != first["pid"]
+
+
+def test_a_stale_generation_is_not_formed_and_an_empty_one_not_proposed():
+    store = dist.HashStore()
+    m = Membership(store, 0)
+    first = m.propose(1, [0, 1])
+    m.propose(2, [0])
+    with pytest.raises(ValueError, match="generation 1 is stale: generation 2 was proposed"):
+        m.form(first, "gloo", 5)
+    with pytest.raises(ValueError, match="generation 3: no members"):
+        m.propose(3, [])
+    assert m.newest(after=7) == Generation(2, (0,))  # a number never proposed: scanned from the start
