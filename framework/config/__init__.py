@@ -18,7 +18,7 @@ from .schema import (ALIASES, AUTO, COMPACT, FIELDS, KEYS, RESUME, RESUME_CLASSE
                      PrecisionSection, RecoverySection, SpikeSection, StragglerSection, Switch, TrainConfig,
                      TrainSection, applicable_keys, bounded, describe_type, dotted, from_dotted, get)
 from .sources import (ACTION_FLAGS, ENV_PREFIX, ENV_SHORTCUTS, as_dict, build_config, load_config_file, non_default,
-                      parse_command_line, resolve_config)
+                      parse_command_line, read_settings, resolve_config)
 
 __all__ = [
     "ACTION_FLAGS", "ALIASES", "AUTO", "COMPACT", "ENV_PREFIX", "ENV_SHORTCUTS", "EXPORT_RECORD", "FIELDS",
@@ -30,7 +30,7 @@ __all__ = [
     "bounded", "non_default",
     "build_config", "builtin_data_problems", "check_values", "data_file_facts", "data_file_problems",
     "describe_type", "dotted", "export_path", "export_record", "from_dotted", "get", "help_text",
-    "load_config_file", "markdown_table", "parse_command_line", "resolve_config", "split_tokens",
+    "load_config_file", "markdown_table", "parse_command_line", "read_settings", "resolve_config", "split_tokens",
     "training_set_problems", "world_size_from",
 ]
 

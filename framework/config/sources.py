@@ -208,6 +208,22 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
     return data
 
 
+def read_settings(source: str | Path | dict[str, Any], label: str = "config") -> dict[str, Any]:
+    """The keys one source sets, dotted and coerced: ``source`` is a .toml/.json path or a dict
+    (nested, dotted or flat keys). Raises ConfigError naming each unknown key or bad value; the
+    values are checked against each other only when a config is built from them."""
+    problems: list[str] = []
+    if isinstance(source, dict):
+        data = source
+    else:
+        data, label = load_config_file(source), f"{label} {source}"
+    values: dict[str, Any] = {}
+    _read_source(label, _items(data), values, problems)
+    if problems:
+        raise ConfigError(problems)
+    return values
+
+
 def as_dict(cfg: TrainConfig, *, builtin_model: bool = True, builtin_data: bool = True) -> dict[str, Any]:
     """The config nested by section, as saved in log_dir/config.json and in checkpoints: the keys
     that apply to a run with or without the built-in model and data (``applicable_keys``); a

@@ -229,3 +229,30 @@ def to_config(args, *, steps_per_epoch: int, resume: str) -> dict:
         # transformers.Trainer has no spike guard and no straggler alarm: a drop-in adds no stop of its own.
         "spike": {"guard": "warn"},
     }
+
+
+# What to_config sets as the drop-in's own choice, not from a TrainingArguments field: a
+# framework_config may set these too.
+DROP_IN_CHOICES = frozenset({"spike.guard", "checkpoint.every_minutes", "checkpoint.export_dir", "train.target_loss",
+                             "eval.steps", "memory.activation_checkpointing_modules"})
+
+
+def with_framework_config(config: dict, source) -> dict:
+    """``config`` (to_config's, sectioned) with the settings of ``source`` over it: a .toml/.json
+    path or a dict of framework keys for what TrainingArguments has no field for (``recovery``,
+    ``spike``, ``straggler``, the MLP tiling, ...). A key that a TrainingArguments field sets is
+    refused by name: it has one place to be set."""
+    from ..config import dotted, read_settings
+
+    settings = read_settings(source, "framework_config")
+    ours = dotted(config)
+    owned = sorted(key for key in settings if key in ours and key not in DROP_IN_CHOICES)
+    if owned:
+        raise ConfigError([f"framework_config: {key}={settings[key]!r}: set from the TrainingArguments; allowed: "
+                           "keys they have no field for (e.g. recovery.*, spike.*, straggler.*, memory.tiled_mlp_*)"
+                           for key in owned])
+    merged: dict = {}
+    for key, value in {**ours, **settings}.items():
+        section, name = key.split(".")
+        merged.setdefault(section, {})[name] = value
+    return merged

@@ -288,7 +288,7 @@ class SFTTrainer(Trainer):
                  compute_metrics=None, callbacks: list | None = None, optimizers: tuple = (None, None),
                  optimizer_cls_and_kwargs: tuple | None = None, preprocess_logits_for_metrics=None,
                  peft_config=None, formatting_func: Callable | None = None, quantization_config=None,
-                 **legacy):
+                 framework_config=None, **legacy):
         args, processing_class = sft_args(args, legacy, processing_class)
         if model is None:
             raise ConfigError(["framework.hf.SFTTrainer: model is required"])
@@ -311,7 +311,7 @@ class SFTTrainer(Trainer):
                          processing_class=prepared.processing_class, compute_loss_func=compute_loss_func,
                          compute_metrics=compute_metrics, callbacks=callbacks, optimizers=optimizers,
                          optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
-                         preprocess_logits_for_metrics=preprocess_logits_for_metrics)
+                         preprocess_logits_for_metrics=preprocess_logits_for_metrics, framework_config=framework_config)
 
     def _columns(self) -> frozenset[str] | None:
         return COLUMNS if self.args.remove_unused_columns else None

@@ -287,7 +287,7 @@ class Trainer:
                  train_dataset=None, eval_dataset=None, processing_class=None, model_init=None,
                  compute_loss_func: Callable | None = None, compute_metrics=None, callbacks: list | None = None,
                  optimizers: tuple = (None, None), optimizer_cls_and_kwargs: tuple | None = None,
-                 preprocess_logits_for_metrics=None):
+                 preprocess_logits_for_metrics=None, framework_config=None):
         from transformers import TrainingArguments
         from transformers.trainer_callback import TrainerControl, TrainerState
 
@@ -315,6 +315,11 @@ class Trainer:
         self.callbacks = list(callbacks or [])
         self.optimizer, self.lr_scheduler = optimizers
         self.optimizer_cls_and_kwargs = optimizer_cls_and_kwargs
+        # the framework's settings that TrainingArguments has no field for: a .toml/.json path or a dict
+        self.framework_config = framework_config
+        if framework_config is not None:  # its unknown keys and bad values, now
+            arguments.with_framework_config(arguments.to_config(self.args, steps_per_epoch=1, resume="auto"),
+                                            framework_config)
         self.state, self.control = TrainerState(), TrainerControl()
         self.reporters = self._reporting_callbacks()
         self._ignore_keys_for_eval: list[str] | None = None
@@ -794,7 +799,7 @@ class Trainer:
         if self.train_dataset is None:
             raise ConfigError(["framework.hf.Trainer.train: no train_dataset"])
         steps_per_epoch = self._steps_per_epoch()
-        config = self._agreed_config(arguments.to_config(self.args, steps_per_epoch=steps_per_epoch, resume=resume))
+        config = arguments.to_config(self.args, steps_per_epoch=steps_per_epoch, resume=resume)
         total = arguments.total_steps(self.args, steps_per_epoch)
         # transformers.Trainer averages over tokens when the batches have labels and the model takes
         # num_items_in_batch (or a compute_loss_func is given); across devices, unless
@@ -803,6 +808,9 @@ class Trainer:
         if (isinstance(first, dict) and "labels" in first
                 and (accepts_loss_kwargs(self.model) or self.compute_loss_func is not None)):
             config["train"]["loss_average"] = "tokens" if self.args.average_tokens_across_devices else "rank_tokens"
+        if self.framework_config is not None:
+            config = arguments.with_framework_config(config, self.framework_config)
+        config = self._agreed_config(config)
         if self.args.ddp_find_unused_parameters is None and hf_model_in(self.model) is not self.model:
             log.info("ddp_find_unused_parameters unset: transformers.Trainer would turn it on for %s (not a "
                      "PreTrainedModel), which fails with reentrant checkpointing; the framework's DDP policy "

@@ -12,14 +12,14 @@ from framework import DDPTrainer
 from framework.config import load_config_file, parse_command_line
 
 ROOT = Path(__file__).resolve().parents[2]
-RECIPES = {"cpu_smoke", "gpu_node", "elastic_multinode", "hf_lora", "nanogpt_shakespeare_char"}
+RECIPES = {"cpu_smoke", "gpu_node", "elastic_multinode", "hf_lora", "sft_lora", "nanogpt_shakespeare_char"}
 
 
 def recipe(name: str) -> Path:
     return ROOT / "configs" / f"{name}.toml"
 
 
-def test_the_recipes_are_the_documented_five():
+def test_the_recipes_are_the_documented_six():
     assert {p.stem for p in (ROOT / "configs").glob("*.toml")} == RECIPES
 
 
@@ -55,3 +55,25 @@ def test_every_recipe_is_valid_in_dotted_keys_and_the_cpu_ones_run(tmp_path, cap
     assert config["memory"]["activation_checkpointing_modules"] == "LlamaDecoderLayer"  # the recipe's
     assert config["train"]["max_steps"] == 3 and config["optim"]["warmup_steps"] == 0  # the flags'
     assert config["checkpoint"]["export_dir"] == str(tmp_path / "lora" / "adapters")
+
+
+@pytest.mark.slow
+def test_the_sft_recipe_runs_through_the_drop_in_with_its_framework_settings(tmp_path):
+    """examples/finetune_sft.py, a TRL SFTTrainer script with the import changed, trains 3 steps with
+    configs/sft_lora.toml as its framework_config: the recipe's settings reach the engine (the MLPs
+    are tiled, the timed checkpoints and the peer timeout are the recipe's), the SFTConfig's the rest."""
+    pytest.importorskip("trl")
+    pytest.importorskip("peft")
+    spec = importlib.util.spec_from_file_location("finetune_sft", ROOT / "examples" / "finetune_sft.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    sft = example.trainer(["--max-steps", "3", "--out", str(tmp_path / "out")])
+    assert sft.framework_config == str(recipe("sft_lora"))  # the example's default
+    sft.train()
+    assert sft.state.global_step == 3
+    used = json.loads((tmp_path / "out" / "logs" / "config.json").read_text())  # the resolved config
+    assert (used["memory"]["tiled_mlp_chunks"], used["checkpoint"]["every_minutes"]) == (2, 10.0)
+    assert used["recovery"]["peer_timeout_s"] == 10.0
+    assert used["data"]["batch_size"] == 4 and used["train"]["max_steps"] == 3  # the SFTConfig's
+    mlps = [m for m in sft.model.modules() if type(m).__name__ == "LlamaMLP"]
+    assert len(mlps) == 2 and all(getattr(m.forward, "func", None).__name__ == "_tiled_swiglu_forward" for m in mlps)

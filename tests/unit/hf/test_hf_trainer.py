@@ -123,6 +123,28 @@ def test_refused_fields_are_named_one_line_each(tmp_path):
     assert all("\n" not in p for p in err.value.problems)
 
 
+def test_a_framework_config_sets_what_training_arguments_cannot_and_nothing_they_set(tmp_path):
+    """framework_config= lays framework keys over the TrainingArguments' translation (a drop-in
+    choice such as spike.guard too); a key a TrainingArguments field sets, an unknown key and a
+    bad value are refused when the Trainer is built, one line each."""
+    ours = arguments.with_framework_config(config_of(targs(tmp_path)), {"recovery": {"peer_timeout_s": 3},
+                                                                        "spike.guard": "rollback"})
+    assert (ours["recovery"]["peer_timeout_s"], ours["spike"]["guard"]) == (3.0, "rollback")
+    assert ours["data"]["batch_size"] == 4  # the TrainingArguments' own, untouched
+    for given, expected in [({"data": {"batch_size": 8}}, "framework_config: data.batch_size=8: set from the "
+                                                          "TrainingArguments"),
+                            ({"optim.lr": 0.1, "train.max_steps": 2}, "framework_config: optim.lr=0.1"),
+                            ({"recovery.peer_timeout": 3}, "unknown key 'recovery.peer_timeout'"),
+                            ({"spike": {"guard": "loud"}}, "spike.guard='loud'")]:
+        with pytest.raises(ConfigError) as err:
+            Trainer(model=build_model(), args=targs(tmp_path), train_dataset=StrideBytes(64), framework_config=given)
+        assert expected in err.value.problems[0] and all("\n" not in p for p in err.value.problems), err.value
+    with pytest.raises(ConfigError) as err:
+        Trainer(model=build_model(), args=targs(tmp_path), train_dataset=StrideBytes(64),
+                framework_config={"optim.lr": 0.1, "train.max_steps": 2})
+    assert len(err.value.problems) == 2
+
+
 def test_unknown_values_and_unsupported_arguments_are_refused(tmp_path):
     with pytest.raises(ConfigError, match="save_strategy='best'"):
         config_of(targs(tmp_path, save_strategy="best", metric_for_best_model="loss"))
