@@ -101,7 +101,11 @@ def cli() -> None:
     if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun worker (--check-config and --help import no torch)
         from framework.ddp.process_group import die_with_parent
         die_with_parent(LAUNCHER_PID)
-    raise SystemExit(main())
+    code = main()
+    if "framework.ddp.collectives" in sys.modules:
+        from framework.ddp.collectives import exit_if_parked
+        exit_if_parked(code)
+    raise SystemExit(code)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from .data.datasets import builtin_datasets, check_same_datasets
 from .ddp import policy, process_group
 from .ddp.comm_hooks import CommHook
 from .ddp.compile import compile_model
+from .ddp.heal import Healing, newest_state
 from .model.activation_checkpointing import enable_checkpointing
 from .model.gpt import GPT, GPTConfig, lm_loss
 from .model.tiled_mlp import tile_user_mlps
@@ -96,6 +97,7 @@ class DDPTrainer:
     _eval_owed = -1  # the step whose evaluation a preemption request stopped: a run resumed there runs it first
     _evaluated_step = -1  # the step of the last evaluation recorded (the final one is not run twice)
     _evaluated_loss: float | None = None  # its validation loss (the summary's, when a resumed run does not rerun it)
+    _heals = 0  # generations formed in place after a lost peer (recovery.heal=in_place)
     _stopped_at = -1  # the step of an early stop: a run resumed there ends (see _stopped_here)
     _stopped_by = ""  # "a stop requested", or "train.target_loss=T reached"
     _stopped_total = 0  # the run's length (steps) when it stopped: a longer one trains on
@@ -119,7 +121,7 @@ class DDPTrainer:
         self._owns_process_group = not dist.is_initialized()
         process_group.close_at_exit(self._close_at_exit)
         self._debug = debug
-        self.log_path = setup_logging(process_group.read_env(rank, world_size)[0], cfg.logging.dir, debug=debug)
+        self.log_path = setup_logging(process_group.log_rank(rank, world_size), cfg.logging.dir, debug=debug)
         self.env = process_group.setup(cfg.ddp.backend, cfg.ddp.init_timeout_s or cfg.ddp.timeout_s, rank=rank,
                                        world_size=world_size, log_dir=cfg.logging.dir)
         self._startup.mark("process group")
@@ -190,28 +192,36 @@ class DDPTrainer:
         self.train_dataset, self.val_dataset = train_dataset, val_dataset
         self._build_model(model)
         self.loss_fn = lm_loss if model is None and loss_fn is None else loss_fn
+        self._build_training(doctor=doctor)
+
+    def _build_training(self, *, doctor: bool = False, healed: dict | None = None) -> None:
+        """What trains the model: its optimizer, the data, the state (a checkpoint's, or ``healed``,
+        a survivor's in memory), the DDP wrapper and what surrounds a step. Run again in the same
+        process after healing in place, at the new world size."""
         # Model init used the shared seed; dropout and everything after draw per-rank streams.
         rng.seed_all(self.config.train.seed + 1 + self.env.rank)
         self.precision = Precision(self.config.precision, device=self.env.device)
         self.optimizer, self.schedule = optimizer_and_schedule(self.config, self.raw_model, *self._user_optim)
         self._build_data()
         self._startup.mark("model and data")
-        state = self._restore(load=not doctor)
+        state = self._restore(load=not doctor, given=healed)
         self._startup.mark("checkpoint load")
         self._total_steps = self.schedule.total_steps = self.sampler.last_step(self.step, self.config)
-        self._resumed = state is not None
-        log_run_start(self.config, self.env, self.sampler, model=self.raw_model, amp=self.precision.autocast,
-                      total_steps=self._total_steps, num_workers=self.num_workers, builtin_model=model is None,
-                      builtin_data=builtin_data)
+        if healed is None:
+            self._resumed = state is not None
+            log_run_start(self.config, self.env, self.sampler, model=self.raw_model, amp=self.precision.autocast,
+                          total_steps=self._total_steps, num_workers=self.num_workers,
+                          builtin_model=self.checkpointer.builtin_model, builtin_data=self.checkpointer.builtin_data)
         self._wrap(doctor)
         self._startup.mark("DDP preflight")
         if state is not None:
             self.checkpointer.restore_rng(state, self.step)
         self._build_run_health()
 
-    def _restore(self, *, load: bool) -> dict | None:
-        """The checkpoint to resume from, loaded into every stateful piece (the RNG comes last,
-        after the DDP preflight, which must not consume it)."""
+    def _restore(self, *, load: bool, given: dict | None = None) -> dict | None:
+        """The checkpoint to resume from (or ``given``, a state healing in place brought), loaded
+        into every stateful piece (the RNG comes last, after the DDP preflight, which must not
+        consume it)."""
         cfg, env = self.config, self.env
         self.step = self._tokens_total = 0
         self.skips = SkipBudget(cfg.recovery.max_errors_per_epoch)
@@ -224,18 +234,18 @@ class DDPTrainer:
             "optimizer": self.optimizer, "scaler": self.precision.scaler, "schedule": self.schedule,
             "sampler": self.sampler, "stream": self.stream, "skips": self.skips, "spike_guard": self.spike_guard,
             "comm_hook": self.comm_hook, **self._user_state, **self.callbacks.stateful()})
-        state = self.checkpointer.load() if load else None
+        state = given if given is not None else self.checkpointer.load() if load else None
         if state is not None:
             self.checkpointer.restore(state)
-            log.info("resumed from step %d (epoch %d, sample %d of the epoch)", self.step, self.sampler.epoch,
-                     self.sampler.consumed)
+            log.info("%s step %d (epoch %d, sample %d of the epoch)", "resumed from" if given is None else
+                     "healed in place at", self.step, self.sampler.epoch, self.sampler.consumed)
             self.spike_guard.adopt_recorded()
-        if load:
+        if load and given is None:
             guard_restart_loop(cfg, env, self.step)
         if self.sampler.steps_remaining() == 0:  # saved at the end of an epoch
             self.sampler.set_epoch(self.sampler.epoch + 1)
             self.skips.new_epoch()
-        if process_group.group_restarts() > 0:
+        if process_group.group_restarts() > 0 and given is None:
             apply_recorded_micro_batch(self.sampler, cfg.checkpoint.dir)
         return state
 
@@ -300,7 +310,8 @@ class DDPTrainer:
         self.consistency = ConsistencyCheck(cfg.recovery, model=self.raw_model, device=env.device,
                                             distributed=env.distributed, phase=self.watchdog.phase,
                                             skip=lambda: self.spike_guard.pending is not None)
-        self.faults = FaultPlan(cfg.recovery.fault_inject, env.rank, process_group.group_restarts())
+        # A heal counts as a restart: a planned fault fires in the first generation only.
+        self.faults = FaultPlan(cfg.recovery.fault_inject, env.rank, process_group.group_restarts() + self._heals)
         self.peers = PeerMonitor(cfg.recovery, env=env, store=process_group.STORE, checkpoint_dir=cfg.checkpoint.dir)
         for listener in (self.peers, self.step_start_buffers, self.watchdog, self.stragglers, self.spike_guard,
                          self.faults, self.callbacks, self._startup, self.consistency):
@@ -360,7 +371,12 @@ class DDPTrainer:
         """Run to max_steps, num_epochs or target_loss, or until preempted; returns the summary
         (rank 0 also writes it)."""
         with self._fatal_on_error():
-            summary = self._train()
+            while True:
+                try:
+                    summary = self._train()
+                    break
+                except Healing as healing:
+                    self._heal(healing)
         self.close()
         if summary["agent_lost"]:
             saved = "saved a checkpoint of" if summary["preempted"] else "finished at"
@@ -371,7 +387,8 @@ class DDPTrainer:
 
     def _train(self) -> dict:
         cfg, env = self.config, self.env
-        self._say_where_the_run_starts(resumed=self._resumed)
+        if not self._heals:
+            self._say_where_the_run_starts(resumed=self._resumed)
         self.checkpointer.start_clock()
         step_log = StepLog.open(cfg, env, total_steps=self._total_steps, initial_step=self.step, health=lambda: {
             **self.spike_guard.scalars(), **self.stragglers.scalars(), "health/skipped_steps": self.skips.total})
@@ -389,7 +406,10 @@ class DDPTrainer:
             self.watchdog.dump_on(signal.SIGTERM)
         for listener in (samples_log, step_log):
             self.events.attach(listener, before=self.faults)
-        self.events.train_start()
+        if self._heals:  # the others (the user's callbacks) heard it at the start
+            self.peers.train_start()
+        else:
+            self.events.train_start()
         try:
             with GcPolicy(cfg.memory.cleanup_interval, env.device) as gc_policy:
                 # An owed evaluation may ask for a stop (transformers' EarlyStoppingCallback): then
@@ -467,7 +487,8 @@ class DDPTrainer:
         with self._survivor_checkpoint_if_a_peer_is_lost():
             loss = self.train_step.forward_backward_with_retry(micro, self.step)
         self.events.gradients(self.step, self.raw_model)
-        agreed, lr, grad_norm = self.optimizer_step(loss, preempt=self._preemption.requested is not None)
+        with self._heal_if_a_peer_is_lost():  # in the agreement, before the optimizer steps
+            agreed, lr, grad_norm = self.optimizer_step(loss, preempt=self._preemption.requested is not None)
         process_group.set_steady_timeout(self.config.ddp.init_timeout_s or self.config.ddp.timeout_s,
                                          self.config.ddp.timeout_s)
         indices = self.sampler.advance()
@@ -496,23 +517,79 @@ class DDPTrainer:
         try:
             yield
         except Exception as err:
+            if markers.peer_lost(err) and process_group.MEMBERSHIP is not None:
+                self._raise_healing(err)
             if markers.peer_lost(err):
                 with self.peers.holding():
                     self._save_survivor_checkpoint()
             raise
 
-    def _save_survivor_checkpoint(self) -> None:
-        step = self.step
+    @contextlib.contextmanager
+    def _heal_if_a_peer_is_lost(self):
+        try:
+            yield
+        except Exception as err:
+            if markers.peer_lost(err) and process_group.MEMBERSHIP is not None:
+                self._raise_healing(err)
+            raise
+
+    def _survivor_model_state(self, *, on_disk: bool) -> tuple[dict | None, str | None]:
+        """The model's state as at the step's start, or None and why this rank cannot give the
+        step's whole state alone."""
         model_state, buffers_not = self.step_start_buffers.model_state(is_main=self.env.is_main)
         why_not = (
-            "checkpoint.save_on_peer_loss=false" if not self.config.checkpoint.save_on_peer_loss else
-            "no step finished since the start" if step == 0 else
+            "checkpoint.save_on_peer_loss=false" if on_disk and not self.config.checkpoint.save_on_peer_loss else
             "PowerSGD's state is every rank's" if self.comm_hook.state is not None else
             "a stream's dataset state is every rank's" if getattr(self.stream, "stateful", False) else
             "the state of the user's stateful objects mid-step is unknown"
             if any(getattr(obj, "changes_mid_step", True)
                    for obj in (*self._user_state.values(), *self.callbacks.stateful().values())) else
             buffers_not if model_state is None else None)
+        return (model_state, None) if why_not is None else (None, why_not)
+
+    def _raise_healing(self, err: BaseException) -> None:
+        model_state, why_not = self._survivor_model_state(on_disk=False)
+        state = None if why_not else self.checkpointer.survivor_state(model_state=model_state)
+        raise Healing(self.step, state, why_not, err) from err
+
+    def _heal(self, healing: Healing) -> None:
+        """Form the next generation with the survivors, take the newest state one of them holds,
+        and rebuild what depends on the world size (framework/ddp/heal.py)."""
+        started, lost_in = time.monotonic(), healing.step + 1
+        old = self.env
+        self._stop_run_health()
+        process_group.release_ddp_holders(dist.group.WORLD)
+        self._drop_ddp_wrapper()
+        self.optimizer.zero_grad(set_to_none=True)  # the lost step's partial gradients
+        generation = process_group.MEMBERSHIP.after_loss(process_group.GENERATION,
+                                                         wait_s=self.config.recovery.peer_timeout_s or 10.0)
+        self.env = process_group.form(generation, self.config.ddp.backend, self.config.ddp.timeout_s)
+        self.log_path = setup_logging(self.env.rank, self.config.logging.dir, debug=self._debug,
+                                      file_rank=process_group.MEMBERSHIP.replica)
+        formed = time.monotonic()
+        state, source = newest_state(healing.state, healing.step, rank=self.env.rank, world_size=self.env.world_size)
+        self._heals += 1
+        self.checkpointer.take_over(self.env)
+        self._build_training(healed=state)
+        log.warning("healed in place: a peer was lost in step %d; generation %d goes on with %d of %d ranks (this "
+                    "rank %d -> %d) from step %d (rank %d's state) in %.2f s (the group formed in %.2f s)", lost_in,
+                    generation.number, self.env.world_size, old.world_size, old.rank, self.env.rank, self.step,
+                    source, time.monotonic() - started, formed - started)
+
+    def _stop_run_health(self) -> None:
+        """Detach and stop what surrounds a step (``_build_run_health`` builds it anew)."""
+        for listener in (self.peers, self.step_start_buffers, self.watchdog, self.stragglers, self.spike_guard,
+                         self.faults, self.callbacks, self._startup, self.consistency):
+            self.events.detach(listener)
+        self.peers.close()
+        self.watchdog.close()
+        self.stream.shutdown()
+
+    def _save_survivor_checkpoint(self) -> None:
+        step = self.step
+        model_state, why_not = self._survivor_model_state(on_disk=True)
+        if step == 0 and self.config.checkpoint.save_on_peer_loss:
+            why_not = "no step finished since the start"
         if why_not is not None:
             log.info("a peer went away in step %d: not saving step %d alone (%s)", step + 1, step, why_not)
             return

@@ -77,6 +77,9 @@ def _check_run_health_and_speed(cfg: TrainConfig) -> list[str]:
     if cfg.spike.guard == "rollback" and not cfg.checkpoint.every_steps:
         problems.append("spike.guard='rollback': needs checkpoint.every_steps > 0 (a checkpoint before the spike to "
                         "return to); allowed with checkpoint.every_steps=0: off, warn")
+    if cfg.recovery.heal == "in_place" and cfg.ddp.comm_hook == "powersgd":
+        problems.append("recovery.heal='in_place' with ddp.comm_hook='powersgd': PowerSGD's error feedback is each "
+                        "rank's and goes with a lost rank; allowed with powersgd: recovery.heal=restart")
     if cfg.data.exclude_samples:
         from ..resilience.exclusions import read
         problems += _unparsable("data.exclude_samples", cfg.data.exclude_samples, read)

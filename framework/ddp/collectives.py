@@ -30,6 +30,22 @@ def park(*things: Any) -> None:
     PARKED.extend(things)
 
 
+def exit_if_parked(code: int) -> None:
+    """End the process with ``code`` now when it parked a broken group (healing in place):
+    freeing one at the interpreter's exit joins gloo threads that may wait for good. Call it
+    last, with everything written and closed."""
+    if not PARKED:
+        return
+    import logging
+    import os
+    import sys
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 class PeerLostError(RuntimeError):
     """A collective was given up because ``ranks`` (of its group) were named lost."""
 

@@ -12,6 +12,8 @@ group's keys can be read by a new one (what ``torch.distributed`` itself does fo
 from __future__ import annotations
 
 import datetime
+import os
+import socket
 import time
 from dataclasses import dataclass
 
@@ -20,6 +22,32 @@ import torch.distributed as dist
 from .collectives import park
 
 PREFIX = "ddp_framework/heal/"
+SLOT_ENV = ("HEAL_STORE", "HEAL_REPLICA", "HEAL_REPLICAS")
+"""Where a process of a run that heals in place learns its place: the run's store (HOST:PORT, a
+TCPStore that outlives every training process), its replica (0..N-1) and the first generation's
+number of replicas. Set by the launcher for each rank's own torchrun job."""
+
+
+@dataclass(frozen=True)
+class Slot:
+    host: str
+    port: int
+    replica: int
+    replicas: int
+
+    @classmethod
+    def from_env(cls, environ) -> Slot | None:
+        """This process's slot, or None when it was not started to heal in place."""
+        if SLOT_ENV[0] not in environ:
+            return None
+        store, replica, replicas = (environ.get(name, "") for name in SLOT_ENV)
+        host, _, port = store.rpartition(":")
+        if not host or not port.isdigit() or not replica.isdigit() or not replicas.isdigit():
+            raise ValueError(f"HEAL_STORE={store!r}, HEAL_REPLICA={replica!r}, HEAL_REPLICAS={replicas!r}: allowed: "
+                             "HOST:PORT, a replica number and the number of replicas (launch_training.sh sets them)")
+        if not 0 <= int(replica) < int(replicas):
+            raise ValueError(f"HEAL_REPLICA={replica}: must be in [0, HEAL_REPLICAS={replicas})")
+        return cls(host, int(port), int(replica), int(replicas))
 
 
 @dataclass(frozen=True)
@@ -54,6 +82,43 @@ class Membership:
         self.replica = replica
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.formed_s: float | None = None
+
+    def first(self, replicas: int) -> Generation:
+        """The run's first generation, every replica of the slot's count (proposed by whoever comes
+        first), and where this replica runs (for ``gone``)."""
+        self.store.set(f"where/{self.replica}", f"{socket.gethostname()} {os.getpid()}")
+        return self.propose(1, range(replicas))
+
+    def gone(self, replica: int) -> bool:
+        """Whether ``replica``'s process is known dead: it ran on this host and its pid is gone (or a
+        zombie). A replica on another host is never known so: it is waited for."""
+        if not self.store.check([f"where/{replica}"]):
+            return False
+        host, _, pid = self.store.get(f"where/{replica}").decode().partition(" ")
+        if host != socket.gethostname():
+            return False
+        try:
+            with open(f"/proc/{int(pid)}/stat", "rb") as f:
+                stat = f.read()
+        except (FileNotFoundError, ProcessLookupError):
+            return True
+        return stat[stat.rindex(b")") + 2:stat.rindex(b")") + 3] in (b"Z", b"X")
+
+    def after_loss(self, generation: Generation, wait_s: float) -> Generation:
+        """The generation after ``generation`` lost a member: this replica says it is alive, waits
+        until each other member has said so too or is known gone (``gone``), for at most
+        ``wait_s``, and proposes those alive. The first proposal wins; a replica left out of it is
+        not a member (``form`` refuses it)."""
+        number = generation.number + 1
+        self.store.set(f"alive/{number}/{self.replica}", "1")
+        deadline = time.monotonic() + wait_s
+        others = [m for m in generation.members if m != self.replica]
+        while not self.store.check([f"members/{number}"]):
+            said = {m for m in others if self.store.check([f"alive/{number}/{m}"])}
+            if all(m in said or self.gone(m) for m in others) or time.monotonic() > deadline:
+                return self.propose(number, [m for m in generation.members if m == self.replica or m in said])
+            time.sleep(0.005)
+        return self.wait_for(number)
 
     def newest(self, after: int = 0) -> Generation | None:
         """The newest agreed generation (scanning up from ``after``), or None before the first."""

@@ -18,12 +18,18 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .membership import Membership, Slot
+
 log = logging.getLogger(__name__)
 
 # The store the process group was built on, when this module built it (heartbeats use it too).
 STORE: dist.Store | None = None
 # The store generation this restart of the group agreed on, when this module built the group.
 STORE_GENERATION: int | None = None
+# A run that heals in place (recovery.heal=in_place; framework/ddp/membership.py): its generations
+# in the run's store, and the one this process's group belongs to.
+MEMBERSHIP = None
+GENERATION = None
 
 EXIT_PEER_LOST = 75
 """A worker's exit code when a node of the run is lost: its agent died (then every rank saves and
@@ -79,6 +85,13 @@ def read_env(rank: int | None = None, world_size: int | None = None) -> tuple[in
     if not 0 <= rank < world_size:
         raise ValueError(f"rank={rank}: must be in [0, world_size={world_size})")
     return rank, local_rank, world_size, local_world_size
+
+
+def log_rank(rank: int | None = None, world_size: int | None = None) -> int:
+    """The rank whose log file this process writes before its group forms: its replica in a run
+    that heals in place (its rank in the first generation), else its rank."""
+    slot = Slot.from_env(os.environ)
+    return slot.replica if slot is not None else read_env(rank, world_size)[0]
 
 
 def die_with_parent(parent: int | None = None) -> None:
@@ -190,6 +203,9 @@ def setup(backend: str = "auto", timeout_s: float = 600.0, *, rank: int | None =
     global _steady
     _steady = False
     die_with_parent()
+    slot = Slot.from_env(os.environ)
+    if slot is not None:
+        return _join_in_place(slot, backend, timeout_s)
     rank, local_rank, world_size, local_world_size = read_env(rank, world_size)
     cuda = torch.cuda.is_available()
     device = select_device(local_rank, cuda, torch.cuda.device_count() if cuda else 0)
@@ -224,6 +240,45 @@ def setup(backend: str = "auto", timeout_s: float = 600.0, *, rank: int | None =
     log.info("process group up: backend=%s rank=%d/%d local_rank=%d device=%s TORCH_DISTRIBUTED_DEBUG=%s",
              chosen, rank, world_size, local_rank, device, os.environ.get("TORCH_DISTRIBUTED_DEBUG", "OFF"))
     return DistEnv(rank, local_rank, world_size, local_world_size, device, chosen)
+
+
+def _join_in_place(slot, backend: str, timeout_s: float) -> DistEnv:
+    """A process of a run that heals in place: its group is its slot's first generation, formed
+    on the run's store (see framework/ddp/membership.py)."""
+    global MEMBERSHIP, _teardown_registered
+    import_group_defaults()
+    client = dist.TCPStore(slot.host, slot.port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+    MEMBERSHIP = Membership(client, slot.replica, timeout_s=timeout_s)
+    env = form(MEMBERSHIP.first(slot.replicas), backend, timeout_s)
+    if not _teardown_registered:
+        atexit.register(teardown)
+        _teardown_registered = True
+    return env
+
+
+def form(generation, backend: str, timeout_s: float) -> DistEnv:
+    """Make ``generation``'s group this process's (a run that heals in place); its DistEnv. One
+    node: a replica's device is its own local rank, whatever its rank in the generation."""
+    global GENERATION, STORE
+    cuda = torch.cuda.is_available()
+    local = int(os.environ.get("LOCAL_RANK", MEMBERSHIP.replica)) if "TORCHELASTIC_RUN_ID" in os.environ else \
+        MEMBERSHIP.replica
+    device = select_device(local, cuda, torch.cuda.device_count() if cuda else 0)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    chosen = choose_backend(backend, cuda)
+    rank = MEMBERSHIP.form(generation, chosen, timeout_s)
+    GENERATION = generation
+    STORE = dist.PrefixStore(f"generation/{generation.number}/", MEMBERSHIP.store)
+    log.info("process group up: generation %d of the run (replicas %s), backend=%s rank=%d/%d device=%s, formed in "
+             "%.3f s", generation.number, list(generation.members), chosen, rank, generation.world_size, device,
+             MEMBERSHIP.formed_s)
+    return DistEnv(rank, rank, generation.world_size, generation.world_size, device, chosen)
+
+
+def generation_key() -> str:
+    """This group's restart or generation, for keys that must not outlive it (heartbeats)."""
+    return f"heal{GENERATION.number}" if GENERATION is not None else str(STORE_GENERATION or 0)
 
 
 def import_group_defaults() -> None:
@@ -381,6 +436,8 @@ def teardown() -> None:
                      "module?): it is freed when the last reference goes", holders)
         del group
     STORE = STORE_GENERATION = None  # release the store client here, not during interpreter shutdown
+    global MEMBERSHIP, GENERATION
+    MEMBERSHIP = GENERATION = None
 
 
 def release_ddp_holders(group) -> int:

@@ -18,12 +18,14 @@ def _not_detail(record: logging.LogRecord) -> bool:
     return not getattr(record, "detail", False)
 
 
-def setup_logging(rank: int, log_dir: str | Path, *, debug: bool = False) -> Path:
+def setup_logging(rank: int, log_dir: str | Path, *, debug: bool = False, file_rank: int | None = None) -> Path:
     """Configure the ``framework`` logger (and the root logger's console) for this rank.
-    Idempotent: handlers from an earlier call are replaced. Returns the rank's log file."""
+    Idempotent: handlers from an earlier call are replaced. Returns the rank's log file,
+    ``rank_{file_rank}.log`` (default: ``rank``; a run that heals in place keeps each replica's
+    file while its rank changes)."""
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
-    path = log_dir / f"rank_{rank}.log"
+    path = log_dir / f"rank_{rank if file_rank is None else file_rank}.log"
     formatter = logging.Formatter(FORMAT.format(rank=rank), datefmt="%Y-%m-%d %H:%M:%S")
     root = logging.getLogger()
     for handler in [h for h in root.handlers if getattr(h, _HANDLER_TAG, False)]:

@@ -31,6 +31,9 @@ class RecoverySection:
     peer_timeout_s: float = bounded(10.0, lo=0.0, hi=86400.0, resume="neutral", was=None)
     """A peer silent this long (frozen, or cut off: no heartbeat) ends the restart with exit 75 at once,
     not after ddp.timeout_s; 0 disables."""
+    heal: Literal["restart", "in_place"] = option("restart", resume="neutral", was=None)
+    """After a peer is lost mid-step: restart every process from a checkpoint, or in_place: the survivors
+    re-form the group in their processes and go on from the state they hold (docs/fault-tolerance.md)."""
     max_no_progress_restarts: int = bounded(3, lo=1, resume="neutral", was="max_no_progress_restarts")
     """Elastic restarts in a row that resume from the same checkpoint step before the run stops with FATAL."""
     fault_inject: str = option("", resume="neutral", was="fault_inject")

@@ -43,8 +43,8 @@ def heartbeat_store(store: dist.Store | None, timeout_s: float) -> dist.Store | 
     if not isinstance(store, dist.TCPStore):
         return None
     client = dist.TCPStore(store.host, store.port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
-    run = os.environ.get("TORCHELASTIC_RUN_ID", "none")
-    return dist.PrefixStore(f"ddp_framework/peers/{run}/{process_group.STORE_GENERATION or 0}/", client)
+    run = "heal" if process_group.GENERATION is not None else os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    return dist.PrefixStore(f"ddp_framework/peers/{run}/{process_group.generation_key()}/", client)
 
 
 class PeerMonitor(Listener):
@@ -73,7 +73,7 @@ class PeerMonitor(Listener):
         self.rank, self.world_size = env.rank, env.world_size
         # A group the user built on torchrun's agent store (which outlives restarts) has no key prefix
         # per restart; a default store hosted by rank 0's worker dies with each restart.
-        restarts_apart = (process_group.STORE_GENERATION is not None
+        restarts_apart = (process_group.STORE_GENERATION is not None or process_group.GENERATION is not None
                           or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True")
         self.enabled = bool(self.timeout_s) and env.distributed and self.world_size > 1 and restarts_apart
         self.store = heartbeat_store(store, self.timeout_s) if self.enabled else None

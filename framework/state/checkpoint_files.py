@@ -308,6 +308,14 @@ class CheckpointStore:
         finally:
             self.release()
 
+    def take_over(self, *, lineage: str | None, began_from: str | None, wait_for_run_s: float = 10.0) -> None:
+        """Become the writer of a run whose rank 0 was lost (healing in place): take the lock its
+        death freed and continue its ``lineage``."""
+        self.rank = 0
+        if lineage is not None:
+            self.lineage, self.began_from = lineage, began_from
+        self._acquire(wait_for_run_s)
+
     def _acquire(self, wait_for_run_s: float = 0) -> None:
         """Take the directory's lock. ``wait_for_run_s``: how long to wait for a holder of this
         same torchrun run (a survivor of the last restart still writing its survivor checkpoint); a

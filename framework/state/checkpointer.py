@@ -355,10 +355,28 @@ class Checkpointer:
                 log.info("not saving step %d alone: rank 0 recorded no lineage in %s", step, self.store.directory)
                 return None
             lineage, began_from = record["current"], record["began_from"]
-        state = self._state(rngs=[None] * self.env.world_size, model_state=model_state,
-                            saved_alone_by=self.env.rank)
+        state = self.survivor_state(model_state=model_state)
         with self._disk_errors_are_fatal():
             return self.store.write_survivor(state, step, lineage=lineage, began_from=began_from)
+
+    def survivor_state(self, *, model_state: dict) -> dict:
+        """The live state, which the interrupted step has not changed, with ``model_state`` (the
+        model's as at the step's start) and no RNG state: see ``save_survivor``. No collective."""
+        return self._state(rngs=[None] * self.env.world_size, model_state=model_state, saved_alone_by=self.env.rank)
+
+    def take_over(self, env) -> None:
+        """After healing in place: this process's place in the new generation. The new rank 0, if it
+        was not rank 0 before (rank 0 was lost), takes checkpoint_dir's lock and continues the
+        lineage rank 0 recorded, as a survivor checkpoint does."""
+        before, self.env = self.env, env
+        if not env.is_main or before.is_main:
+            return
+        record = markers.recorded_lineages(self.store.directory)
+        self.store.take_over(lineage=None if record is None else record["current"],
+                             began_from=None if record is None else record["began_from"])
+        self.lineages = [] if record is None else [x for x in record["lineages"] if x != record["current"]] + [
+            record["current"]]
+        self.resumed_lineage = None if record is None else record.get("resumed")
 
     def load(self, before: int | None = None) -> dict | None:
         """Rank 0 picks the checkpoint (see the class; with ``before``, the newest of this run's

@@ -94,7 +94,8 @@ def fresh_notes(monkeypatch):
 def test_every_flat_key_is_an_alias_of_one_field():
     added = {key for key in KEYS if FIELDS[key].metadata["was"] is None}  # keys added since: no old name
     assert added == {"train.loss_average", "data.world_size_change", "data.global_batch_size",
-                     "checkpoint.save_on_peer_loss", "checkpoint.every_minutes", "recovery.peer_timeout_s"}
+                     "checkpoint.save_on_peer_loss", "checkpoint.every_minutes", "recovery.peer_timeout_s",
+                     "recovery.heal"}
     assert len(FLAT_KEYS) == 83 == len(KEYS) - len(added)
     assert sorted(ALIASES) == sorted(FLAT_KEYS)
     assert sorted(ALIASES.values()) == sorted(set(KEYS) - added)

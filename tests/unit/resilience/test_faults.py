@@ -343,7 +343,7 @@ def test_the_moments_reach_every_listener_in_order_and_a_fault_at_export_fires_b
 
 def test_production_code_calls_the_seam_never_the_fault_plan():
     """Only the trainer takes the fault plan (config/checks.py only parses a spec), and only to attach
-    it to the run's moments."""
+    it to the run's moments (or detach it, to build it anew after healing in place)."""
     import ast
     framework = ROOT / "framework"
     importers = sorted(str(p.relative_to(framework)) for p in framework.rglob("*.py") if p.name != "faults.py"
@@ -361,7 +361,8 @@ def test_production_code_calls_the_seam_never_the_fault_plan():
     for node in ast.walk(tree):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "attach":
             allowed |= {id(k.value) for k in node.keywords if k.arg == "before"}
-        if isinstance(node, ast.For) and any(isinstance(n, ast.Call) and getattr(n.func, "attr", None) == "attach"
+        if isinstance(node, ast.For) and any(isinstance(n, ast.Call) and getattr(n.func, "attr", None) in ("attach",
+                                                                                                       "detach")
                                              for n in ast.walk(node)):
             allowed |= {id(n) for n in ast.walk(node.iter)}
     assert reads and all(id(node) in allowed for node in reads)
