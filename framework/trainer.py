@@ -22,7 +22,7 @@ from .data.datasets import builtin_datasets, check_same_datasets
 from .ddp import policy, process_group
 from .ddp.comm_hooks import CommHook
 from .ddp.compile import compile_model
-from .ddp.heal import Healing, newest_state
+from .ddp.heal import Growing, Healing, newest_state
 from .model.activation_checkpointing import enable_checkpointing
 from .model.gpt import GPT, GPTConfig, lm_loss
 from .model.tiled_mlp import tile_user_mlps
@@ -98,6 +98,7 @@ class DDPTrainer:
     _evaluated_step = -1  # the step of the last evaluation recorded (the final one is not run twice)
     _evaluated_loss: float | None = None  # its validation loss (the summary's, when a resumed run does not rerun it)
     _heals = 0  # generations formed in place after a lost peer (recovery.heal=in_place)
+    _joined = False  # this process joined a running generation (a replica started again)
     _stopped_at = -1  # the step of an early stop: a run resumed there ends (see _stopped_here)
     _stopped_by = ""  # "a stop requested", or "train.target_loss=T reached"
     _stopped_total = 0  # the run's length (steps) when it stopped: a longer one trains on
@@ -192,22 +193,29 @@ class DDPTrainer:
         self.train_dataset, self.val_dataset = train_dataset, val_dataset
         self._build_model(model)
         self.loss_fn = lm_loss if model is None and loss_fn is None else loss_fn
-        self._build_training(doctor=doctor)
+        given = None
+        if process_group.joining():  # a replica started again: the model and data are built, now it joins
+            self.env, given = process_group.join_running(self.config.ddp.backend, self.config.ddp.timeout_s)
+            self._joined = True
+            self.log_path = setup_logging(self.env.rank, self.config.logging.dir, debug=self._debug,
+                                          file_rank=process_group.MEMBERSHIP.replica)
+            self.checkpointer.take_over(self.env)
+        self._build_training(doctor=doctor, given=given)
 
-    def _build_training(self, *, doctor: bool = False, healed: dict | None = None) -> None:
-        """What trains the model: its optimizer, the data, the state (a checkpoint's, or ``healed``,
-        a survivor's in memory), the DDP wrapper and what surrounds a step. Run again in the same
-        process after healing in place, at the new world size."""
+    def _build_training(self, *, doctor: bool = False, given: dict | None = None, rebuilt: bool = False) -> None:
+        """What trains the model: its optimizer, the data, the state (a checkpoint's, or ``given``,
+        a member's in memory), the DDP wrapper and what surrounds a step. ``rebuilt``: again, in
+        the same process, for a new generation of the group (healing in place)."""
         # Model init used the shared seed; dropout and everything after draw per-rank streams.
         rng.seed_all(self.config.train.seed + 1 + self.env.rank)
         self.precision = Precision(self.config.precision, device=self.env.device)
         self.optimizer, self.schedule = optimizer_and_schedule(self.config, self.raw_model, *self._user_optim)
         self._build_data()
         self._startup.mark("model and data")
-        state = self._restore(load=not doctor, given=healed)
+        state = self._restore(load=not doctor, given=given)
         self._startup.mark("checkpoint load")
         self._total_steps = self.schedule.total_steps = self.sampler.last_step(self.step, self.config)
-        if healed is None:
+        if not rebuilt:
             self._resumed = state is not None
             log_run_start(self.config, self.env, self.sampler, model=self.raw_model, amp=self.precision.autocast,
                           total_steps=self._total_steps, num_workers=self.num_workers,
@@ -238,7 +246,8 @@ class DDPTrainer:
         if state is not None:
             self.checkpointer.restore(state)
             log.info("%s step %d (epoch %d, sample %d of the epoch)", "resumed from" if given is None else
-                     "healed in place at", self.step, self.sampler.epoch, self.sampler.consumed)
+                     "healed in place at" if self._heals else "joined the run in place at", self.step,
+                     self.sampler.epoch, self.sampler.consumed)
             self.spike_guard.adopt_recorded()
         if load and given is None:
             guard_restart_loop(cfg, env, self.step)
@@ -311,7 +320,8 @@ class DDPTrainer:
                                             distributed=env.distributed, phase=self.watchdog.phase,
                                             skip=lambda: self.spike_guard.pending is not None)
         # A heal counts as a restart: a planned fault fires in the first generation only.
-        self.faults = FaultPlan(cfg.recovery.fault_inject, env.rank, process_group.group_restarts() + self._heals)
+        self.faults = FaultPlan(cfg.recovery.fault_inject, env.rank,
+                                process_group.group_restarts() + self._heals + self._joined)
         self.peers = PeerMonitor(cfg.recovery, env=env, store=process_group.STORE, checkpoint_dir=cfg.checkpoint.dir)
         for listener in (self.peers, self.step_start_buffers, self.watchdog, self.stragglers, self.spike_guard,
                          self.faults, self.callbacks, self._startup, self.consistency):
@@ -346,12 +356,17 @@ class DDPTrainer:
 
     # --- the public steps --------------------------------------------------------------------
 
+    def _joiners_waiting(self) -> bool:
+        """Rank 0 of a run that heals in place: a replica asks to join (one store lookup a step)."""
+        membership = process_group.MEMBERSHIP
+        return bool(membership is not None and self.env.is_main and membership.joiners(process_group.GENERATION))
+
     def forward_backward(self, micro_batches: list) -> torch.Tensor:
         return self.train_step.forward_backward(micro_batches, self.step)
 
     def optimizer_step(self, loss: torch.Tensor, *, stop: bool = False, preempt: bool = False):
         return self.train_step.optimizer_step(loss, self.step, stop=stop, preempt=preempt,
-                                               save_due=self.checkpointer.time_due())
+                                               save_due=self.checkpointer.time_due(), grow=self._joiners_waiting())
 
     def evaluate(self) -> float | None:
         return self.evaluator.run(self.step)
@@ -377,6 +392,8 @@ class DDPTrainer:
                     break
                 except Healing as healing:
                     self._heal(healing)
+                except Growing:
+                    self._grow()
         self.close()
         if summary["agent_lost"]:
             saved = "saved a checkpoint of" if summary["preempted"] else "finished at"
@@ -452,6 +469,8 @@ class DDPTrainer:
                 if self.evaluator.should_run(self.step) and self._evaluate_mid_run(step_log):
                     return True
                 self._save(epoch_ended=self.sampler.steps_remaining() == 0, timed=agreed.save_due)
+                if agreed.grow:  # the step is done, and saved if due: the newcomers join here
+                    raise Growing(self.step)
                 if self._stop_requested:  # asked at the evaluation (transformers' EarlyStoppingCallback)
                     return False
             self.sampler.set_epoch(self.sampler.epoch + 1)
@@ -563,18 +582,46 @@ class DDPTrainer:
         self.optimizer.zero_grad(set_to_none=True)  # the lost step's partial gradients
         generation = process_group.MEMBERSHIP.after_loss(process_group.GENERATION,
                                                          wait_s=self.config.recovery.peer_timeout_s or 10.0)
-        self.env = process_group.form(generation, self.config.ddp.backend, self.config.ddp.timeout_s)
-        self.log_path = setup_logging(self.env.rank, self.config.logging.dir, debug=self._debug,
-                                      file_rank=process_group.MEMBERSHIP.replica)
-        formed = time.monotonic()
-        state, source = newest_state(healing.state, healing.step, rank=self.env.rank, world_size=self.env.world_size)
-        self._heals += 1
-        self.checkpointer.take_over(self.env)
-        self._build_training(healed=state)
+        source = self._regroup(generation, healing.state, healing.step)
+        formed = self._formed_at
         log.warning("healed in place: a peer was lost in step %d; generation %d goes on with %d of %d ranks (this "
                     "rank %d -> %d) from step %d (rank %d's state) in %.2f s (the group formed in %.2f s)", lost_in,
                     generation.number, self.env.world_size, old.world_size, old.rank, self.env.rank, self.step,
                     source, time.monotonic() - started, formed - started)
+
+    def _grow(self) -> None:
+        """After a step every rank agreed to grow at: rank 0 proposes the generation with the
+        replicas that asked to join; rank 0's state goes to the newcomers by broadcast
+        (``newest_state``), which take it in ``process_group.setup``."""
+        started, old = time.monotonic(), self.env
+        membership = process_group.MEMBERSHIP
+        joiners = membership.joiners(process_group.GENERATION) if self.env.is_main else []
+        model_state, _ = self._survivor_model_state(on_disk=False)
+        state = self.checkpointer.survivor_state(model_state=model_state or self.raw_model.state_dict())
+        self._stop_run_health()
+        process_group.release_ddp_holders(dist.group.WORLD)
+        self._drop_ddp_wrapper()
+        stopped = time.monotonic()
+        generation = membership.grow(process_group.GENERATION, joiners)
+        self._regroup(generation, state, self.step)
+        log.warning("grew in place after step %d: generation %d trains on %d ranks (was %d; this rank %d -> %d); the "
+                    "members paused %.2f s (stopping %.2f s, the group formed %.2f s, the state sent and the rest "
+                    "rebuilt %.2f s)", self.step, generation.number, self.env.world_size, old.world_size, old.rank,
+                    self.env.rank, time.monotonic() - started, stopped - started, self._formed_at - stopped,
+                    time.monotonic() - self._formed_at)
+
+    def _regroup(self, generation, state: dict | None, step: int) -> int:
+        """Form ``generation``'s group, take the newest state a member holds (this rank's ``state``
+        of ``step``, or a newer one's) and rebuild around it; returns the rank it came from."""
+        self.env = process_group.form(generation, self.config.ddp.backend, self.config.ddp.timeout_s)
+        self._formed_at = time.monotonic()
+        self.log_path = setup_logging(self.env.rank, self.config.logging.dir, debug=self._debug,
+                                      file_rank=process_group.MEMBERSHIP.replica)
+        state, source = newest_state(state, step, rank=self.env.rank, world_size=self.env.world_size)
+        self._heals += 1
+        self.checkpointer.take_over(self.env)
+        self._build_training(given=state, rebuilt=True)
+        return source
 
     def _stop_run_health(self) -> None:
         """Detach and stop what surrounds a step (``_build_run_health`` builds it anew)."""

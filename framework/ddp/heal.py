@@ -21,6 +21,14 @@ class Healing(Exception):
         self.step, self.state, self.why_not, self.cause = step, state, why_not, cause
 
 
+class Growing(Exception):
+    """Rank 0 saw a replica ask to join; every rank agreed at step ``step``, which is done."""
+
+    def __init__(self, step: int):
+        super().__init__(f"replicas join after step {step}")
+        self.step = step
+
+
 class NothingToHealFrom(RuntimeError):
     """No survivor holds a state to continue from."""
 

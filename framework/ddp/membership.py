@@ -83,11 +83,49 @@ class Membership:
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.formed_s: float | None = None
 
-    def first(self, replicas: int) -> Generation:
-        """The run's first generation, every replica of the slot's count (proposed by whoever comes
-        first), and where this replica runs (for ``gone``)."""
+    def start(self, replicas: int) -> tuple[Generation | None, bool]:
+        """This process's first generation, or (None, True) when it is to join a running one
+        (``join``). The run's first generation holds every replica (whoever comes first proposes
+        it); a replica restarted before forming it forms it; one restarted after joins."""
+        self.replicas = replicas
         self.store.set(f"where/{self.replica}", f"{socket.gethostname()} {os.getpid()}")
-        return self.propose(1, range(replicas))
+        newest = self.newest()
+        if newest is None:
+            return self.propose(1, range(replicas)), False
+        if self.replica in newest.members and not self.store.check([f"formed/{newest.number}/{self.replica}"]):
+            return newest, False
+        return None, True
+
+    def join(self, timeout_s: float) -> Generation:
+        """Ask to join (``join/<replica>``) and wait for the generation that takes this replica in
+        (rank 0 proposes it at the end of a step: ``grow``)."""
+        self.store.set(f"join/{self.replica}", str(os.getpid()))
+        newest = self.newest()
+        deadline = time.monotonic() + timeout_s
+        while True:
+            newest = self.newest(after=newest.number)
+            if self.replica in newest.members and not self.store.check([f"formed/{newest.number}/{self.replica}"]):
+                return newest
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"replica {self.replica} asked to join the run and no generation took it in "
+                                   f"within {timeout_s:.0f} s (the newest: {newest.number}, {list(newest.members)})")
+            time.sleep(0.01)
+
+    def joiners(self, generation: Generation) -> list[int]:
+        """The replicas outside ``generation`` that ask to join (rank 0 looks at each step)."""
+        return [r for r in range(getattr(self, "replicas", 0)) if r not in generation.members
+                and self.store.check([f"join/{r}"])]
+
+    def grow(self, generation: Generation, joiners: list[int]) -> Generation:
+        """The next generation: ``generation``'s members (their ranks kept) and then ``joiners``;
+        proposed by the caller (rank 0), read by the others (``joiners`` empty)."""
+        number = generation.number + 1
+        if not joiners:
+            return self.wait_for(number)
+        proposed = self.propose(number, [*generation.members, *sorted(joiners)])
+        for r in joiners:
+            self.store.delete_key(f"join/{r}")
+        return proposed
 
     def gone(self, replica: int) -> bool:
         """Whether ``replica``'s process is known dead: it ran on this host and its pid is gone (or a
@@ -160,4 +198,5 @@ class Membership:
         dist.init_process_group(backend, store=group_store, rank=rank, world_size=generation.world_size,
                                 timeout=datetime.timedelta(seconds=timeout_s))
         self.formed_s = time.monotonic() - started
+        self.store.set(f"formed/{generation.number}/{self.replica}", "1")
         return rank

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .heal import newest_state
 from .membership import Membership, Slot
 
 log = logging.getLogger(__name__)
@@ -249,11 +250,36 @@ def _join_in_place(slot, backend: str, timeout_s: float) -> DistEnv:
     import_group_defaults()
     client = dist.TCPStore(slot.host, slot.port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
     MEMBERSHIP = Membership(client, slot.replica, timeout_s=timeout_s)
-    env = form(MEMBERSHIP.first(slot.replicas), backend, timeout_s)
+    generation, joins = MEMBERSHIP.start(slot.replicas)
+    if joins:  # it builds its model and data first, then joins (join_running): the members pause less
+        cuda = torch.cuda.is_available()
+        device = select_device(_local_slot(), cuda, torch.cuda.device_count() if cuda else 0)
+        env = DistEnv(-1, -1, 0, 0, device, choose_backend(backend, cuda))
+    else:
+        env = form(generation, backend, timeout_s)
     if not _teardown_registered:
         atexit.register(teardown)
         _teardown_registered = True
     return env
+
+
+def joining() -> bool:
+    """Whether this process is to join a running generation (its DistEnv is provisional: rank -1)."""
+    return MEMBERSHIP is not None and GENERATION is None
+
+
+def join_running(backend: str, timeout_s: float) -> tuple[DistEnv, dict]:
+    """A replica started again joins the running generation: it asks, is taken in at the end of a
+    step, and receives the state the members hold by broadcast (theirs: DDPTrainer._grow)."""
+    env = form(MEMBERSHIP.join(timeout_s), backend, timeout_s)
+    state, _ = newest_state(None, -1, rank=env.rank, world_size=env.world_size)
+    return env, state
+
+
+def _local_slot() -> int:
+    """This replica's device index on its node: torchrun's LOCAL_RANK, else its replica number."""
+    return int(os.environ.get("LOCAL_RANK", MEMBERSHIP.replica)) if "TORCHELASTIC_RUN_ID" in os.environ else \
+        MEMBERSHIP.replica
 
 
 def form(generation, backend: str, timeout_s: float) -> DistEnv:
@@ -261,9 +287,7 @@ def form(generation, backend: str, timeout_s: float) -> DistEnv:
     node: a replica's device is its own local rank, whatever its rank in the generation."""
     global GENERATION, STORE
     cuda = torch.cuda.is_available()
-    local = int(os.environ.get("LOCAL_RANK", MEMBERSHIP.replica)) if "TORCHELASTIC_RUN_ID" in os.environ else \
-        MEMBERSHIP.replica
-    device = select_device(local, cuda, torch.cuda.device_count() if cuda else 0)
+    device = select_device(_local_slot(), cuda, torch.cuda.device_count() if cuda else 0)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     chosen = choose_backend(backend, cuda)

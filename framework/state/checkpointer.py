@@ -160,7 +160,7 @@ def open_store(cfg: TrainConfig, env) -> CheckpointStore:
                                     wait_for_run_s=wait)
     except CheckpointDirLocked as err:
         error = str(err)
-    if env.distributed:
+    if env.distributed and not process_group.joining():  # a newcomer's rank 0 holds the lock already
         box = [error]
         dist.broadcast_object_list(box, src=0)
         error = box[0]

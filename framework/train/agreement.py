@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-SLOTS = ("loss_sum", "stop", "nonfinite", "oom", "preempt", "agent_lost", "save_due")
+SLOTS = ("loss_sum", "stop", "nonfinite", "oom", "preempt", "agent_lost", "save_due", "grow")
 
 
 @dataclass(frozen=True)
@@ -20,6 +20,7 @@ class Agreement:
     preempt: bool
     agent_lost: bool = False  # some rank's torchrun agent died (framework/ddp/process_group.agent_gone)
     save_due: bool = False  # rank 0's clock says a timed checkpoint is due (checkpoint.every_minutes)
+    grow: bool = False  # rank 0 saw a replica ask to join (healing in place): the group grows after this step
 
 
 def spread(values: dict[str, float]) -> dict[str, tuple[float, float]]:

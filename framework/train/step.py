@@ -279,7 +279,7 @@ class TrainStep:
             torch.cuda.empty_cache()
 
     def optimizer_step(self, loss: torch.Tensor, step: int, *, stop: bool = False, preempt: bool = False,
-                       save_due: bool = False) -> tuple[Agreement, float, torch.Tensor]:
+                       save_due: bool = False, grow: bool = False) -> tuple[Agreement, float, torch.Tensor]:
         """Clip, agree with the other ranks, then step (or skip a non-finite step everywhere)."""
         lr = self.schedule.apply(self.optimizer, step)
         factor = self.lr_factor(step)
@@ -297,7 +297,7 @@ class TrainStep:
             nonfinite |= ~torch.isfinite(grad_norm)
         self.timer.lap("optimizer")
         agreed = agree(loss=loss, world_size=self.env.world_size, distributed=self.env.distributed,
-                       nonfinite=nonfinite, stop=stop, preempt=preempt, save_due=save_due)
+                       nonfinite=nonfinite, stop=stop, preempt=preempt, save_due=save_due, grow=grow)
         self.timer.lap(None)  # a collective: time spent waiting for the others
         skip = agreed.nonfinite if self.agree_nonfinite else bool(nonfinite)
         if not skip:

@@ -26,11 +26,12 @@ REPLICAS = 3
 STEPS = 12
 
 
-def heal_run(run_dir: Path, fault: str = "") -> dict:
+def heal_run(run_dir: Path, fault: str = "", *, steps: int = STEPS, restart: int | None = None) -> dict:
     """Three ddp_training.py processes on a run store of the test's, as launch_training.sh would
-    start them; returns their exit codes, pids and the time the run took."""
+    start them; ``restart``: start that replica's process again once it died, as its torchrun
+    would. Returns the exit codes (the restarted process's last) and the time the run took."""
     run_dir.mkdir(parents=True)
-    config = tiny(run_dir, {"train.max_steps": STEPS, "recovery.heal": "in_place", "recovery.fault_inject": fault,
+    config = tiny(run_dir, {"train.max_steps": steps, "recovery.heal": "in_place", "recovery.fault_inject": fault,
                             "logging.record_samples": True, "checkpoint.every_steps": 4, "data.batch_size": 4,
                             "data.global_batch_size": 24})
     (run_dir / "config.json").write_text(json.dumps(config))
@@ -38,15 +39,22 @@ def heal_run(run_dir: Path, fault: str = "") -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HEAL_STORE": f"127.0.0.1:{store.port}",
            "HEAL_REPLICAS": str(REPLICAS)}
     started = time.monotonic()
-    procs = [subprocess.Popen([sys.executable, str(ROOT / "ddp_training.py"), "--config", str(run_dir / "config.json")],
-                              env={**env, "HEAL_REPLICA": str(r)}, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.STDOUT, cwd=ROOT) for r in range(REPLICAS)]
+
+    def start(replica: int) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, str(ROOT / "ddp_training.py"), "--config", str(run_dir / "config.json")],
+                                env={**env, "HEAL_REPLICA": str(replica)}, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.STDOUT, cwd=ROOT)
+
+    procs = [start(r) for r in range(REPLICAS)]
     try:
+        if restart is not None:
+            first = procs[restart].wait(timeout=240)
+            procs[restart] = start(restart)
         codes = [p.wait(timeout=240) for p in procs]
     finally:
         for p in procs:
             p.kill()
-    return {"codes": codes, "s": time.monotonic() - started}
+    return {"codes": codes, "s": time.monotonic() - started, **({"first": first} if restart is not None else {})}
 
 
 def final_weights(run_dir: Path) -> dict:
@@ -89,3 +97,30 @@ def test_survivors_of_a_kill_9_heal_in_place_and_finish_the_run_unchanged(tmp_pa
         assert samples_per_epoch(run_dir) == expected  # each sample once per epoch, as uninterrupted
         manifest = json.loads((run_dir / "ck" / "manifest.json").read_text())
         assert [e["step"] for e in manifest] == [4, 8, 12] and len({e["lineage"] for e in manifest}) == 1
+
+
+@pytest.mark.dist
+def test_a_killed_replica_started_again_rejoins_at_a_step_end_and_the_run_is_unchanged(tmp_path):
+    """Rank 1 is killed at step 5; the survivors heal to 2 ranks; its process, started again, asks to
+    join and the group grows back to 3 at the end of a step, the newcomer taking rank 0's state by
+    broadcast, not from disk. Every forward from step 6 on is slowed by 250 ms, so that the run
+    outlasts the newcomer's start (about 5 s here)."""
+    steps, slow = 45, "slow@step=6,ms=300,restart=*"
+    whole = heal_run(tmp_path / "whole", slow, steps=steps)
+    assert whole["codes"] == [0] * REPLICAS
+    run_dir = tmp_path / "rejoin"
+    run = heal_run(run_dir, f"sigkill@step=5,rank=1; {slow}", steps=steps, restart=1)
+    assert run["first"] == -9 and run["codes"] == [0] * REPLICAS, run
+    text = logs(run_dir)
+    assert text.count("generation 2 goes on with 2 of 3 ranks") == 2, text[-3000:]
+    assert text.count("grew in place after step") == 2, text[-3000:]  # both members paused for the join
+    assert "joined the run in place at step" in text and "resumed from" not in text
+    summary = json.loads((run_dir / "logs" / "summary.json").read_text())
+    assert (summary["steps"], summary["world_size"]) == (steps, REPLICAS)
+    reference, weights = final_weights(tmp_path / "whole"), final_weights(run_dir)
+    diff = max((weights[k].float() - reference[k].float()).abs().max().item() for k in reference)
+    # Measured 1.4e-5; the uninterrupted run on 2 ranks is 1.9e-5 from it after these 45 AdamW
+    # steps (fp32 summation order alone): the bound leaves 2.7x that floor. A step lost or
+    # trained twice moves the weights by about 1e-3.
+    assert diff < 5e-5, diff
+    assert samples_per_epoch(run_dir) == samples_per_epoch(tmp_path / "whole")

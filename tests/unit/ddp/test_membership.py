@@ -119,7 +119,7 @@ def test_after_a_loss_the_survivors_agree_at_once_when_the_lost_process_is_known
     store = dist.HashStore()
     first = [Membership(store, r) for r in range(3)]
     for m in first:
-        m.first(3)
+        m.start(3)
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     first[0].store.set("where/2", f"{socket.gethostname()} {dead.pid}")
