@@ -55,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     from framework.ddp import process_group
+    from framework.ddp.membership import RunFinished
     from framework.resilience import markers
     from framework.state.checkpoint_files import CheckpointDirLocked
     from framework.ddp.policy import format_report
@@ -75,6 +76,9 @@ def main(argv: list[str] | None = None) -> int:
         # Already logged with its marker; one line, no traceback: a restart would not help.
         print(f"fatal: {err}", file=sys.stderr)
         return 1
+    except RunFinished as err:
+        print(str(err), file=sys.stderr)
+        return 0
     except process_group.PeerLost as err:
         print(f"error: {err}", file=sys.stderr)
         return process_group.EXIT_PEER_LOST

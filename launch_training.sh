@@ -22,6 +22,9 @@ usage: ./launch_training.sh [options] [-- ddp_training.py flags]
       --doctor              run only the DDP preflight on every rank and print its report
       --max-restarts N      restart the worker group up to N times after a failure (torchrun);
                             each restart resumes from the newest valid checkpoint
+      --heal                heal in place (recovery.heal=in_place, one node): each rank is a torchrun
+                            job of its own; when one dies, the others go on at once in their
+                            processes, and its restart (--max-restarts) rejoins them at a step's end
       --nnodes N|MIN:MAX    number of nodes (multi-node, with --rdzv-endpoint and --rdzv-id); a range
                             is elastic: with --max-restarts, the run continues on the nodes left
                             after a node is lost (the global batch kept), and grows back when a
@@ -65,7 +68,7 @@ gpu_count() { "$python" -c 'import torch; print(torch.cuda.device_count())' 2>/d
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 python="${PYTHON:-python3}"
-gpus="" cpu=0 nproc="" test_mode=0 debug=0
+gpus="" cpu=0 nproc="" test_mode=0 debug=0 heal=0
 max_restarts="" nnodes="" rdzv_endpoint="" rdzv_id="" rdzv_backend=c10d join_timeout=60 last_call=5 rejoin_timeout=15
 train_args=()
 
@@ -84,6 +87,7 @@ while [[ $# -gt 0 ]]; do
     --debug) debug=1; shift ;;
     --doctor) train_args+=(--doctor); shift ;;
     --max-restarts) need_value "$@"; max_restarts="$2"; shift 2 ;;
+    --heal) heal=1; shift ;;
     --nnodes) need_value "$@"; nnodes="$2"; shift 2 ;;
     --rdzv-endpoint) need_value "$@"; rdzv_endpoint="$2"; shift 2 ;;
     --rdzv-id) need_value "$@"; rdzv_id="$2"; shift 2 ;;
@@ -147,6 +151,8 @@ min_nodes=${nnodes%%:*} max_nodes=${nnodes##*:}
 [[ "$last_call" =~ ^[1-9][0-9]*$ ]] || die "--rdzv-last-call '$last_call': must be a positive integer"
 [[ "$rejoin_timeout" =~ ^[1-9][0-9]*$ ]] ||
   die "--rdzv-rejoin-timeout '$rejoin_timeout': must be a positive integer"
+[[ $heal -eq 0 || ( $max_nodes -eq 1 && $platform == host ) ]] ||
+  die "--heal: one node, outside SLURM and Kubeflow for now (docs/fault-tolerance.md, Heal in place)"
 if [[ $max_nodes -gt 1 && $platform != kubernetes ]]; then
   [[ "$rdzv_endpoint" =~ ^[A-Za-z0-9._-]+:[0-9]+$ ]] || die "--nnodes $nnodes needs --rdzv-endpoint HOST:PORT"
   [[ "$rdzv_id" =~ ^[A-Za-z0-9._-]+$ ]] || die "--nnodes $nnodes needs --rdzv-id ID (letters, digits, . _ -)"
@@ -204,6 +210,8 @@ if [[ $test_mode -eq 1 ]]; then
               --checkpoint.dir runs/test/checkpoints "${train_args[@]}")
 fi
 
+[[ $heal -eq 0 ]] || train_args=(--recovery.heal in_place "${train_args[@]}")
+
 if [[ $max_nodes -eq 1 && $platform != kubernetes ]]; then
   export GLOO_SOCKET_IFNAME="${GLOO_SOCKET_IFNAME:-lo}"
   export MASTER_ADDR=127.0.0.1
@@ -258,12 +266,12 @@ fi
 # then exits 1 itself. SIGUSR1 and SIGHUP (an ssh drop) reach it as SIGTERM: torchrun does not handle
 # SIGUSR1 (it would die and leave its workers running) and passes SIGHUP on to the workers, which do
 # not save on it. A signal that comes before torchrun's pid is known is sent once it is.
-child="" pending="" signalled=0
+children=() pending="" signalled=0 store_pid=""
 # shellcheck disable=SC2329  # called by the traps below
 forward() {
   signalled=1
-  if [[ -n "$child" ]]; then
-    kill -s "$1" "$child" 2>/dev/null || true
+  if [[ ${#children[@]} -gt 0 ]]; then
+    kill -s "$1" "${children[@]}" 2>/dev/null || true
   else
     pending="$1"
   fi
@@ -279,7 +287,9 @@ stamp=$(mktemp)
 # torchrun ignores SIGUSR1: it has no handler for it and would die of one that reaches it directly
 # (SLURM's `scancel --signal=USR1` signals every process of the job step), leaving its workers to
 # save as orphans after this script has exited. The workers install their own handler.
-"$python" -c 'import ctypes, os, signal, sys
+# Runs "$@" in a session of its own, ignoring SIGUSR1, with SIGTERM when this script dies.
+detached() {
+  "$python" -c 'import ctypes, os, signal, sys
 ppid = os.getppid()
 os.setsid()
 signal.signal(signal.SIGUSR1, signal.SIG_IGN)
@@ -287,11 +297,37 @@ if sys.platform == "linux":
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
     if os.getppid() != ppid:
         sys.exit(143)
-os.execvp(sys.argv[1], sys.argv[1:])' \
-  "$python" -m torch.distributed.run "${rdzv[@]}" "${nproc_flag[@]}" "${max_restarts_flag[@]}" \
-  "$here/ddp_training.py" "${train_args[@]}" &
-child=$!
-[[ -z "$pending" ]] || kill -s "$pending" "$child" 2>/dev/null || true
+os.execvp(sys.argv[1], sys.argv[1:])' "$@"
+}
+if [[ $heal -eq 0 ]]; then
+  detached "$python" -m torch.distributed.run "${rdzv[@]}" "${nproc_flag[@]}" "${max_restarts_flag[@]}" \
+    "$here/ddp_training.py" "${train_args[@]}" &
+  children=($!)
+else
+  # Healing in place: the run's store in a process of its own (framework/ddp/run_store.py), then one
+  # torchrun job per rank, each restarting only its own worker (torchrun restarts every worker of
+  # a job when one fails, which is why torchft too runs each replica group as a job of its own).
+  port_file=$(mktemp)
+  rm -f "$port_file"
+  (cd "$here" && exec "$python" -m framework.ddp.run_store "$port_file") &
+  store_pid=$!
+  for _ in $(seq 600); do [[ -s "$port_file" ]] && break; kill -0 "$store_pid" 2>/dev/null || break; sleep 0.05; done
+  [[ -s "$port_file" ]] || die "--heal: the run's store did not start"
+  HEAL_STORE="127.0.0.1:$(cat "$port_file")"
+  export HEAL_STORE HEAL_REPLICAS="$nproc"
+  rm -f "$port_file"
+  [[ $cpu -eq 1 ]] || IFS=, read -r -a gpu_list <<< "${CUDA_VISIBLE_DEVICES:-$(seq -s, 0 $(( nproc - 1 )))}"
+  for (( replica = 0; replica < nproc; replica++ )); do
+    port=$("$python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+    gpu_env=()
+    [[ $cpu -eq 1 ]] || gpu_env=(CUDA_VISIBLE_DEVICES="${gpu_list[$replica]}")
+    HEAL_REPLICA=$replica detached env "${gpu_env[@]}" "$python" -m torch.distributed.run --nnodes 1 \
+      --rdzv-backend c10d --rdzv-endpoint "127.0.0.1:$port" --local-addr 127.0.0.1 --nproc-per-node 1 \
+      "${max_restarts_flag[@]}" "$here/ddp_training.py" "${train_args[@]}" &
+    children+=($!)
+  done
+fi
+[[ -z "$pending" ]] || kill -s "$pending" "${children[@]}" 2>/dev/null || true
 marker="$checkpoint_dir/PREEMPTED"
 final="$checkpoint_dir/final_model.pt"
 lost="$checkpoint_dir/NODE_LOST"
@@ -306,6 +342,7 @@ watch_rejoin=0 gave_up=0 idle_since=""
 has_workers() { [[ -n "$(cat /proc/"$1"/task/*/children 2>/dev/null)" ]]; }
 # `wait` returns early (128 + the signal) when a trapped signal arrives: wait until torchrun has
 # really ended, then ask once more for its own status (bash keeps it for an ended child).
+child=${children[0]}
 while kill -0 "$child" 2>/dev/null; do
   if [[ $watch_rejoin -eq 0 ]]; then
     wait "$child" || true
@@ -324,6 +361,17 @@ while kill -0 "$child" 2>/dev/null; do
   fi
 done
 wait "$child" && status=0 || status=$?
+if [[ $heal -eq 1 ]]; then
+  # The run finished if any rank's job did (its rank ends 0 only after the final save every member
+  # agreed on); else the first job's failure stands.
+  for other in "${children[@]:1}"; do
+    while kill -0 "$other" 2>/dev/null; do wait "$other" || true; done
+    wait "$other" && other_status=0 || other_status=$?
+    [[ $status -eq 0 || $other_status -ne 0 ]] || status=0
+  done
+  kill -s TERM "$store_pid" 2>/dev/null || true
+  wait "$store_pid" || true
+fi
 if [[ $gave_up -eq 1 ]]; then
   echo "launch_training.sh: a node of this fixed-size run (--nnodes $nnodes) was lost and did not rejoin within" \
        "${rejoin_timeout} s ($(cat "$lost" 2>/dev/null)); relaunch once it is back, and the run resumes from its newest" \

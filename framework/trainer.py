@@ -23,6 +23,7 @@ from .ddp import policy, process_group
 from .ddp.comm_hooks import CommHook
 from .ddp.compile import compile_model
 from .ddp.heal import Growing, Healing, newest_state
+from .ddp.membership import RunFinished
 from .model.activation_checkpointing import enable_checkpointing
 from .model.gpt import GPT, GPTConfig, lm_loss
 from .model.tiled_mlp import tile_user_mlps
@@ -99,6 +100,7 @@ class DDPTrainer:
     _evaluated_loss: float | None = None  # its validation loss (the summary's, when a resumed run does not rerun it)
     _heals = 0  # generations formed in place after a lost peer (recovery.heal=in_place)
     _joined = False  # this process joined a running generation (a replica started again)
+    _regrouped = ""  # how the current generation formed in this process: "healed in place at", "grew in place at"
     _stopped_at = -1  # the step of an early stop: a run resumed there ends (see _stopped_here)
     _stopped_by = ""  # "a stop requested", or "train.target_loss=T reached"
     _stopped_total = 0  # the run's length (steps) when it stopped: a longer one trains on
@@ -126,6 +128,9 @@ class DDPTrainer:
         self.env = process_group.setup(cfg.ddp.backend, cfg.ddp.init_timeout_s or cfg.ddp.timeout_s, rank=rank,
                                        world_size=world_size, log_dir=cfg.logging.dir)
         self._startup.mark("process group")
+        if cfg.recovery.heal == "in_place" and process_group.MEMBERSHIP is None and self.env.distributed:
+            log.warning("recovery.heal=in_place: this process was not started to heal in place (launch_training.sh "
+                        "--heal, which starts one torchrun job per rank): a lost peer restarts the group")
         with self._fatal_on_error():
             self._build(model, train_dataset, val_dataset, loss_fn, doctor)
 
@@ -162,7 +167,7 @@ class DDPTrainer:
     def _fatal_on_error(self):
         try:
             yield
-        except CheckpointDirLocked:  # checkpoint_dir, and its markers, are another live run's
+        except (CheckpointDirLocked, RunFinished):  # another live run's checkpoint_dir; nothing left to join
             self.close()
             raise
         except NON_RETRIABLE as err:
@@ -246,8 +251,8 @@ class DDPTrainer:
         if state is not None:
             self.checkpointer.restore(state)
             log.info("%s step %d (epoch %d, sample %d of the epoch)", "resumed from" if given is None else
-                     "healed in place at" if self._heals else "joined the run in place at", self.step,
-                     self.sampler.epoch, self.sampler.consumed)
+                     self._regrouped or "joined the run in place at", self.step, self.sampler.epoch,
+                     self.sampler.consumed)
             self.spike_guard.adopt_recorded()
         if load and given is None:
             guard_restart_loop(cfg, env, self.step)
@@ -582,6 +587,7 @@ class DDPTrainer:
         self.optimizer.zero_grad(set_to_none=True)  # the lost step's partial gradients
         generation = process_group.MEMBERSHIP.after_loss(process_group.GENERATION,
                                                          wait_s=self.config.recovery.peer_timeout_s or 10.0)
+        self._regrouped = "healed in place at"
         source = self._regroup(generation, healing.state, healing.step)
         formed = self._formed_at
         log.warning("healed in place: a peer was lost in step %d; generation %d goes on with %d of %d ranks (this "
@@ -603,6 +609,7 @@ class DDPTrainer:
         self._drop_ddp_wrapper()
         stopped = time.monotonic()
         generation = membership.grow(process_group.GENERATION, joiners)
+        self._regrouped = "grew in place at"
         self._regroup(generation, state, self.step)
         log.warning("grew in place after step %d: generation %d trains on %d ranks (was %d; this rank %d -> %d); the "
                     "members paused %.2f s (stopping %.2f s, the group formed %.2f s, the state sent and the rest "
@@ -750,6 +757,8 @@ class DDPTrainer:
             export.save_final_weights(self.raw_model, cfg)  # final_model.pt and the safetensors export
         if env.is_main:
             atomic.write_bytes(Path(cfg.logging.dir) / "summary.json", json.dumps(summary, indent=2).encode())
+            if process_group.MEMBERSHIP is not None and not preempted:
+                process_group.MEMBERSHIP.finish(self.step)
         log.info("%s: %s", "preempted" if preempted else "done", json.dumps(summary), extra=DETAIL)
         log.info("%s: %s (all of it in %s)", "preempted" if preempted else "finished", summary_line(summary),
                  Path(cfg.logging.dir) / "summary.json")

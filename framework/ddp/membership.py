@@ -50,6 +50,17 @@ class Slot:
         return cls(host, int(port), int(replica), int(replicas))
 
 
+class RunFinished(SystemExit):
+    """A replica started again after the run finished: it ends with 0, saying so."""
+
+    def __init__(self, message: str):
+        super().__init__(0)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
 @dataclass(frozen=True)
 class Generation:
     number: int
@@ -103,6 +114,9 @@ class Membership:
         newest = self.newest()
         deadline = time.monotonic() + timeout_s
         while True:
+            if self.store.check(["finished"]):
+                raise RunFinished(f"replica {self.replica}: the run finished at step "
+                                  f"{self.store.get('finished').decode()} before it could join: nothing to do")
             newest = self.newest(after=newest.number)
             if self.replica in newest.members and not self.store.check([f"formed/{newest.number}/{self.replica}"]):
                 return newest
@@ -110,6 +124,10 @@ class Membership:
                 raise TimeoutError(f"replica {self.replica} asked to join the run and no generation took it in "
                                    f"within {timeout_s:.0f} s (the newest: {newest.number}, {list(newest.members)})")
             time.sleep(0.01)
+
+    def finish(self, step: int) -> None:
+        """Rank 0, at the run's end: a replica that asks to join from now on ends (``RunFinished``)."""
+        self.store.set("finished", str(step))
 
     def joiners(self, generation: Generation) -> list[int]:
         """The replicas outside ``generation`` that ask to join (rank 0 looks at each step)."""

@@ -26,10 +26,9 @@ REPLICAS = 3
 STEPS = 12
 
 
-def heal_run(run_dir: Path, fault: str = "", *, steps: int = STEPS, restart: int | None = None) -> dict:
-    """Three ddp_training.py processes on a run store of the test's, as launch_training.sh would
-    start them; ``restart``: start that replica's process again once it died, as its torchrun
-    would. Returns the exit codes (the restarted process's last) and the time the run took."""
+def heal_run(run_dir: Path, fault: str = "", *, steps: int = STEPS) -> dict:
+    """Three ddp_training.py processes on a run store of the test's, as launch_training.sh starts
+    them (without torchrun); returns their exit codes and the time the run took."""
     run_dir.mkdir(parents=True)
     config = tiny(run_dir, {"train.max_steps": steps, "recovery.heal": "in_place", "recovery.fault_inject": fault,
                             "logging.record_samples": True, "checkpoint.every_steps": 4, "data.batch_size": 4,
@@ -47,14 +46,11 @@ def heal_run(run_dir: Path, fault: str = "", *, steps: int = STEPS, restart: int
 
     procs = [start(r) for r in range(REPLICAS)]
     try:
-        if restart is not None:
-            first = procs[restart].wait(timeout=240)
-            procs[restart] = start(restart)
         codes = [p.wait(timeout=240) for p in procs]
     finally:
         for p in procs:
             p.kill()
-    return {"codes": codes, "s": time.monotonic() - started, **({"first": first} if restart is not None else {})}
+    return {"codes": codes, "s": time.monotonic() - started}
 
 
 def final_weights(run_dir: Path) -> dict:
@@ -100,17 +96,26 @@ def test_survivors_of_a_kill_9_heal_in_place_and_finish_the_run_unchanged(tmp_pa
 
 
 @pytest.mark.dist
-def test_a_killed_replica_started_again_rejoins_at_a_step_end_and_the_run_is_unchanged(tmp_path):
-    """Rank 1 is killed at step 5; the survivors heal to 2 ranks; its process, started again, asks to
-    join and the group grows back to 3 at the end of a step, the newcomer taking rank 0's state by
-    broadcast, not from disk. Every forward from step 6 on is slowed by 250 ms, so that the run
-    outlasts the newcomer's start (about 5 s here)."""
+def test_under_the_launcher_a_killed_rank_restarted_by_its_torchrun_rejoins_and_the_run_is_unchanged(tmp_path):
+    """launch_training.sh --heal --max-restarts 1: one torchrun job per rank and the run's store. Rank
+    1 is killed at step 5; the survivors heal to 2 ranks at once; its torchrun starts it again, it
+    asks to join, and the group grows back to 3 at the end of a step, the newcomer taking rank 0's
+    state by broadcast, not from disk. Every forward from step 6 on is slowed by 300 ms, so that the
+    run outlasts the newcomer's start (about 5 s here). Nothing is left running."""
     steps, slow = 45, "slow@step=6,ms=300,restart=*"
     whole = heal_run(tmp_path / "whole", steps=steps)  # the same arithmetic, without the delay
     assert whole["codes"] == [0] * REPLICAS
     run_dir = tmp_path / "rejoin"
-    run = heal_run(run_dir, f"sigkill@step=5,rank=1; {slow}", steps=steps, restart=1)
-    assert run["first"] == -9 and run["codes"] == [0] * REPLICAS, run
+    run_dir.mkdir()
+    config = json.loads((tmp_path / "whole" / "config.json").read_text())
+    config.update({"logging.dir": str(run_dir / "logs"), "checkpoint.dir": str(run_dir / "ck"),
+                   "recovery.fault_inject": f"sigkill@step=5,rank=1; {slow}"})
+    (run_dir / "config.json").write_text(json.dumps(config))
+    launched = subprocess.run([str(ROOT / "launch_training.sh"), "--cpu", "--nproc", str(REPLICAS), "--heal",
+                               "--max-restarts", "1", "--", "--config", str(run_dir / "config.json")],
+                              capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                              env={k: v for k, v in os.environ.items() if not k.startswith("HEAL_")})
+    assert launched.returncode == 0, launched.stderr[-3000:]
     text = logs(run_dir)
     assert text.count("generation 2 goes on with 2 of 3 ranks") == 2, text[-3000:]
     assert text.count("grew in place after step") == 2, text[-3000:]  # both members paused for the join
@@ -124,3 +129,5 @@ def test_a_killed_replica_started_again_rejoins_at_a_step_end_and_the_run_is_unc
     # trained twice moves the weights by about 1e-3.
     assert diff < 5e-5, diff
     assert samples_per_epoch(run_dir) == samples_per_epoch(tmp_path / "whole")
+    left = subprocess.run(["pgrep", "-f", str(run_dir / "config.json")], capture_output=True, text=True).stdout
+    assert left == "", left
