@@ -15,15 +15,23 @@ Variants (each a fresh run of --minutes, the same model and data):
   bench relaunches the same command at once (a scheduler's requeue);
 - ``node_loss``: 2 nodes x 1 process, ``--nnodes 1:2`` (c10d; node 0 hosts the store); every T s
   node 1 (its agent and worker, kill -9) is lost and a replacement node 1 is started at once: the
-  survivor re-forms the group alone, then grows back to 2 ranks when the new node joins.
+  survivor re-forms the group alone, then grows back to 2 ranks when the new node joins;
+- ``kill9_heal``: ``launch_training.sh --heal --max-restarts 100`` (recovery.heal=in_place, one
+  torchrun job per rank); every T s a kill -9 of replica 1's worker: the survivors go on in their
+  processes at once, and the worker its torchrun starts again rejoins at the end of a step;
+- ``kill9_heal_random``: the same, the kills at random (exponential intervals of mean T, seeded).
 
-Each recovery: seconds from the fault to the next new step line in rank 0's log, and the restarted
-rank 0's own account of its start-up (the "start-up took" line: interpreter and imports, process
+``--nproc`` sets the processes of the kill9 variants (2 by default). Besides the goodput (steps x
+step time / wall), each result has torchft's accounting: the steps weighted by the share of the
+replicas that took part (a step on 1 of 2 replicas counts 0.5), x step time / wall.
+
+Each recovery: seconds from the fault to rank 0's first step after it resumed (or healed in
+place), and to its next new step; and the restarted rank 0's own account of its start-up (the "start-up took" line: interpreter and imports, process
 group, model and data, checkpoint load, DDP preflight, first step).
 
-usage: python bench/goodput.py [--minutes 3] [--every 60]
-                               [--variants none,kill9_worker,kill9_worker_nosave,sigterm,node_loss]
-                               [--save-every 40] [--out goodput.json]
+usage: python bench/goodput.py [--minutes 3] [--every 60] [--nproc 2]
+                               [--variants none,kill9_worker,kill9_worker_nosave,sigterm,node_loss,kill9_heal,
+                                kill9_heal_random] [--save-every 40] [--out goodput.json]
 Run it alone: the figures are times on a 2-core machine.
 """
 
@@ -32,6 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -61,13 +70,14 @@ CONFIG = {"vocab_size": 64, "hidden_size": 96, "num_heads": 2, "num_layers": 2, 
 RDZV_CONF = "join_timeout=60,last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3"
 STEP_LINE = re.compile(r"step (\d+)/")
 STARTUP_LINE = re.compile(r"start-up took ([\d.]+) s to the end of the first step: (.*)")
+WORLD_LINE = re.compile(r"goes on with (\d+) of|trains on (\d+) ranks")
 
 
 class Job:
     """The agents of one variant's run, each in a session of its own."""
 
-    def __init__(self, variant: str, run_dir: Path):
-        self.variant, self.dir = variant, run_dir
+    def __init__(self, variant: str, run_dir: Path, nproc: int = 2):
+        self.variant, self.dir, self.nproc = variant, run_dir, nproc
         args = cli_args({**CONFIG, "logging.dir": str(run_dir / "logs"), "checkpoint.dir": str(run_dir / "ck"),
                          "checkpoint.save_on_peer_loss": variant != "kill9_worker_nosave"})
         self.port = free_port()
@@ -80,8 +90,12 @@ class Job:
             # As launch_training.sh sets them for a node range.
             self.env = worker_env({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
                                    "RDZV_STORE_ENDPOINT": f"c10d://127.0.0.1:{self.port}"})
+        elif variant.startswith("kill9_heal"):
+            self.cmds = [[str(ROOT / "launch_training.sh"), "--cpu", "--nproc", str(nproc), "--heal",
+                          "--max-restarts", "100", "--", *args]]
+            self.env = worker_env()
         else:
-            self.cmds = [torchrun_cmd(script, args, nproc=2, port=self.port, extra=["--max-restarts", "100"])]
+            self.cmds = [torchrun_cmd(script, args, nproc=nproc, port=self.port, extra=["--max-restarts", "100"])]
             self.env = worker_env()
         self.procs: list[subprocess.Popen | None] = [None] * len(self.cmds)
         self.launches = 0
@@ -93,10 +107,19 @@ class Job:
         self.launches += 1
 
     def workers(self, node: int) -> list[psutil.Process]:
+        """The training processes (torchrun's workers; under the launcher, its jobs' workers)."""
         try:
-            return [c for c in psutil.Process(self.procs[node].pid).children() if "RANK" in c.environ()]
+            children = psutil.Process(self.procs[node].pid).children(recursive=True)
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             return []
+        out = []
+        for child in children:
+            try:
+                if "RANK" in child.environ() and "ddp_training.py" in " ".join(child.cmdline()):
+                    out.append(child)
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                continue
+        return out
 
     def done(self) -> bool:
         return all(p is None or p.poll() is not None for p in self.procs)
@@ -114,14 +137,17 @@ def last_step(watch: LogWatch) -> int:
     return steps[-1] if steps else 0
 
 
-def run_variant(variant: str, minutes: float, every: float, workdir: Path, step_s: float | None) -> dict:
+def run_variant(variant: str, minutes: float, every: float, workdir: Path, step_s: float | None,
+                nproc: int = 2) -> dict:
     run_dir = workdir / variant
     (run_dir / "logs").mkdir(parents=True)
-    job, watch = Job(variant, run_dir), LogWatch(run_dir)
+    job, watch = Job(variant, run_dir, nproc), LogWatch(run_dir)
+    draw = random.Random(0)
+    interval = (lambda: draw.expovariate(1 / every)) if variant.endswith("_random") else (lambda: every)
     start = time.monotonic()
     for node in range(len(job.cmds)):
         job.start(node)
-    stop_at, next_fault = start + 60 * minutes, start + every
+    stop_at, next_fault = start + 60 * minutes, start + interval()
     faults: list[dict] = []
     victim = 1
     try:
@@ -138,6 +164,11 @@ def run_variant(variant: str, minutes: float, every: float, workdir: Path, step_
                         workers[victim].kill()
                         fault["what"] = f"kill -9 of rank {victim}"
                         victim = 1 - victim
+                elif variant.startswith("kill9_heal"):
+                    workers = {int(w.environ()["HEAL_REPLICA"]): w for w in job.workers(0)}
+                    if 1 in workers:  # replica 0 stays rank 0, whose log the bench reads
+                        workers[1].kill()
+                        fault["what"] = "kill -9 of replica 1"
                 elif variant == "sigterm":
                     workers = job.workers(0)
                     if workers:
@@ -154,7 +185,7 @@ def run_variant(variant: str, minutes: float, every: float, workdir: Path, step_
                 if "what" in fault:
                     fault["t"] = now
                     faults.append(fault)
-                next_fault = now + every
+                next_fault = now + interval()
             time.sleep(0.01)
         # The end: every worker saves and exits (a preemption), as at the end of an allocation.
         end = time.monotonic()
@@ -175,7 +206,8 @@ def run_variant(variant: str, minutes: float, every: float, workdir: Path, step_
         t = fault.pop("t")
         before = max([int(m.group(1)) for ts, r, line in watch.lines if ts < t and r == 0
                       and (m := STEP_LINE.search(line))] or [0])
-        resumed = next((ts for ts, r, line in watch.lines if ts >= t and r == 0 and "resumed from step" in line), None)
+        resumed = next((ts for ts, r, line in watch.lines if ts >= t and r == 0
+                        and ("resumed from step" in line or "healed in place at step" in line)), None)
         steps_after = [(ts, int(m.group(1))) for ts, r, line in watch.lines if ts >= t and r == 0
                        and (m := STEP_LINE.search(line))]
         first = next((ts for ts, _ in steps_after if resumed is not None and ts >= resumed), None)
@@ -195,8 +227,20 @@ def run_variant(variant: str, minutes: float, every: float, workdir: Path, step_
         times = [seen[k] for k in sorted(seen)]
         gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
         step_s = statistics.median(gaps)
+    # torchft's accounting: each step counts by the share of the replicas that took part in it.
+    world, weighted, counted = nproc, 0.0, set()
+    for _, r, line in watch.lines:
+        if r != 0:
+            continue
+        if m := WORLD_LINE.search(line):
+            world = int(m.group(1) or m.group(2))
+        elif (m := STEP_LINE.search(line)) and int(m.group(1)) not in counted:
+            counted.add(int(m.group(1)))
+            weighted += world / nproc
+    weighted *= steps / max(len(counted), 1)  # the steps rank 0 did not log (none at log_interval 1)
     result = {"variant": variant, "wall_s": round(wall, 1), "steps": steps, "step_s": step_s,
-              "goodput": round(steps * step_s / wall, 4) if step_s else None, "faults": faults,
+              "goodput": round(steps * step_s / wall, 4) if step_s else None,
+              "goodput_torchft": round(weighted * step_s / wall, 4) if step_s else None, "faults": faults,
               "startup_first_launch": next((m.group(0) for _, r, line in watch.lines
                                             if r == 0 and (m := STARTUP_LINE.search(line))), None)}
     return result
@@ -211,10 +255,11 @@ def main() -> None:
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
     parser.add_argument("--baseline-minutes", type=float, default=0.0,
                         help="minutes of the fault-free run that gives the step time (default: --minutes)")
-    parser.add_argument("--save-every", type=int, default=CONFIG["save_every_steps"],
+    parser.add_argument("--nproc", type=int, default=2, help="processes of the kill9 variants")
+    parser.add_argument("--save-every", type=int, default=CONFIG["checkpoint.every_steps"],
                         help="steps between checkpoints (the work a fault loses is redone from the last one)")
     args = parser.parse_args()
-    CONFIG["save_every_steps"] = args.save_every
+    CONFIG["checkpoint.every_steps"] = args.save_every
     variants = args.variants.split(",")
     if variants[0] != "none":
         variants.insert(0, "none")  # the step time every goodput is computed with
@@ -223,7 +268,7 @@ def main() -> None:
     try:
         for variant in variants:
             minutes = args.baseline_minutes if variant == "none" and args.baseline_minutes else args.minutes
-            result = run_variant(variant, minutes, args.every, workdir, step_s)
+            result = run_variant(variant, minutes, args.every, workdir, step_s, args.nproc)
             step_s = result["step_s"]
             results.append(result)
             print(f"{variant}: {result['steps']} steps in {result['wall_s']} s, goodput {result['goodput']}, "
@@ -231,17 +276,17 @@ def main() -> None:
     finally:
         if not args.keep:
             shutil.rmtree(workdir, ignore_errors=True)
-    print("\n| variant | faults | steps | wall s | goodput | vs none | fault -> first step s (each) | "
-          "fault -> new progress s (each) |\n|---|---|---|---|---|---|---|---|")
+    print("\n| variant | faults | steps | wall s | goodput | torchft's accounting | vs none | fault -> first step s "
+          "(each) | fault -> new progress s (each) |\n|---|---|---|---|---|---|---|---|---|")
     baseline = results[0]["goodput"]
     for r in results:
         firsts = ", ".join(str(f.get("to_first_step_s")) for f in r["faults"]) or "-"
         news = ", ".join(str(f.get("to_new_progress_s")) for f in r["faults"]) or "-"
         r["vs_none"] = round(r["goodput"] / baseline, 4)
         print(f"| {r['variant']} | {len(r['faults'])} | {r['steps']} | {r['wall_s']} | {r['goodput']:.3f} | "
-              f"{r['vs_none']:.3f} | {firsts} | {news} |")
+              f"{r['goodput_torchft']:.3f} | {r['vs_none']:.3f} | {firsts} | {news} |")
     out = Path(args.out) if "/" in args.out else ROOT / "bench" / "results" / args.out
-    out.write_text(json.dumps({"minutes": args.minutes, "every_s": args.every, "config": CONFIG,
+    out.write_text(json.dumps({"minutes": args.minutes, "every_s": args.every, "nproc": args.nproc, "config": CONFIG,
                                "machine": f"{os.cpu_count()} CPUs", "results": results}, indent=2) + "\n")
     print(f"wrote {out}")
 

@@ -200,7 +200,8 @@ class DDPTrainer:
         self.loss_fn = lm_loss if model is None and loss_fn is None else loss_fn
         given = None
         if process_group.joining():  # a replica started again: the model and data are built, now it joins
-            self.env, given = process_group.join_running(self.config.ddp.backend, self.config.ddp.timeout_s)
+            self.env, given = process_group.join_running(self.config.ddp.backend, self.config.ddp.timeout_s,
+                                                         stop=lambda: self._preemption.requested is not None)
             self._joined = True
             self.log_path = setup_logging(self.env.rank, self.config.logging.dir, debug=self._debug,
                                           file_rank=process_group.MEMBERSHIP.replica)

@@ -107,9 +107,10 @@ class Membership:
             return newest, False
         return None, True
 
-    def join(self, timeout_s: float) -> Generation:
+    def join(self, timeout_s: float, stop=lambda: False) -> Generation:
         """Ask to join (``join/<replica>``) and wait for the generation that takes this replica in
-        (rank 0 proposes it at the end of a step: ``grow``)."""
+        (rank 0 proposes it at the end of a step: ``grow``). ``stop()`` true (a preemption signal):
+        withdraw and end."""
         self.store.set(f"join/{self.replica}", str(os.getpid()))
         newest = self.newest()
         deadline = time.monotonic() + timeout_s
@@ -117,6 +118,10 @@ class Membership:
             if self.store.check(["finished"]):
                 raise RunFinished(f"replica {self.replica}: the run finished at step "
                                   f"{self.store.get('finished').decode()} before it could join: nothing to do")
+            if stop():
+                self.store.delete_key(f"join/{self.replica}")
+                if not self.store.check([f"members/{newest.number + 1}"]) or self.replica not in self.newest().members:
+                    raise RunFinished(f"replica {self.replica}: stopped (a signal) while waiting to join the run")
             newest = self.newest(after=newest.number)
             if self.replica in newest.members and not self.store.check([f"formed/{newest.number}/{self.replica}"]):
                 return newest

@@ -268,10 +268,11 @@ def joining() -> bool:
     return MEMBERSHIP is not None and GENERATION is None
 
 
-def join_running(backend: str, timeout_s: float) -> tuple[DistEnv, dict]:
+def join_running(backend: str, timeout_s: float, stop=lambda: False) -> tuple[DistEnv, dict]:
     """A replica started again joins the running generation: it asks, is taken in at the end of a
-    step, and receives the state the members hold by broadcast (theirs: DDPTrainer._grow)."""
-    env = form(MEMBERSHIP.join(timeout_s), backend, timeout_s)
+    step, and receives the state the members hold by broadcast (theirs: DDPTrainer._grow).
+    ``stop()``: give up waiting (a preemption signal), ending with RunFinished."""
+    env = form(MEMBERSHIP.join(timeout_s, stop), backend, timeout_s)
     state, _ = newest_state(None, -1, rank=env.rank, world_size=env.world_size)
     return env, state
 
