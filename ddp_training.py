@@ -13,6 +13,7 @@ import faulthandler
 import logging
 import os
 import sys
+import traceback
 
 # The parent (the agent under torchrun), read before the next import loads torch (seconds): see
 # framework.ddp.process_group.die_with_parent.
@@ -105,7 +106,14 @@ def cli() -> None:
     if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun worker (--check-config and --help import no torch)
         from framework.ddp.process_group import die_with_parent
         die_with_parent(LAUNCHER_PID)
-    code = main()
+    try:
+        code = main()
+    except BaseException:
+        collectives = sys.modules.get("framework.ddp.collectives")
+        if collectives is None or not collectives.PARKED:
+            raise
+        traceback.print_exc()  # then end without freeing the parked groups (see exit_if_parked)
+        code = 1
     if "framework.ddp.collectives" in sys.modules:
         from framework.ddp.collectives import exit_if_parked
         exit_if_parked(code)

@@ -309,7 +309,7 @@ else
   # a job when one fails, which is why torchft too runs each replica group as a job of its own).
   port_file=$(mktemp)
   rm -f "$port_file"
-  (cd "$here" && exec "$python" -m framework.ddp.run_store "$port_file") &
+  (cd "$here" && detached "$python" -m framework.ddp.run_store "$port_file") &
   store_pid=$!
   for _ in $(seq 600); do [[ -s "$port_file" ]] && break; kill -0 "$store_pid" 2>/dev/null || break; sleep 0.05; done
   [[ -s "$port_file" ]] || die "--heal: the run's store did not start"
@@ -362,13 +362,18 @@ while kill -0 "$child" 2>/dev/null; do
 done
 wait "$child" && status=0 || status=$?
 if [[ $heal -eq 1 ]]; then
-  # The run finished if any rank's job did (its rank ends 0 only after the final save every member
-  # agreed on); else the first job's failure stands.
+  # The run finished when a rank's job ended 0 and the final model was written by this launch (a
+  # replica stopped while it waited to join ends 0 too); else the first failure stands.
+  any_ok=$(( status == 0 ))
   for other in "${children[@]:1}"; do
     while kill -0 "$other" 2>/dev/null; do wait "$other" || true; done
     wait "$other" && other_status=0 || other_status=$?
-    [[ $status -eq 0 || $other_status -ne 0 ]] || status=0
+    [[ $other_status -ne 0 ]] || any_ok=1
+    [[ $status -ne 0 || $other_status -eq 0 ]] || status=$other_status
   done
+  if [[ $any_ok -eq 1 && -f "$final" && "$final" -nt "$stamp" ]]; then
+    status=0
+  fi
   kill -s TERM "$store_pid" 2>/dev/null || true
   wait "$store_pid" || true
 fi

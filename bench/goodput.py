@@ -25,9 +25,10 @@ Variants (each a fresh run of --minutes, the same model and data):
 step time / wall), each result has torchft's accounting: the steps weighted by the share of the
 replicas that took part (a step on 1 of 2 replicas counts 0.5), x step time / wall.
 
-Each recovery: seconds from the fault to rank 0's first step after it resumed (or healed in
-place), and to its next new step; and the restarted rank 0's own account of its start-up (the "start-up took" line: interpreter and imports, process
-group, model and data, checkpoint load, DDP preflight, first step).
+Each recovery: seconds from the fault to rank 0's first step after it resumed (or healed in place),
+and to its next new step; and the restarted rank 0's own account of its start-up (the "start-up
+took" line: interpreter and imports, process group, model and data, checkpoint load, DDP preflight,
+first step).
 
 usage: python bench/goodput.py [--minutes 3] [--every 60] [--nproc 2]
                                [--variants none,kill9_worker,kill9_worker_nosave,sigterm,node_loss,kill9_heal,

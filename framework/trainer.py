@@ -217,6 +217,9 @@ class DDPTrainer:
         self.precision = Precision(self.config.precision, device=self.env.device)
         self.optimizer, self.schedule = optimizer_and_schedule(self.config, self.raw_model, *self._user_optim)
         self._build_data()
+        if process_group.MEMBERSHIP is not None and getattr(self.stream, "stateful", False):
+            raise FatalError("recovery.heal=in_place: the stream's dataset has a state of each rank's, which a "
+                             "heal cannot hand to other ranks; allowed with such a stream: recovery.heal=restart")
         self._startup.mark("model and data")
         state = self._restore(load=not doctor, given=given)
         self._startup.mark("checkpoint load")
@@ -328,7 +331,8 @@ class DDPTrainer:
         # A heal counts as a restart: a planned fault fires in the first generation only.
         self.faults = FaultPlan(cfg.recovery.fault_inject, env.rank,
                                 process_group.group_restarts() + self._heals + self._joined)
-        self.peers = PeerMonitor(cfg.recovery, env=env, store=process_group.STORE, checkpoint_dir=cfg.checkpoint.dir)
+        self.peers = PeerMonitor(cfg.recovery, env=env, store=process_group.STORE, checkpoint_dir=cfg.checkpoint.dir,
+                                 on_silent=process_group.stop_silent_peer if process_group.MEMBERSHIP else None)
         for listener in (self.peers, self.step_start_buffers, self.watchdog, self.stragglers, self.spike_guard,
                          self.faults, self.callbacks, self._startup, self.consistency):
             self.events.attach(listener)
@@ -582,6 +586,8 @@ class DDPTrainer:
         and rebuild what depends on the world size (framework/ddp/heal.py)."""
         started, lost_in = time.monotonic(), healing.step + 1
         old = self.env
+        # The failed step's frames (its activations and autograd graph) go now, not after the rebuild.
+        healing.__traceback__ = healing.cause = healing.__cause__ = healing.__context__ = None
         self._stop_run_health()
         process_group.release_ddp_holders(dist.group.WORLD)
         self._drop_ddp_wrapper()
@@ -602,26 +608,28 @@ class DDPTrainer:
         (``newest_state``), which take it in ``process_group.setup``."""
         started, old = time.monotonic(), self.env
         membership = process_group.MEMBERSHIP
-        joiners = membership.joiners(process_group.GENERATION) if self.env.is_main else []
-        model_state, _ = self._survivor_model_state(on_disk=False)
-        state = self.checkpointer.survivor_state(model_state=model_state or self.raw_model.state_dict())
+        joiners = membership.joiners(process_group.GENERATION) if self.env.is_main else None
+        state = self.checkpointer.survivor_state(model_state=self.raw_model.state_dict())  # the step is done
         self._stop_run_health()
         process_group.release_ddp_holders(dist.group.WORLD)
         self._drop_ddp_wrapper()
         stopped = time.monotonic()
         generation = membership.grow(process_group.GENERATION, joiners)
         self._regrouped = "grew in place at"
-        self._regroup(generation, state, self.step)
+        self._regroup(generation, state, self.step, broken=False)
         log.warning("grew in place after step %d: generation %d trains on %d ranks (was %d; this rank %d -> %d); the "
                     "members paused %.2f s (stopping %.2f s, the group formed %.2f s, the state sent and the rest "
                     "rebuilt %.2f s)", self.step, generation.number, self.env.world_size, old.world_size, old.rank,
                     self.env.rank, time.monotonic() - started, stopped - started, self._formed_at - stopped,
                     time.monotonic() - self._formed_at)
 
-    def _regroup(self, generation, state: dict | None, step: int) -> int:
-        """Form ``generation``'s group, take the newest state a member holds (this rank's ``state``
-        of ``step``, or a newer one's) and rebuild around it; returns the rank it came from."""
-        self.env = process_group.form(generation, self.config.ddp.backend, self.config.ddp.timeout_s)
+    def _regroup(self, generation, state: dict | None, step: int, *, broken: bool = True) -> int:
+        """Form ``generation``'s group (``broken``: the old one failed, and is parked), take the
+        newest state a member holds (this rank's ``state`` of ``step``, or a newer one's) and
+        rebuild around it; returns the rank it came from. A member that does not come within
+        ``FORM_TIMEOUT_S`` fails the formation: every rank then restarts from the checkpoint."""
+        self.env = process_group.form(generation, self.config.ddp.backend,
+                                      min(self.config.ddp.timeout_s, process_group.FORM_TIMEOUT_S), broken=broken)
         self._formed_at = time.monotonic()
         self.log_path = setup_logging(self.env.rank, self.config.logging.dir, debug=self._debug,
                                       file_rank=process_group.MEMBERSHIP.replica)

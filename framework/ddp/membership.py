@@ -22,6 +22,9 @@ import torch.distributed as dist
 from .collectives import park
 
 PREFIX = "ddp_framework/heal/"
+RESTART_SETTLE_S = 2.0
+"""When every member is dead, how long the replicas that ask to join wait for the others to ask
+too before they form the next generation among themselves (and resume from the checkpoint)."""
 SLOT_ENV = ("HEAL_STORE", "HEAL_REPLICA", "HEAL_REPLICAS")
 """Where a process of a run that heals in place learns its place: the run's store (HOST:PORT, a
 TCPStore that outlives every training process), its replica (0..N-1) and the first generation's
@@ -103,59 +106,86 @@ class Membership:
         newest = self.newest()
         if newest is None:
             return self.propose(1, range(replicas)), False
-        if self.replica in newest.members and not self.store.check([f"formed/{newest.number}/{self.replica}"]):
+        # A generation this replica was to form and never did: the first, or a restart's, it forms
+        # as its members do, from the start; any other (a heal's, a grow's) it joins.
+        cold = newest.number == 1 or self.store.check([f"restart/{newest.number}"])
+        if cold and self.replica in newest.members and not self.store.check([f"formed/{newest.number}/{self.replica}"]):
             return newest, False
         return None, True
 
-    def join(self, timeout_s: float, stop=lambda: False) -> Generation:
+    def join(self, timeout_s: float, stop=lambda: False) -> tuple[Generation, bool]:
         """Ask to join (``join/<replica>``) and wait for the generation that takes this replica in
-        (rank 0 proposes it at the end of a step: ``grow``). ``stop()`` true (a preemption signal):
-        withdraw and end."""
+        (rank 0 proposes it at the end of a step: ``grow``); returns it, and True when it is a
+        restart instead: every member of the newest generation is known dead (each exited after an
+        error no heal covers), so the replicas that asked form the next one, to resume from the
+        run's checkpoint. ``stop()`` true (a preemption signal): withdraw and end."""
         self.store.set(f"join/{self.replica}", str(os.getpid()))
         newest = self.newest()
         deadline = time.monotonic() + timeout_s
+        orphaned_at = None
         while True:
             if self.store.check(["finished"]):
                 raise RunFinished(f"replica {self.replica}: the run finished at step "
                                   f"{self.store.get('finished').decode()} before it could join: nothing to do")
-            if stop():
-                self.store.delete_key(f"join/{self.replica}")
-                if not self.store.check([f"members/{newest.number + 1}"]) or self.replica not in self.newest().members:
-                    raise RunFinished(f"replica {self.replica}: stopped (a signal) while waiting to join the run")
             newest = self.newest(after=newest.number)
             if self.replica in newest.members and not self.store.check([f"formed/{newest.number}/{self.replica}"]):
-                return newest
+                self.store.delete_key(f"join/{self.replica}")
+                return newest, self.store.check([f"restart/{newest.number}"])
+            if stop():
+                self.store.delete_key(f"join/{self.replica}")
+                raise RunFinished(f"replica {self.replica}: stopped (a signal) while waiting to join the run")
+            if all(self.gone(m, newest) for m in newest.members if m != self.replica):
+                orphaned_at = orphaned_at or time.monotonic()
+                asked = [r for r in range(self.replicas) if self.store.check([f"join/{r}"])]
+                if len(asked) == self.replicas or time.monotonic() - orphaned_at > RESTART_SETTLE_S:
+                    # Before the proposal, so that whoever reads it reads this too.
+                    self.store.set(f"restart/{newest.number + 1}", "1")
+                    proposed = self.propose(newest.number + 1, asked)
+                    for r in proposed.members:
+                        self.store.delete_key(f"join/{r}")
+                    continue
             if time.monotonic() > deadline:
                 raise TimeoutError(f"replica {self.replica} asked to join the run and no generation took it in "
                                    f"within {timeout_s:.0f} s (the newest: {newest.number}, {list(newest.members)})")
             time.sleep(0.01)
+
+    def restarts(self, upto: int) -> int:
+        """How many generations up to ``upto`` were restarts (every member had died, and the run
+        resumed from its checkpoint): the same count for every member of a generation."""
+        return sum(self.store.check([f"restart/{n}"]) for n in range(2, upto + 1))
 
     def finish(self, step: int) -> None:
         """Rank 0, at the run's end: a replica that asks to join from now on ends (``RunFinished``)."""
         self.store.set("finished", str(step))
 
     def joiners(self, generation: Generation) -> list[int]:
-        """The replicas outside ``generation`` that ask to join (rank 0 looks at each step)."""
+        """The replicas outside ``generation`` that ask to join and are not known dead (rank 0
+        looks at each step)."""
         return [r for r in range(getattr(self, "replicas", 0)) if r not in generation.members
-                and self.store.check([f"join/{r}"])]
+                and self.store.check([f"join/{r}"]) and not self.gone(r)]
 
-    def grow(self, generation: Generation, joiners: list[int]) -> Generation:
-        """The next generation: ``generation``'s members (their ranks kept) and then ``joiners``;
-        proposed by the caller (rank 0), read by the others (``joiners`` empty)."""
+    def grow(self, generation: Generation, joiners: list[int] | None) -> Generation:
+        """The next generation: ``generation``'s members (their ranks kept) and then ``joiners``
+        (perhaps none: a joiner may have left since); proposed by rank 0 (``joiners`` a list), read
+        by the others (None)."""
         number = generation.number + 1
-        if not joiners:
+        if joiners is None:
             return self.wait_for(number)
         proposed = self.propose(number, [*generation.members, *sorted(joiners)])
         for r in joiners:
             self.store.delete_key(f"join/{r}")
         return proposed
 
-    def gone(self, replica: int) -> bool:
-        """Whether ``replica``'s process is known dead: it ran on this host and its pid is gone (or a
-        zombie). A replica on another host is never known so: it is waited for."""
-        if not self.store.check([f"where/{replica}"]):
+    def gone(self, replica: int, generation: Generation | None = None) -> bool:
+        """Whether ``replica``'s process is known dead: the process that formed ``generation`` (or
+        its newest process, without one) ran on this host and its pid is gone (or a zombie). A
+        replica on another host is never known so: it is waited for."""
+        key = f"formed/{generation.number}/{replica}" if generation is not None else f"where/{replica}"
+        if generation is not None and not self.store.check([key]):
+            key = f"where/{replica}"
+        if not self.store.check([key]):
             return False
-        host, _, pid = self.store.get(f"where/{replica}").decode().partition(" ")
+        host, _, pid = self.store.get(key).decode().partition(" ")
         if host != socket.gethostname():
             return False
         try:
@@ -163,7 +193,8 @@ class Membership:
                 stat = f.read()
         except (FileNotFoundError, ProcessLookupError):
             return True
-        return stat[stat.rindex(b")") + 2:stat.rindex(b")") + 3] in (b"Z", b"X")
+        # dead, or stopped (SIGSTOP): a stopped member takes part in nothing until it is killed
+        return stat[stat.rindex(b")") + 2:stat.rindex(b")") + 3] in (b"Z", b"X", b"T")
 
     def after_loss(self, generation: Generation, wait_s: float) -> Generation:
         """The generation after ``generation`` lost a member: this replica says it is alive, waits
@@ -176,7 +207,7 @@ class Membership:
         others = [m for m in generation.members if m != self.replica]
         while not self.store.check([f"members/{number}"]):
             said = {m for m in others if self.store.check([f"alive/{number}/{m}"])}
-            if all(m in said or self.gone(m) for m in others) or time.monotonic() > deadline:
+            if all(m in said or self.gone(m, generation) for m in others) or time.monotonic() > deadline:
                 return self.propose(number, [m for m in generation.members if m == self.replica or m in said])
             time.sleep(0.005)
         return self.wait_for(number)
@@ -221,5 +252,5 @@ class Membership:
         dist.init_process_group(backend, store=group_store, rank=rank, world_size=generation.world_size,
                                 timeout=datetime.timedelta(seconds=timeout_s))
         self.formed_s = time.monotonic() - started
-        self.store.set(f"formed/{generation.number}/{self.replica}", "1")
+        self.store.set(f"formed/{generation.number}/{self.replica}", f"{socket.gethostname()} {os.getpid()}")
         return rank

@@ -467,15 +467,15 @@ def _switched_in_probe(model: nn.Module, batches: list, loss_fn, autocast, plan:
     first probe ran partly reentrant."""
     before = plan.mode if plan is not None else None
     report = _agreed_probe(model, batches, loss_fn, autocast)
-    if before != "reentrant":
-        return report, ""
-    switched = torch.tensor([float(plan.mode != before)])
+    # Every rank takes part, whatever its plan: a replica joining a run in place probes a fresh,
+    # reentrant plan where the members' switched at their start.
+    switched = torch.tensor([float(before == "reentrant" and plan.mode != before)])
     if dist.is_available() and dist.is_initialized():
         switched = switched.to("cuda" if dist.get_backend() == "nccl" else "cpu")
         dist.all_reduce(switched, op=dist.ReduceOp.MAX)
     if not switched.item():
         return report, ""
-    if plan.mode == before:
+    if plan is not None and plan.mode == "reentrant":
         plan.switch_to_non_reentrant("another rank's probe switched it")
     return _agreed_probe(model, batches, loss_fn, autocast), plan.switched_because
 

@@ -206,6 +206,8 @@ def setup(backend: str = "auto", timeout_s: float = 600.0, *, rank: int | None =
     die_with_parent()
     slot = Slot.from_env(os.environ)
     if slot is not None:
+        global _LOG_DIR
+        _LOG_DIR = log_dir
         return _join_in_place(slot, backend, timeout_s)
     rank, local_rank, world_size, local_world_size = read_env(rank, world_size)
     cuda = torch.cuda.is_available()
@@ -263,16 +265,44 @@ def _join_in_place(slot, backend: str, timeout_s: float) -> DistEnv:
     return env
 
 
+def stop_silent_peer(rank: int) -> None:
+    """A run that heals in place: SIGKILL the process of ``rank`` (of this generation) if it runs on
+    this host. A frozen member (SIGSTOP) takes part in nothing and would be waited for; killed,
+    its torchrun starts it again, and the run re-forms (every member restarts on a silent peer)."""
+    import signal
+    import socket
+
+    replica = GENERATION.members[rank]
+    key = f"formed/{GENERATION.number}/{replica}"
+    if not MEMBERSHIP.store.check([key]):
+        return
+    host, _, pid = MEMBERSHIP.store.get(key).decode().partition(" ")
+    if host == socket.gethostname() and pid.isdigit() and int(pid) != os.getpid():
+        log.error("rank %d (replica %d, pid %s) is silent: killing it so that its torchrun starts it again",
+                  rank, replica, pid)
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def joining() -> bool:
     """Whether this process is to join a running generation (its DistEnv is provisional: rank -1)."""
     return MEMBERSHIP is not None and GENERATION is None
 
 
-def join_running(backend: str, timeout_s: float, stop=lambda: False) -> tuple[DistEnv, dict]:
+def join_running(backend: str, timeout_s: float, stop=lambda: False) -> tuple[DistEnv, dict | None]:
     """A replica started again joins the running generation: it asks, is taken in at the end of a
-    step, and receives the state the members hold by broadcast (theirs: DDPTrainer._grow).
-    ``stop()``: give up waiting (a preemption signal), ending with RunFinished."""
-    env = form(MEMBERSHIP.join(timeout_s, stop), backend, timeout_s)
+    step, and receives the state the members hold by broadcast (theirs: DDPTrainer._grow); or,
+    when no member is left, it forms the next generation with the others that asked, and the
+    state is None: the run resumes from its checkpoint, as a restart does. ``stop()``: give up
+    waiting (a preemption signal), ending with RunFinished."""
+    generation, restart = MEMBERSHIP.join(timeout_s, stop)
+    env = form(generation, backend, timeout_s)
+    if restart:
+        log.warning("no member of the run was left: generation %d (replicas %s) resumes from the checkpoint",
+                    generation.number, list(generation.members))
+        return env, None
     state, _ = newest_state(None, -1, rank=env.rank, world_size=env.world_size)
     return env, state
 
@@ -283,15 +313,26 @@ def _local_slot() -> int:
         MEMBERSHIP.replica
 
 
-def form(generation, backend: str, timeout_s: float) -> DistEnv:
+_LOG_DIR = "logs"  # where NCCL's flight recorder dumps, for a run that heals in place
+FORM_TIMEOUT_S = 60.0
+"""How long the members of a new generation wait for each other after a heal or a grow."""
+
+
+def form(generation, backend: str, timeout_s: float, *, broken: bool = True) -> DistEnv:
     """Make ``generation``'s group this process's (a run that heals in place); its DistEnv. One
-    node: a replica's device is its own local rank, whatever its rank in the generation."""
+    node: a replica's device is its own local rank, whatever its rank in the generation.
+    ``broken``: the previous group failed (it is parked, never freed), else it is destroyed."""
     global GENERATION, STORE
     cuda = torch.cuda.is_available()
     device = select_device(_local_slot(), cuda, torch.cuda.device_count() if cuda else 0)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     chosen = choose_backend(backend, cuda)
+    if chosen == "nccl":
+        os.environ.update(nccl_environment(_LOG_DIR, os.environ))
+    if not broken and dist.is_initialized():
+        release_ddp_holders(dist.group.WORLD)
+        dist.destroy_process_group()
     rank = MEMBERSHIP.form(generation, chosen, timeout_s)
     GENERATION = generation
     STORE = dist.PrefixStore(f"generation/{generation.number}/", MEMBERSHIP.store)
@@ -333,7 +374,10 @@ def agent_restarts_left() -> int:
 
 def group_restarts() -> int:
     """How many times this launch's worker group has been restarted, the same on every rank: the
-    agreed store generation under torchrun (see ``agree_generation``), else the restart count."""
+    agreed store generation under torchrun (see ``agree_generation``), the run store's count of
+    restarts from the checkpoint in a run that heals in place, else the restart count."""
+    if GENERATION is not None:
+        return MEMBERSHIP.restarts(GENERATION.number)
     return STORE_GENERATION - 1 if STORE_GENERATION is not None else agent_restarts()
 
 

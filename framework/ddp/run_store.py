@@ -21,8 +21,10 @@ def serve(port_file: Path, host: str = "127.0.0.1") -> None:
     """Host the store on a free port of ``host``, write the port into ``port_file`` (atomically),
     and serve until SIGTERM or SIGINT."""
     stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    # Ctrl-C reaches the whole terminal: the store outlives the members' preemption saves, and the
+    # launcher stops it (SIGTERM) once every rank's job has ended.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, use_libuv=True)
     atomic.write_bytes(port_file, str(store.port).encode())
     stop.wait()

@@ -131,3 +131,35 @@ def test_under_the_launcher_a_killed_rank_restarted_by_its_torchrun_rejoins_and_
     assert samples_per_epoch(run_dir) == samples_per_epoch(tmp_path / "whole")
     left = subprocess.run(["pgrep", "-f", str(run_dir / "config.json")], capture_output=True, text=True).stdout
     assert left == "", left
+
+
+@pytest.mark.dist
+def test_a_loss_outside_a_step_restarts_every_rank_from_the_checkpoint_through_the_run_store(tmp_path):
+    """A kill -9 of rank 1 in the evaluation after step 4 (before that step's checkpoint) is not
+    healed in place: the survivors' evaluation fails, they exit 75, and every rank's torchrun starts
+    it again. With no member of generation 1 left, the three form generation 2 among themselves and
+    resume from the checkpoint of step 2, as recovery.heal=restart would: the run ends as the
+    uninterrupted one."""
+    whole = heal_run(tmp_path / "whole")
+    assert whole["codes"] == [0] * REPLICAS
+    run_dir = tmp_path / "eval"
+    run_dir.mkdir()
+    config = json.loads((tmp_path / "whole" / "config.json").read_text())
+    config.update({"logging.dir": str(run_dir / "logs"), "checkpoint.dir": str(run_dir / "ck"),
+                   "eval.interval": 4, "checkpoint.every_steps": 2,
+                   "recovery.fault_inject": "sigkill@step=4,rank=1,at=eval"})
+    (run_dir / "config.json").write_text(json.dumps(config))
+    launched = subprocess.run([str(ROOT / "launch_training.sh"), "--cpu", "--nproc", str(REPLICAS), "--heal",
+                               "--max-restarts", "1", "--", "--config", str(run_dir / "config.json")],
+                              capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                              env={k: v for k, v in os.environ.items() if not k.startswith("HEAL_")})
+    assert launched.returncode == 0, launched.stderr[-3000:]
+    text = logs(run_dir)
+    assert "healed in place" not in text
+    assert "no member of the run was left: generation 2 (replicas [0, 1, 2]) resumes from the checkpoint" in text
+    assert text.count("resumed from step 2 ") == 3, text[-3000:]
+    summary = json.loads((run_dir / "logs" / "summary.json").read_text())
+    assert (summary["steps"], summary["world_size"]) == (STEPS, REPLICAS)
+    reference, weights = final_weights(tmp_path / "whole"), final_weights(run_dir)
+    assert max((weights[k].float() - reference[k].float()).abs().max().item() for k in reference) < 1e-5
+    assert samples_per_epoch(run_dir) == samples_per_epoch(tmp_path / "whole")

@@ -136,3 +136,53 @@ def test_after_a_loss_the_survivors_agree_at_once_when_the_lost_process_is_known
     started = time.monotonic()
     assert first[0].after_loss(seen[0], wait_s=0.5) == Generation(3, (0,))
     assert 0.5 <= time.monotonic() - started < 5
+
+
+def dead_pid() -> int:
+    process = subprocess.Popen([sys.executable, "-c", "pass"])
+    process.wait()
+    return process.pid
+
+
+def test_a_replica_started_again_forms_only_a_first_or_restart_generation_and_joins_any_other():
+    """Listed in an unformed generation 1 (it died before forming it), a replica forms it as its
+    members do; listed in an unformed heal or grow generation, it joins (its members are past their
+    start); a replica started after everyone of the newest generation died forms the next one with
+    the others that asked: a restart, counted the same for all."""
+    import socket
+
+    store = dist.HashStore()
+    a, b = Membership(store, 0), Membership(store, 1)
+    assert a.start(2) == (Generation(1, (0, 1)), False)
+    assert b.start(2) == (Generation(1, (0, 1)), False)  # listed, never formed: it forms it
+    for m in (a, b):
+        m.store.set(f"formed/1/{m.replica}", f"{socket.gethostname()} {dead_pid()}")
+    a.propose(2, [0, 1])  # a heal's generation, formed by nobody yet
+    assert Membership(store, 1).start(2) == (None, True)  # it joins
+    again = [Membership(store, r) for r in (0, 1)]
+    for m in again:
+        m.replicas = 2
+    for m in (a, b):
+        m.store.set(f"formed/2/{m.replica}", f"{socket.gethostname()} {dead_pid()}")
+    seen = []
+    threads = [threading.Thread(target=lambda m=m: seen.append(m.join(30))) for m in again]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert seen == [(Generation(3, (0, 1)), True)] * 2 and again[0].restarts(3) == again[1].restarts(3) == 1
+
+
+def test_rank_0_grows_only_with_joiners_that_live_and_proposes_even_with_none():
+    import os
+    import socket
+
+    store = dist.HashStore()
+    rank0, other = Membership(store, 0), Membership(store, 1)
+    gen = rank0.start(3)[0]
+    rank0.store.set("join/2", "1")
+    rank0.store.set("where/2", f"{socket.gethostname()} {dead_pid()}")
+    assert rank0.joiners(Generation(1, (0, 1))) == []  # its process is dead: not taken in
+    rank0.store.set("where/2", f"{socket.gethostname()} {os.getpid()}")
+    assert rank0.joiners(Generation(1, (0, 1))) == [2]
+    assert rank0.grow(Generation(4, (0, 1)), []) == Generation(5, (0, 1))  # the joiner left: the same members
+    assert other.grow(Generation(4, (0, 1)), None) == Generation(5, (0, 1))
+    assert gen.number == 1
