@@ -25,6 +25,8 @@ usage: ./launch_training.sh [options] [-- ddp_training.py flags]
       --heal                heal in place (recovery.heal=in_place, one node): each rank is a torchrun
                             job of its own; when one dies, the others go on at once in their
                             processes, and its restart (--max-restarts) rejoins them at a step's end
+      --spares K            with --heal: K of the processes (--nproc, or --gpus: the last K ids) wait,
+                            model and data built, and step in at once for a lost rank (default 0)
       --nnodes N|MIN:MAX    number of nodes (multi-node, with --rdzv-endpoint and --rdzv-id); a range
                             is elastic: with --max-restarts, the run continues on the nodes left
                             after a node is lost (the global batch kept), and grows back when a
@@ -68,7 +70,7 @@ gpu_count() { "$python" -c 'import torch; print(torch.cuda.device_count())' 2>/d
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 python="${PYTHON:-python3}"
-gpus="" cpu=0 nproc="" test_mode=0 debug=0 heal=0
+gpus="" cpu=0 nproc="" test_mode=0 debug=0 heal=0 spares=0
 max_restarts="" nnodes="" rdzv_endpoint="" rdzv_id="" rdzv_backend=c10d join_timeout=60 last_call=5 rejoin_timeout=15
 train_args=()
 
@@ -88,6 +90,7 @@ while [[ $# -gt 0 ]]; do
     --doctor) train_args+=(--doctor); shift ;;
     --max-restarts) need_value "$@"; max_restarts="$2"; shift 2 ;;
     --heal) heal=1; shift ;;
+    --spares) need_value "$@"; spares="$2"; shift 2 ;;
     --nnodes) need_value "$@"; nnodes="$2"; shift 2 ;;
     --rdzv-endpoint) need_value "$@"; rdzv_endpoint="$2"; shift 2 ;;
     --rdzv-id) need_value "$@"; rdzv_id="$2"; shift 2 ;;
@@ -151,6 +154,8 @@ min_nodes=${nnodes%%:*} max_nodes=${nnodes##*:}
 [[ "$last_call" =~ ^[1-9][0-9]*$ ]] || die "--rdzv-last-call '$last_call': must be a positive integer"
 [[ "$rejoin_timeout" =~ ^[1-9][0-9]*$ ]] ||
   die "--rdzv-rejoin-timeout '$rejoin_timeout': must be a positive integer"
+[[ "$spares" =~ ^[0-9]+$ ]] || die "--spares '$spares': must be a non-negative integer"
+[[ $spares -eq 0 || $heal -eq 1 ]] || die "--spares: only with --heal (a spare steps in for a rank lost in place)"
 [[ $heal -eq 0 || ( $max_nodes -eq 1 && $platform == host ) ]] ||
   die "--heal: one node, outside SLURM and Kubeflow for now (docs/fault-tolerance.md, Heal in place)"
 if [[ $max_nodes -gt 1 && $platform != kubernetes ]]; then
@@ -227,8 +232,9 @@ if [[ $debug -eq 1 ]]; then
   fi
 fi
 
+[[ $spares -lt $nproc ]] || die "--spares $spares: must be fewer than the $nproc processes (the rest train)"
 # WORLD_SIZE: the check refuses data that cannot fill one global batch of every rank.
-checkpoint_dir=$(WORLD_SIZE=$(( nproc * max_nodes )) "$python" "$here/ddp_training.py" --check-config "${train_args[@]}") ||
+checkpoint_dir=$(WORLD_SIZE=$(( (nproc - spares) * max_nodes )) "$python" "$here/ddp_training.py" --check-config "${train_args[@]}") ||
   exit $?
 
 nproc_flag=(--nproc-per-node "$nproc")
@@ -314,7 +320,7 @@ else
   for _ in $(seq 600); do [[ -s "$port_file" ]] && break; kill -0 "$store_pid" 2>/dev/null || break; sleep 0.05; done
   [[ -s "$port_file" ]] || die "--heal: the run's store did not start"
   HEAL_STORE="127.0.0.1:$(cat "$port_file")"
-  export HEAL_STORE HEAL_REPLICAS="$nproc"
+  export HEAL_STORE HEAL_REPLICAS="$nproc" HEAL_SPARES="$spares"
   rm -f "$port_file"
   [[ $cpu -eq 1 ]] || IFS=, read -r -a gpu_list <<< "${CUDA_VISIBLE_DEVICES:-$(seq -s, 0 $(( nproc - 1 )))}"
   for (( replica = 0; replica < nproc; replica++ )); do

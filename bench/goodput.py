@@ -19,7 +19,11 @@ Variants (each a fresh run of --minutes, the same model and data):
 - ``kill9_heal``: ``launch_training.sh --heal --max-restarts 100`` (recovery.heal=in_place, one
   torchrun job per rank); every T s a kill -9 of replica 1's worker: the survivors go on in their
   processes at once, and the worker its torchrun starts again rejoins at the end of a step;
-- ``kill9_heal_random``: the same, the kills at random (exponential intervals of mean T, seeded).
+- ``kill9_heal_random``: the same, the kills at random (exponential intervals of mean T, seeded);
+- ``kill9_heal_spare``, ``kill9_heal_spare_random``: the same with one more process, a spare
+  (``--spares 1``) that steps in at once for the lost rank; the killed worker, started again,
+  becomes the next spare. The victim is a training member other than replica 0 (whose log the
+  bench reads).
 
 ``--nproc`` sets the processes of the kill9 variants (2 by default). Besides the goodput (steps x
 step time / wall), each result has torchft's accounting: the steps weighted by the share of the
@@ -72,6 +76,7 @@ RDZV_CONF = "join_timeout=60,last_call_timeout=2,keep_alive_interval=1,keep_aliv
 STEP_LINE = re.compile(r"step (\d+)/")
 STARTUP_LINE = re.compile(r"start-up took ([\d.]+) s to the end of the first step: (.*)")
 WORLD_LINE = re.compile(r"goes on with (\d+) of|trains on (\d+) ranks")
+MEMBERS_LINE = re.compile(r"generation \d+ of the run \(replicas \[([\d, ]+)\]\)")
 
 
 class Job:
@@ -92,8 +97,9 @@ class Job:
             self.env = worker_env({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
                                    "RDZV_STORE_ENDPOINT": f"c10d://127.0.0.1:{self.port}"})
         elif variant.startswith("kill9_heal"):
-            self.cmds = [[str(ROOT / "launch_training.sh"), "--cpu", "--nproc", str(nproc), "--heal",
-                          "--max-restarts", "100", "--", *args]]
+            spares = ["--nproc", str(nproc + 1), "--spares", "1"] if "_spare" in variant else ["--nproc", str(nproc)]
+            self.cmds = [[str(ROOT / "launch_training.sh"), "--cpu", *spares, "--heal", "--max-restarts", "100", "--",
+                          *args]]
             self.env = worker_env()
         else:
             self.cmds = [torchrun_cmd(script, args, nproc=nproc, port=self.port, extra=["--max-restarts", "100"])]
@@ -167,9 +173,12 @@ def run_variant(variant: str, minutes: float, every: float, workdir: Path, step_
                         victim = 1 - victim
                 elif variant.startswith("kill9_heal"):
                     workers = {int(w.environ()["HEAL_REPLICA"]): w for w in job.workers(0)}
-                    if 1 in workers:  # replica 0 stays rank 0, whose log the bench reads
-                        workers[1].kill()
-                        fault["what"] = "kill -9 of replica 1"
+                    members = [[int(m) for m in found.group(1).split(",")] for _, r, line in watch.lines
+                               if r == 0 and (found := MEMBERS_LINE.search(line))]
+                    victim = (members[-1] if members else [0, 1])[-1]  # replica 0 stays rank 0 (its log is read)
+                    if victim in workers and victim != 0:
+                        workers[victim].kill()
+                        fault["what"] = f"kill -9 of replica {victim}"
                 elif variant == "sigterm":
                     workers = job.workers(0)
                     if workers:

@@ -199,7 +199,8 @@ class DDPTrainer:
         self._build_model(model)
         self.loss_fn = lm_loss if model is None and loss_fn is None else loss_fn
         given = None
-        if process_group.joining():  # a replica started again: the model and data are built, now it joins
+        if process_group.joining():  # a spare, or a replica started again: its model and data are built
+            import torch._dynamo  # noqa: F401  (the optimizer's first step imports it: 0.7 s the members would wait)
             self.env, given = process_group.join_running(self.config.ddp.backend, self.config.ddp.timeout_s,
                                                          stop=lambda: self._preemption.requested is not None)
             self._joined = True
@@ -369,7 +370,7 @@ class DDPTrainer:
     def _joiners_waiting(self) -> bool:
         """Rank 0 of a run that heals in place: a replica asks to join (one store lookup a step)."""
         membership = process_group.MEMBERSHIP
-        return bool(membership is not None and self.env.is_main and membership.joiners(process_group.GENERATION))
+        return bool(membership is not None and self.env.is_main and membership.wanted(process_group.GENERATION))
 
     def forward_backward(self, micro_batches: list) -> torch.Tensor:
         return self.train_step.forward_backward(micro_batches, self.step)
@@ -608,7 +609,7 @@ class DDPTrainer:
         (``newest_state``), which take it in ``process_group.setup``."""
         started, old = time.monotonic(), self.env
         membership = process_group.MEMBERSHIP
-        joiners = membership.joiners(process_group.GENERATION) if self.env.is_main else None
+        joiners = membership.wanted(process_group.GENERATION) if self.env.is_main else None
         state = self.checkpointer.survivor_state(model_state=self.raw_model.state_dict())  # the step is done
         self._stop_run_health()
         process_group.release_ddp_holders(dist.group.WORLD)

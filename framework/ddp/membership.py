@@ -25,10 +25,11 @@ PREFIX = "ddp_framework/heal/"
 RESTART_SETTLE_S = 2.0
 """When every member is dead, how long the replicas that ask to join wait for the others to ask
 too before they form the next generation among themselves (and resume from the checkpoint)."""
-SLOT_ENV = ("HEAL_STORE", "HEAL_REPLICA", "HEAL_REPLICAS")
+SLOT_ENV = ("HEAL_STORE", "HEAL_REPLICA", "HEAL_REPLICAS", "HEAL_SPARES")
 """Where a process of a run that heals in place learns its place: the run's store (HOST:PORT, a
-TCPStore that outlives every training process), its replica (0..N-1) and the first generation's
-number of replicas. Set by the launcher for each rank's own torchrun job."""
+TCPStore that outlives every training process), its replica (0..N-1), the number of replicas, and
+how many of them are spares (the last ones; 0 if unset): ready to step in when a member is lost,
+so that the group keeps its size. Set by the launcher for each rank's own torchrun job."""
 
 
 @dataclass(frozen=True)
@@ -37,20 +38,23 @@ class Slot:
     port: int
     replica: int
     replicas: int
+    spares: int = 0
 
     @classmethod
     def from_env(cls, environ) -> Slot | None:
         """This process's slot, or None when it was not started to heal in place."""
         if SLOT_ENV[0] not in environ:
             return None
-        store, replica, replicas = (environ.get(name, "") for name in SLOT_ENV)
+        store, replica, replicas, spares = (environ.get(name, "") for name in SLOT_ENV)
+        spares = spares or "0"
         host, _, port = store.rpartition(":")
-        if not host or not port.isdigit() or not replica.isdigit() or not replicas.isdigit():
-            raise ValueError(f"HEAL_STORE={store!r}, HEAL_REPLICA={replica!r}, HEAL_REPLICAS={replicas!r}: allowed: "
-                             "HOST:PORT, a replica number and the number of replicas (launch_training.sh sets them)")
-        if not 0 <= int(replica) < int(replicas):
-            raise ValueError(f"HEAL_REPLICA={replica}: must be in [0, HEAL_REPLICAS={replicas})")
-        return cls(host, int(port), int(replica), int(replicas))
+        if not host or not port.isdigit() or not all(v.isdigit() for v in (replica, replicas, spares)):
+            raise ValueError(f"HEAL_STORE={store!r}, HEAL_REPLICA={replica!r}, HEAL_REPLICAS={replicas!r}, "
+                             f"HEAL_SPARES={spares!r}: allowed: HOST:PORT, a replica number, the number of replicas "
+                             "and of spares (launch_training.sh sets them)")
+        if not 0 <= int(replica) < int(replicas) or not 0 <= int(spares) < int(replicas):
+            raise ValueError(f"HEAL_REPLICA={replica}, HEAL_SPARES={spares}: must be in [0, HEAL_REPLICAS={replicas})")
+        return cls(host, int(port), int(replica), int(replicas), int(spares))
 
 
 class RunFinished(SystemExit):
@@ -96,16 +100,16 @@ class Membership:
         self.replica = replica
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.formed_s: float | None = None
+        self.replicas = self.size = 0  # the slot's replicas, and the group's size (``start``)
 
-    def start(self, replicas: int) -> tuple[Generation | None, bool]:
+    def start(self, replicas: int, spares: int = 0) -> tuple[Generation | None, bool]:
         """This process's first generation, or (None, True) when it is to join a running one
-        (``join``). The run's first generation holds every replica (whoever comes first proposes
-        it); a replica restarted before forming it forms it; one restarted after joins."""
-        self.replicas = replicas
+        (``join``). The run's first generation holds every replica but the spares (whoever comes
+        first proposes it); a replica restarted before forming it forms it; one restarted after,
+        and a spare, join."""
+        self.replicas, self.size = replicas, replicas - spares
         self.store.set(f"where/{self.replica}", f"{socket.gethostname()} {os.getpid()}")
-        newest = self.newest()
-        if newest is None:
-            return self.propose(1, range(replicas)), False
+        newest = self.newest() or self.propose(1, range(self.size))
         # A generation this replica was to form and never did: the first, or a restart's, it forms
         # as its members do, from the start; any other (a heal's, a grow's) it joins.
         cold = newest.number == 1 or self.store.check([f"restart/{newest.number}"])
@@ -140,7 +144,7 @@ class Membership:
                 if len(asked) == self.replicas or time.monotonic() - orphaned_at > RESTART_SETTLE_S:
                     # Before the proposal, so that whoever reads it reads this too.
                     self.store.set(f"restart/{newest.number + 1}", "1")
-                    proposed = self.propose(newest.number + 1, asked)
+                    proposed = self.propose(newest.number + 1, asked[:self.size])
                     for r in proposed.members:
                         self.store.delete_key(f"join/{r}")
                     continue
@@ -159,10 +163,14 @@ class Membership:
         self.store.set("finished", str(step))
 
     def joiners(self, generation: Generation) -> list[int]:
-        """The replicas outside ``generation`` that ask to join and are not known dead (rank 0
-        looks at each step)."""
-        return [r for r in range(getattr(self, "replicas", 0)) if r not in generation.members
+        """The replicas outside ``generation`` that ask to join and are not known dead."""
+        return [r for r in range(self.replicas) if r not in generation.members
                 and self.store.check([f"join/{r}"]) and not self.gone(r)]
+
+    def wanted(self, generation: Generation) -> list[int]:
+        """The joiners that ``generation``, smaller than the group's size, takes in at a step's end
+        (rank 0 looks at each step; spares wait while the group is whole)."""
+        return self.joiners(generation)[:max(0, self.size - generation.world_size)]
 
     def grow(self, generation: Generation, joiners: list[int] | None) -> Generation:
         """The next generation: ``generation``'s members (their ranks kept) and then ``joiners``
@@ -199,8 +207,9 @@ class Membership:
     def after_loss(self, generation: Generation, wait_s: float) -> Generation:
         """The generation after ``generation`` lost a member: this replica says it is alive, waits
         until each other member has said so too or is known gone (``gone``), for at most
-        ``wait_s``, and proposes those alive. The first proposal wins; a replica left out of it is
-        not a member (``form`` refuses it)."""
+        ``wait_s``, and proposes those alive, then as many replicas that wait to join (spares, or
+        lost ones started again) as keep the group its size. The first proposal wins; a replica
+        left out of it is not a member (``form`` refuses it)."""
         number = generation.number + 1
         self.store.set(f"alive/{number}/{self.replica}", "1")
         deadline = time.monotonic() + wait_s
@@ -208,7 +217,12 @@ class Membership:
         while not self.store.check([f"members/{number}"]):
             said = {m for m in others if self.store.check([f"alive/{number}/{m}"])}
             if all(m in said or self.gone(m, generation) for m in others) or time.monotonic() > deadline:
-                return self.propose(number, [m for m in generation.members if m == self.replica or m in said])
+                alive = [m for m in generation.members if m == self.replica or m in said]
+                stand_ins = self.joiners(Generation(number, tuple(alive)))[:max(0, self.size - len(alive))]
+                proposed = self.propose(number, [*alive, *stand_ins])
+                for r in stand_ins:
+                    self.store.delete_key(f"join/{r}")
+                return proposed
             time.sleep(0.005)
         return self.wait_for(number)
 

@@ -252,7 +252,7 @@ def _join_in_place(slot, backend: str, timeout_s: float) -> DistEnv:
     import_group_defaults()
     client = dist.TCPStore(slot.host, slot.port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
     MEMBERSHIP = Membership(client, slot.replica, timeout_s=timeout_s)
-    generation, joins = MEMBERSHIP.start(slot.replicas)
+    generation, joins = MEMBERSHIP.start(slot.replicas, slot.spares)
     if joins:  # it builds its model and data first, then joins (join_running): the members pause less
         cuda = torch.cuda.is_available()
         device = select_device(_local_slot(), cuda, torch.cuda.device_count() if cuda else 0)

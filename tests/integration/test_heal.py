@@ -26,9 +26,10 @@ REPLICAS = 3
 STEPS = 12
 
 
-def heal_run(run_dir: Path, fault: str = "", *, steps: int = STEPS) -> dict:
+def heal_run(run_dir: Path, fault: str = "", *, steps: int = STEPS, spares: int = 0) -> dict:
     """Three ddp_training.py processes on a run store of the test's, as launch_training.sh starts
-    them (without torchrun); returns their exit codes and the time the run took."""
+    them (without torchrun), the last ``spares`` of them spares; returns their exit codes and the
+    time the run took."""
     run_dir.mkdir(parents=True)
     config = tiny(run_dir, {"train.max_steps": steps, "recovery.heal": "in_place", "recovery.fault_inject": fault,
                             "logging.record_samples": True, "checkpoint.every_steps": 4, "data.batch_size": 4,
@@ -36,7 +37,7 @@ def heal_run(run_dir: Path, fault: str = "", *, steps: int = STEPS) -> dict:
     (run_dir / "config.json").write_text(json.dumps(config))
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HEAL_STORE": f"127.0.0.1:{store.port}",
-           "HEAL_REPLICAS": str(REPLICAS)}
+           "HEAL_REPLICAS": str(REPLICAS), "HEAL_SPARES": str(spares)}
     started = time.monotonic()
 
     def start(replica: int) -> subprocess.Popen:
@@ -93,6 +94,18 @@ def test_survivors_of_a_kill_9_heal_in_place_and_finish_the_run_unchanged(tmp_pa
         assert samples_per_epoch(run_dir) == expected  # each sample once per epoch, as uninterrupted
         manifest = json.loads((run_dir / "ck" / "manifest.json").read_text())
         assert [e["step"] for e in manifest] == [4, 8, 12] and len({e["lineage"] for e in manifest}) == 1
+
+    # With a spare: replicas 0 and 1 train, 2 waits with its model and data built; when rank 1 is
+    # killed, the spare steps in at once and the group keeps its size.
+    run_dir = tmp_path / "spare"
+    run = heal_run(run_dir, "sigkill@step=5,rank=1", spares=1)
+    assert run["codes"] == [0, -9, 0], run
+    text = logs(run_dir)
+    assert text.count("generation 2 goes on with 2 of 2 ranks") == 1 and "joined the run in place at step 5" in text
+    assert json.loads((run_dir / "logs" / "summary.json").read_text())["world_size"] == 2
+    weights = final_weights(run_dir)
+    assert max((weights[k].float() - reference[k].float()).abs().max().item() for k in reference) < 1e-5
+    assert samples_per_epoch(run_dir) == expected
 
 
 @pytest.mark.dist

@@ -161,7 +161,7 @@ def test_a_replica_started_again_forms_only_a_first_or_restart_generation_and_jo
     assert Membership(store, 1).start(2) == (None, True)  # it joins
     again = [Membership(store, r) for r in (0, 1)]
     for m in again:
-        m.replicas = 2
+        m.replicas = m.size = 2
     for m in (a, b):
         m.store.set(f"formed/2/{m.replica}", f"{socket.gethostname()} {dead_pid()}")
     seen = []
@@ -186,3 +186,17 @@ def test_rank_0_grows_only_with_joiners_that_live_and_proposes_even_with_none():
     assert rank0.grow(Generation(4, (0, 1)), []) == Generation(5, (0, 1))  # the joiner left: the same members
     assert other.grow(Generation(4, (0, 1)), None) == Generation(5, (0, 1))
     assert gen.number == 1
+
+
+def test_a_spare_waits_while_the_group_is_whole_and_steps_in_for_a_lost_member():
+    import socket
+
+    store = dist.HashStore()
+    members = [Membership(store, r) for r in range(3)]
+    assert members[0].start(3, spares=1) == (Generation(1, (0, 1)), False)
+    assert members[2].start(3, spares=1) == (None, True)  # a spare: it joins
+    members[2].store.set("join/2", "1")
+    assert members[0].wanted(Generation(1, (0, 1))) == []  # whole: the spare waits
+    members[1].store.set("formed/1/1", f"{socket.gethostname()} {dead_pid()}")
+    assert members[0].after_loss(Generation(1, (0, 1)), wait_s=30) == Generation(2, (0, 2))
+    assert not members[0].store.check(["join/2"])
