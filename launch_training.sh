@@ -26,7 +26,7 @@ usage: ./launch_training.sh [options] [-- ddp_training.py flags]
                             job of its own; when one dies, the others go on at once in their
                             processes, and its restart (--max-restarts) rejoins them at a step's end
       --spares K            with --heal: K of the processes (--nproc, or --gpus: the last K ids) wait,
-                            model and data built, and step in at once for a lost rank (default 0)
+                            model and datasets built, and step in at once for a lost rank (default 0)
       --nnodes N|MIN:MAX    number of nodes (multi-node, with --rdzv-endpoint and --rdzv-id); a range
                             is elastic: with --max-restarts, the run continues on the nodes left
                             after a node is lost (the global batch kept), and grows back when a

@@ -22,7 +22,7 @@ from .data.datasets import builtin_datasets, check_same_datasets
 from .ddp import policy, process_group
 from .ddp.comm_hooks import CommHook
 from .ddp.compile import compile_model
-from .ddp.heal import Growing, Healing, newest_state
+from .ddp.heal import Growing, Healing, NothingToHealFrom, newest_state
 from .ddp.membership import RunFinished
 from .model.activation_checkpointing import enable_checkpointing
 from .model.gpt import GPT, GPTConfig, lm_loss
@@ -201,8 +201,10 @@ class DDPTrainer:
         given = None
         if process_group.joining():  # a spare, or a replica started again: its model and data are built
             import torch._dynamo  # noqa: F401  (the optimizer's first step imports it: 0.7 s the members would wait)
-            self.env, given = process_group.join_running(self.config.ddp.backend, self.config.ddp.timeout_s,
-                                                         stop=lambda: self._preemption.requested is not None)
+            self.env, given = process_group.join_running(
+                self.config.ddp.backend, self.config.ddp.timeout_s, stop=lambda: self._preemption.requested is not None,
+                before_restart=lambda: markers.check_at_start(self.config.checkpoint.dir, group_restarts=1,
+                                                              is_main=False))
             self._joined = True
             self.log_path = setup_logging(self.env.rank, self.config.logging.dir, debug=self._debug,
                                           file_rank=process_group.MEMBERSHIP.replica)
@@ -630,11 +632,17 @@ class DDPTrainer:
         rebuild around it; returns the rank it came from. A member that does not come within
         ``FORM_TIMEOUT_S`` fails the formation: every rank then restarts from the checkpoint."""
         self.env = process_group.form(generation, self.config.ddp.backend,
-                                      min(self.config.ddp.timeout_s, process_group.FORM_TIMEOUT_S), broken=broken)
+                                      min(self.config.ddp.timeout_s, process_group.FORM_TIMEOUT_S), broken=broken,
+                                      steady_s=self.config.ddp.timeout_s)
         self._formed_at = time.monotonic()
         self.log_path = setup_logging(self.env.rank, self.config.logging.dir, debug=self._debug,
                                       file_rank=process_group.MEMBERSHIP.replica)
-        state, source = newest_state(state, step, rank=self.env.rank, world_size=self.env.world_size)
+        try:
+            state, source = newest_state(state, step, rank=self.env.rank, world_size=self.env.world_size)
+        except NothingToHealFrom:  # every member sees the same exchange: all resume from the checkpoint
+            log.warning("no member of generation %d holds a state to go on from: it resumes from the checkpoint",
+                        generation.number)
+            state, source = None, -1
         self._heals += 1
         self.checkpointer.take_over(self.env)
         self._build_training(given=state, rebuilt=True)

@@ -22,6 +22,10 @@ import torch.distributed as dist
 from .collectives import park
 
 PREFIX = "ddp_framework/heal/"
+JOIN_POLL_S = 0.05
+"""How often a replica waiting to join (a spare, for hours perhaps) looks for a new generation and
+the run's end: two store reads; whether the group died, every ``ORPHAN_CHECK_S``."""
+ORPHAN_CHECK_S = 0.5
 RESTART_SETTLE_S = 2.0
 """When every member is dead, how long the replicas that ask to join wait for the others to ask
 too before they form the next generation among themselves (and resume from the checkpoint)."""
@@ -110,48 +114,60 @@ class Membership:
         self.replicas, self.size = replicas, replicas - spares
         self.store.set(f"where/{self.replica}", f"{socket.gethostname()} {os.getpid()}")
         newest = self.newest() or self.propose(1, range(self.size))
-        # A generation this replica was to form and never did: the first, or a restart's, it forms
-        # as its members do, from the start; any other (a heal's, a grow's) it joins.
-        cold = newest.number == 1 or self.store.check([f"restart/{newest.number}"])
-        if cold and self.replica in newest.members and not self.store.check([f"formed/{newest.number}/{self.replica}"]):
+        # The first generation, which it was to form and never did, it forms as its members do,
+        # from the start; any later one (a heal's, a grow's, a restart's) it joins.
+        if newest.number == 1 and self.replica in newest.members and not self.store.check([f"formed/1/{self.replica}"]):
             return newest, False
         return None, True
 
-    def join(self, timeout_s: float, stop=lambda: False) -> tuple[Generation, bool]:
-        """Ask to join (``join/<replica>``) and wait for the generation that takes this replica in
-        (rank 0 proposes it at the end of a step: ``grow``); returns it, and True when it is a
-        restart instead: every member of the newest generation is known dead (each exited after an
-        error no heal covers), so the replicas that asked form the next one, to resume from the
-        run's checkpoint. ``stop()`` true (a preemption signal): withdraw and end."""
+    def join(self, timeout_s: float, stop=lambda: False, before_restart=lambda: None) -> tuple[Generation, bool]:
+        """Ask to join (``join/<replica>``) and wait for a generation proposed since that takes
+        this replica in (rank 0's ``grow`` at a step's end, or the survivors' ``after_loss``);
+        returns it, and True when it is a restart instead: every member of the newest generation
+        is known dead (each exited after an error no heal covers), so the replicas that asked form
+        the next one, to resume from the run's checkpoint (``before_restart()`` first: it raises
+        when the run must not restart, e.g. after a FATAL stop). A spare of a whole group waits as
+        long as the group stays whole; otherwise ``timeout_s`` without a new generation is an
+        error. ``stop()`` true (a preemption signal): withdraw and end."""
         self.store.set(f"join/{self.replica}", str(os.getpid()))
         newest = self.newest()
-        deadline = time.monotonic() + timeout_s
-        orphaned_at = None
+        asked_after = newest.number  # one proposed before this process asked is not its to form
+        deadline, orphaned_at, next_orphan_check = time.monotonic() + timeout_s, None, 0.0
         while True:
             if self.store.check(["finished"]):
                 raise RunFinished(f"replica {self.replica}: the run finished at step "
                                   f"{self.store.get('finished').decode()} before it could join: nothing to do")
-            newest = self.newest(after=newest.number)
-            if self.replica in newest.members and not self.store.check([f"formed/{newest.number}/{self.replica}"]):
+            now, newer = time.monotonic(), self.newest(after=newest.number)
+            if newer.number != newest.number or (newer.world_size >= self.size and self.replica not in newer.members):
+                deadline, orphaned_at = now + timeout_s, None
+            newest = newer
+            if (newest.number > asked_after and self.replica in newest.members
+                    and not self.store.check([f"formed/{newest.number}/{self.replica}"])):
                 self.store.delete_key(f"join/{self.replica}")
                 return newest, self.store.check([f"restart/{newest.number}"])
             if stop():
                 self.store.delete_key(f"join/{self.replica}")
                 raise RunFinished(f"replica {self.replica}: stopped (a signal) while waiting to join the run")
-            if all(self.gone(m, newest) for m in newest.members if m != self.replica):
-                orphaned_at = orphaned_at or time.monotonic()
-                asked = [r for r in range(self.replicas) if self.store.check([f"join/{r}"])]
-                if len(asked) == self.replicas or time.monotonic() - orphaned_at > RESTART_SETTLE_S:
+            if now < next_orphan_check:
+                pass
+            elif not all(self.gone(m, newest) for m in newest.members if m != self.replica):
+                orphaned_at, next_orphan_check = None, now + ORPHAN_CHECK_S
+            else:
+                orphaned_at = orphaned_at or now
+                asked = [r for r in range(self.replicas) if self.store.check([f"join/{r}"])
+                         and (r == self.replica or not self.gone(r))]
+                if len(asked) == self.replicas or now - orphaned_at > RESTART_SETTLE_S:
+                    before_restart()
                     # Before the proposal, so that whoever reads it reads this too.
                     self.store.set(f"restart/{newest.number + 1}", "1")
                     proposed = self.propose(newest.number + 1, asked[:self.size])
                     for r in proposed.members:
                         self.store.delete_key(f"join/{r}")
                     continue
-            if time.monotonic() > deadline:
+            if now > deadline:
                 raise TimeoutError(f"replica {self.replica} asked to join the run and no generation took it in "
                                    f"within {timeout_s:.0f} s (the newest: {newest.number}, {list(newest.members)})")
-            time.sleep(0.01)
+            time.sleep(JOIN_POLL_S)
 
     def restarts(self, upto: int) -> int:
         """How many generations up to ``upto`` were restarts (every member had died, and the run
@@ -170,7 +186,8 @@ class Membership:
     def wanted(self, generation: Generation) -> list[int]:
         """The joiners that ``generation``, smaller than the group's size, takes in at a step's end
         (rank 0 looks at each step; spares wait while the group is whole)."""
-        return self.joiners(generation)[:max(0, self.size - generation.world_size)]
+        missing = self.size - generation.world_size
+        return self.joiners(generation)[:missing] if missing > 0 else []
 
     def grow(self, generation: Generation, joiners: list[int] | None) -> Generation:
         """The next generation: ``generation``'s members (their ranks kept) and then ``joiners``
@@ -221,7 +238,8 @@ class Membership:
                 stand_ins = self.joiners(Generation(number, tuple(alive)))[:max(0, self.size - len(alive))]
                 proposed = self.propose(number, [*alive, *stand_ins])
                 for r in stand_ins:
-                    self.store.delete_key(f"join/{r}")
+                    if r in proposed.members:  # a proposal that lost leaves the others' keys alone
+                        self.store.delete_key(f"join/{r}")
                 return proposed
             time.sleep(0.005)
         return self.wait_for(number)

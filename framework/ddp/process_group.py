@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .heal import newest_state
+from .heal import NothingToHealFrom, newest_state
 from .membership import Membership, Slot
 
 log = logging.getLogger(__name__)
@@ -291,19 +291,25 @@ def joining() -> bool:
     return MEMBERSHIP is not None and GENERATION is None
 
 
-def join_running(backend: str, timeout_s: float, stop=lambda: False) -> tuple[DistEnv, dict | None]:
-    """A replica started again joins the running generation: it asks, is taken in at the end of a
-    step, and receives the state the members hold by broadcast (theirs: DDPTrainer._grow); or,
-    when no member is left, it forms the next generation with the others that asked, and the
-    state is None: the run resumes from its checkpoint, as a restart does. ``stop()``: give up
-    waiting (a preemption signal), ending with RunFinished."""
-    generation, restart = MEMBERSHIP.join(timeout_s, stop)
-    env = form(generation, backend, timeout_s)
+def join_running(backend: str, timeout_s: float, stop=lambda: False,
+                 before_restart=lambda: None) -> tuple[DistEnv, dict | None]:
+    """A replica started again, or a spare, joins the running generation: it asks, is taken in
+    (at the end of a step, or at a heal), and receives the state the members hold by broadcast
+    (theirs: DDPTrainer._grow, _heal). When no member is left (or none holds a state), it forms
+    the next generation with the others that asked, and the state is None: the run resumes from its
+    checkpoint, as a restart does. ``stop()``: give up waiting (a preemption signal), ending with
+    RunFinished; ``before_restart()`` raises when the run must not restart."""
+    generation, restart = MEMBERSHIP.join(timeout_s, stop, before_restart)
+    env = form(generation, backend, min(timeout_s, FORM_TIMEOUT_S), steady_s=timeout_s)
     if restart:
         log.warning("no member of the run was left: generation %d (replicas %s) resumes from the checkpoint",
                     generation.number, list(generation.members))
         return env, None
-    state, _ = newest_state(None, -1, rank=env.rank, world_size=env.world_size)
+    try:
+        state, _ = newest_state(None, -1, rank=env.rank, world_size=env.world_size)
+    except NothingToHealFrom:  # every rank sees the same exchange, so every rank takes this path
+        log.warning("no member of generation %d holds a state: it resumes from the checkpoint", generation.number)
+        return env, None
     return env, state
 
 
@@ -318,10 +324,11 @@ FORM_TIMEOUT_S = 60.0
 """How long the members of a new generation wait for each other after a heal or a grow."""
 
 
-def form(generation, backend: str, timeout_s: float, *, broken: bool = True) -> DistEnv:
+def form(generation, backend: str, timeout_s: float, *, broken: bool = True, steady_s: float | None = None) -> DistEnv:
     """Make ``generation``'s group this process's (a run that heals in place); its DistEnv. One
     node: a replica's device is its own local rank, whatever its rank in the generation.
-    ``broken``: the previous group failed (it is parked, never freed), else it is destroyed."""
+    ``broken``: the previous group failed (it is parked, never freed), else it is destroyed.
+    ``timeout_s`` bounds the formation; ``steady_s`` (default: the same) its collectives after."""
     global GENERATION, STORE
     cuda = torch.cuda.is_available()
     device = select_device(_local_slot(), cuda, torch.cuda.device_count() if cuda else 0)
@@ -334,6 +341,9 @@ def form(generation, backend: str, timeout_s: float, *, broken: bool = True) -> 
         release_ddp_holders(dist.group.WORLD)
         dist.destroy_process_group()
     rank = MEMBERSHIP.form(generation, chosen, timeout_s)
+    if steady_s is not None and steady_s != timeout_s:
+        from torch.distributed.distributed_c10d import _set_pg_timeout
+        _set_pg_timeout(datetime.timedelta(seconds=steady_s), None)
     GENERATION = generation
     STORE = dist.PrefixStore(f"generation/{generation.number}/", MEMBERSHIP.store)
     log.info("process group up: generation %d of the run (replicas %s), backend=%s rank=%d/%d device=%s, formed in "

@@ -257,7 +257,7 @@ def test_resume_from_a_checkpoint_whose_config_is_flat(tmp_path, caplog):
     from framework import DDPTrainer
     from framework.state.checkpoint_files import CheckpointError
 
-    def tiny(**sections):
+    def sectioned(**sections):  # the config nested by section, as a checkpoint holds it
         cfg = {name: dict(values) for name, values in TINY.items()}
         for name, values in sections.items():
             cfg.setdefault(name, {}).update(values)
@@ -265,7 +265,7 @@ def test_resume_from_a_checkpoint_whose_config_is_flat(tmp_path, caplog):
         cfg["checkpoint"] = {"dir": str(tmp_path / "ck"), **cfg.get("checkpoint", {})}
         return cfg
 
-    DDPTrainer(tiny(train={"max_steps": 2}, checkpoint={"every_steps": 2})).train()
+    DDPTrainer(sectioned(train={"max_steps": 2}, checkpoint={"every_steps": 2})).train()
     state = torch.load(tmp_path / "ck" / "step_00000002.pt", weights_only=True)
     assert state["config"]["spike"]["threshold"] == 6.0  # written nested now
     state["config"] = {flat: dotted(state["config"])[key] for flat, key in ALIASES.items()}  # as 0.x wrote it
@@ -273,12 +273,12 @@ def test_resume_from_a_checkpoint_whose_config_is_flat(tmp_path, caplog):
     torch.save(state, old)
 
     with caplog.at_level(logging.WARNING, logger="framework.state.checkpointer"):
-        trainer = DDPTrainer(tiny(train={"max_steps": 4}, checkpoint={"resume": str(old)}))
+        trainer = DDPTrainer(sectioned(train={"max_steps": 4}, checkpoint={"resume": str(old)}))
     assert trainer.step == 2
     assert not [r for r in caplog.records if "changed configuration" in r.getMessage()]
     assert trainer.train()["steps"] == 4
     with caplog.at_level(logging.WARNING, logger="framework.state.checkpointer"):
-        DDPTrainer(tiny(train={"max_steps": 4}, optim={"lr": 1e-3}, checkpoint={"resume": str(old)})).close()
+        DDPTrainer(sectioned(train={"max_steps": 4}, optim={"lr": 1e-3}, checkpoint={"resume": str(old)})).close()
     assert "optim.lr: 0.003 -> 0.001" in caplog.text
     with pytest.raises(CheckpointError, match=r"train\.seed: 1337 -> 7"):
-        DDPTrainer(tiny(train={"max_steps": 4, "seed": 7}, checkpoint={"resume": str(old)}))
+        DDPTrainer(sectioned(train={"max_steps": 4, "seed": 7}, checkpoint={"resume": str(old)}))

@@ -200,3 +200,46 @@ def test_a_spare_waits_while_the_group_is_whole_and_steps_in_for_a_lost_member()
     members[1].store.set("formed/1/1", f"{socket.gethostname()} {dead_pid()}")
     assert members[0].after_loss(Generation(1, (0, 1)), wait_s=30) == Generation(2, (0, 2))
     assert not members[0].store.check(["join/2"])
+
+
+def test_a_spare_outwaits_its_timeout_while_the_group_is_whole_and_a_refused_restart_raises():
+    import os
+    import socket
+
+    import pytest
+
+    from framework.ddp.membership import RunFinished
+
+    store = dist.HashStore()
+    rank0, spare = Membership(store, 0), Membership(store, 2)
+    rank0.start(3, spares=1)
+    spare.start(3, spares=1)
+    rank0.store.set("formed/1/0", f"{socket.gethostname()} {os.getpid()}")  # the members live
+    rank0.store.set("formed/1/1", f"{socket.gethostname()} {os.getpid()}")
+    ended = []
+
+    def wait():
+        try:
+            spare.join(timeout_s=0.2)
+        except BaseException as err:  # noqa: BLE001
+            ended.append(err)
+
+    thread = threading.Thread(target=wait)
+    thread.start()
+    thread.join(1.0)
+    assert thread.is_alive() and not ended  # 5 timeouts passed: a spare of a whole group waits on
+    rank0.finish(40)
+    thread.join(5)
+    assert isinstance(ended[0], RunFinished) and "finished at step 40" in str(ended[0])
+
+    store = dist.HashStore()
+    first, again = Membership(store, 0), Membership(store, 0)
+    first.start(1)
+    first.store.set("formed/1/0", f"{socket.gethostname()} {dead_pid()}")
+    again.start(1)
+
+    def fatal():
+        raise RuntimeError("FATAL: an earlier restart failed")
+
+    with pytest.raises(RuntimeError, match="FATAL"):
+        again.join(timeout_s=30, before_restart=fatal)
