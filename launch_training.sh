@@ -293,9 +293,10 @@ stamp=$(mktemp)
 # torchrun ignores SIGUSR1: it has no handler for it and would die of one that reaches it directly
 # (SLURM's `scancel --signal=USR1` signals every process of the job step), leaving its workers to
 # save as orphans after this script has exited. The workers install their own handler.
-# Runs "$@" in a session of its own, ignoring SIGUSR1, with SIGTERM when this script dies.
+# Runs "$@" in a session of its own, ignoring SIGUSR1, with SIGTERM when this script dies. Call it
+# in the background (`detached ... &`): the exec makes $! the pid of "$@" itself.
 detached() {
-  "$python" -c 'import ctypes, os, signal, sys
+  exec "$python" -c 'import ctypes, os, signal, sys
 ppid = os.getppid()
 os.setsid()
 signal.signal(signal.SIGUSR1, signal.SIG_IGN)
