@@ -54,6 +54,19 @@ def heal_run(run_dir: Path, fault: str = "", *, steps: int = STEPS, spares: int 
     return {"codes": codes, "s": time.monotonic() - started}
 
 
+def launch_heal(like: Path, run_dir: Path, changes: dict) -> subprocess.CompletedProcess:
+    """launch_training.sh --heal --max-restarts 1 on 3 CPU processes, with the configuration of the
+    run in ``like`` and ``changes``, its logs and checkpoints in ``run_dir``."""
+    run_dir.mkdir()
+    config = {**json.loads((like / "config.json").read_text()), "logging.dir": str(run_dir / "logs"),
+              "checkpoint.dir": str(run_dir / "ck"), **changes}
+    (run_dir / "config.json").write_text(json.dumps(config))
+    return subprocess.run([str(ROOT / "launch_training.sh"), "--cpu", "--nproc", str(REPLICAS), "--heal",
+                           "--max-restarts", "1", "--", "--config", str(run_dir / "config.json")],
+                          capture_output=True, text=True, timeout=300, cwd=run_dir.parent,
+                          env={k: v for k, v in os.environ.items() if not k.startswith("HEAL_")})
+
+
 def final_weights(run_dir: Path) -> dict:
     return torch.load(run_dir / "ck" / "final_model.pt", weights_only=True)
 
@@ -119,15 +132,7 @@ def test_under_the_launcher_a_killed_rank_restarted_by_its_torchrun_rejoins_and_
     whole = heal_run(tmp_path / "whole", steps=steps)  # the same arithmetic, without the delay
     assert whole["codes"] == [0] * REPLICAS
     run_dir = tmp_path / "rejoin"
-    run_dir.mkdir()
-    config = json.loads((tmp_path / "whole" / "config.json").read_text())
-    config.update({"logging.dir": str(run_dir / "logs"), "checkpoint.dir": str(run_dir / "ck"),
-                   "recovery.fault_inject": f"sigkill@step=5,rank=1; {slow}"})
-    (run_dir / "config.json").write_text(json.dumps(config))
-    launched = subprocess.run([str(ROOT / "launch_training.sh"), "--cpu", "--nproc", str(REPLICAS), "--heal",
-                               "--max-restarts", "1", "--", "--config", str(run_dir / "config.json")],
-                              capture_output=True, text=True, timeout=300, cwd=tmp_path,
-                              env={k: v for k, v in os.environ.items() if not k.startswith("HEAL_")})
+    launched = launch_heal(tmp_path / "whole", run_dir, {"recovery.fault_inject": f"sigkill@step=5,rank=1; {slow}"})
     assert launched.returncode == 0, launched.stderr[-3000:]
     text = logs(run_dir)
     assert text.count("generation 2 goes on with 2 of 3 ranks") == 2, text[-3000:]
@@ -156,16 +161,8 @@ def test_a_loss_outside_a_step_restarts_every_rank_from_the_checkpoint_through_t
     whole = heal_run(tmp_path / "whole")
     assert whole["codes"] == [0] * REPLICAS
     run_dir = tmp_path / "eval"
-    run_dir.mkdir()
-    config = json.loads((tmp_path / "whole" / "config.json").read_text())
-    config.update({"logging.dir": str(run_dir / "logs"), "checkpoint.dir": str(run_dir / "ck"),
-                   "eval.interval": 4, "checkpoint.every_steps": 2,
-                   "recovery.fault_inject": "sigkill@step=4,rank=1,at=eval"})
-    (run_dir / "config.json").write_text(json.dumps(config))
-    launched = subprocess.run([str(ROOT / "launch_training.sh"), "--cpu", "--nproc", str(REPLICAS), "--heal",
-                               "--max-restarts", "1", "--", "--config", str(run_dir / "config.json")],
-                              capture_output=True, text=True, timeout=300, cwd=tmp_path,
-                              env={k: v for k, v in os.environ.items() if not k.startswith("HEAL_")})
+    launched = launch_heal(tmp_path / "whole", run_dir, {"eval.interval": 4, "checkpoint.every_steps": 2,
+                                                         "recovery.fault_inject": "sigkill@step=4,rank=1,at=eval"})
     assert launched.returncode == 0, launched.stderr[-3000:]
     text = logs(run_dir)
     assert "healed in place" not in text
