@@ -83,11 +83,17 @@ def logs(run_dir: Path) -> str:
     return "".join(p.read_text() for p in sorted((run_dir / "logs").glob("rank_*.log")))
 
 
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory) -> Path:
+    """The uninterrupted run of STEPS steps on 3 replicas, healing in place: the reference."""
+    run_dir = tmp_path_factory.mktemp("heal") / "whole"
+    assert heal_run(run_dir)["codes"] == [0] * REPLICAS
+    return run_dir
+
+
 @pytest.mark.dist
-def test_survivors_of_a_kill_9_heal_in_place_and_finish_the_run_unchanged(tmp_path):
-    whole = heal_run(tmp_path / "whole")
-    assert whole["codes"] == [0] * REPLICAS
-    reference, expected = final_weights(tmp_path / "whole"), samples_per_epoch(tmp_path / "whole")
+def test_survivors_of_a_kill_9_heal_in_place_and_finish_the_run_unchanged(tmp_path, whole):
+    reference, expected = final_weights(whole), samples_per_epoch(whole)
     assert sum(expected.values()) == STEPS * 24 and set(expected.values()) == {1}
 
     for killed in (1, 0):
@@ -152,16 +158,14 @@ def test_under_the_launcher_a_killed_rank_restarted_by_its_torchrun_rejoins_and_
 
 
 @pytest.mark.dist
-def test_a_loss_outside_a_step_restarts_every_rank_from_the_checkpoint_through_the_run_store(tmp_path):
+def test_a_loss_outside_a_step_restarts_every_rank_from_the_checkpoint_through_the_run_store(tmp_path, whole):
     """A kill -9 of rank 1 in the evaluation after step 4 (before that step's checkpoint) is not
     healed in place: the survivors' evaluation fails, they exit 75, and every rank's torchrun starts
     it again. With no member of generation 1 left, the three form generation 2 among themselves and
     resume from the checkpoint of step 2, as recovery.heal=restart would: the run ends as the
     uninterrupted one."""
-    whole = heal_run(tmp_path / "whole")
-    assert whole["codes"] == [0] * REPLICAS
     run_dir = tmp_path / "eval"
-    launched = launch_heal(tmp_path / "whole", run_dir, {"eval.interval": 4, "checkpoint.every_steps": 2,
+    launched = launch_heal(whole, run_dir, {"eval.interval": 4, "checkpoint.every_steps": 2,
                                                          "recovery.fault_inject": "sigkill@step=4,rank=1,at=eval"})
     assert launched.returncode == 0, launched.stderr[-3000:]
     text = logs(run_dir)
@@ -170,6 +174,6 @@ def test_a_loss_outside_a_step_restarts_every_rank_from_the_checkpoint_through_t
     assert text.count("resumed from step 2 ") == 3, text[-3000:]
     summary = json.loads((run_dir / "logs" / "summary.json").read_text())
     assert (summary["steps"], summary["world_size"]) == (STEPS, REPLICAS)
-    reference, weights = final_weights(tmp_path / "whole"), final_weights(run_dir)
+    reference, weights = final_weights(whole), final_weights(run_dir)
     assert max((weights[k].float() - reference[k].float()).abs().max().item() for k in reference) < 1e-5
-    assert samples_per_epoch(run_dir) == samples_per_epoch(tmp_path / "whole")
+    assert samples_per_epoch(run_dir) == samples_per_epoch(whole)
