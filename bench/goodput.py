@@ -266,10 +266,13 @@ def main() -> None:
     parser.add_argument("--baseline-minutes", type=float, default=0.0,
                         help="minutes of the fault-free run that gives the step time (default: --minutes)")
     parser.add_argument("--nproc", type=int, default=2, help="processes of the kill9 variants")
+    parser.add_argument("--batch-size", type=int, default=CONFIG["batch_size"],
+                        help="per-rank batch; the global batch must split over the ranks a heal leaves")
     parser.add_argument("--save-every", type=int, default=CONFIG["checkpoint.every_steps"],
                         help="steps between checkpoints (the work a fault loses is redone from the last one)")
     args = parser.parse_args()
     CONFIG["checkpoint.every_steps"] = args.save_every
+    CONFIG["batch_size"] = args.batch_size
     variants = args.variants.split(",")
     if variants[0] != "none":
         variants.insert(0, "none")  # the step time every goodput is computed with

@@ -592,8 +592,8 @@ class DDPTrainer:
         # The failed step's frames (its activations and autograd graph) go now, not after the rebuild.
         healing.__traceback__ = healing.cause = healing.__cause__ = healing.__context__ = None
         self._stop_run_health()
-        process_group.release_ddp_holders(dist.group.WORLD)
         self._drop_ddp_wrapper()
+        process_group.drop_broken_group()  # first: a survivor blocked on this one is released at once
         self.optimizer.zero_grad(set_to_none=True)  # the lost step's partial gradients
         generation = process_group.MEMBERSHIP.after_loss(process_group.GENERATION,
                                                          wait_s=self.config.recovery.peer_timeout_s or 10.0)
