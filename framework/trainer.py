@@ -516,10 +516,10 @@ class DDPTrainer:
         self.events.data_ready(self.step, micro)
         if micro is None:
             return None
-        with self._survivor_checkpoint_if_a_peer_is_lost():
+        with self._if_a_peer_is_lost(save_alone=True):
             loss = self.train_step.forward_backward_with_retry(micro, self.step)
         self.events.gradients(self.step, self.raw_model)
-        with self._heal_if_a_peer_is_lost():  # in the agreement, before the optimizer steps
+        with self._if_a_peer_is_lost(save_alone=False):  # in the agreement, before the optimizer steps
             agreed, lr, grad_norm = self.optimizer_step(loss, preempt=self._preemption.requested is not None)
         process_group.set_steady_timeout(self.config.ddp.init_timeout_s or self.config.ddp.timeout_s,
                                          self.config.ddp.timeout_s)
@@ -539,30 +539,23 @@ class DDPTrainer:
         rng.seed_step(self.config.train.seed, self.env.rank, step)
 
     @contextlib.contextmanager
-    def _survivor_checkpoint_if_a_peer_is_lost(self):
-        """A step's forward and backward change nothing that a checkpoint holds but buffers that
-        a forward updates, copied at the step's start (StepStartBuffers); the generators are seeded
-        anew at each step. When a collective in them fails because a peer process went away
-        (killed, or its node lost), this rank still holds the whole state of the last step that
-        every rank finished: it writes that step's checkpoint alone before the error ends it, so
-        that the restart redoes no step (Checkpointer.save_survivor)."""
+    def _if_a_peer_is_lost(self, *, save_alone: bool):
+        """A step's forward and backward, and its agreement, change nothing that a checkpoint holds
+        but buffers that a forward updates, copied at the step's start (StepStartBuffers); the
+        generators are seeded anew at each step. When a collective in them fails because a peer
+        process went away (killed, or its node lost), this rank still holds the whole state of the
+        last step that every rank finished. A run that heals in place goes on from it (``Healing``);
+        else, with ``save_alone``, this rank writes that step's checkpoint alone before the error
+        ends it, so that the restart redoes no step (Checkpointer.save_survivor)."""
         try:
             yield
         except Exception as err:
-            if markers.peer_lost(err) and process_group.MEMBERSHIP is not None:
-                self._raise_healing(err)
             if markers.peer_lost(err):
-                with self.peers.holding():
-                    self._save_survivor_checkpoint()
-            raise
-
-    @contextlib.contextmanager
-    def _heal_if_a_peer_is_lost(self):
-        try:
-            yield
-        except Exception as err:
-            if markers.peer_lost(err) and process_group.MEMBERSHIP is not None:
-                self._raise_healing(err)
+                if process_group.MEMBERSHIP is not None:
+                    self._raise_healing(err)
+                if save_alone:
+                    with self.peers.holding():
+                        self._save_survivor_checkpoint()
             raise
 
     def _survivor_model_state(self, *, on_disk: bool) -> tuple[dict | None, str | None]:

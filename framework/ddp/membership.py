@@ -61,6 +61,17 @@ class Slot:
         return cls(host, int(port), int(replica), int(replicas), int(spares))
 
 
+def process_state(pid: int) -> str | None:
+    """The state letter of process ``pid`` in /proc (R, S, T, Z, ...), or None when there is none."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    end = stat.rindex(b")")  # the command name may hold spaces and parentheses
+    return stat[end + 2:end + 3].decode()
+
+
 class RunFinished(SystemExit):
     """A replica started again after the run finished: it ends with 0, saying so."""
 
@@ -201,25 +212,24 @@ class Membership:
             self.store.delete_key(f"join/{r}")
         return proposed
 
-    def gone(self, replica: int, generation: Generation | None = None) -> bool:
-        """Whether ``replica``'s process is known dead: the process that formed ``generation`` (or
-        its newest process, without one) ran on this host and its pid is gone (or a zombie). A
-        replica on another host is never known so: it is waited for."""
+    def process_of(self, replica: int, generation: Generation | None = None) -> tuple[str, int] | None:
+        """The host and pid of the process that formed ``generation`` as ``replica`` (or of its
+        newest process, without one), or None when none said so."""
         key = f"formed/{generation.number}/{replica}" if generation is not None else f"where/{replica}"
         if generation is not None and not self.store.check([key]):
             key = f"where/{replica}"
         if not self.store.check([key]):
-            return False
+            return None
         host, _, pid = self.store.get(key).decode().partition(" ")
-        if host != socket.gethostname():
-            return False
-        try:
-            with open(f"/proc/{int(pid)}/stat", "rb") as f:
-                stat = f.read()
-        except (FileNotFoundError, ProcessLookupError):
-            return True
-        # dead, or stopped (SIGSTOP): a stopped member takes part in nothing until it is killed
-        return stat[stat.rindex(b")") + 2:stat.rindex(b")") + 3] in (b"Z", b"X", b"T")
+        return host, int(pid)
+
+    def gone(self, replica: int, generation: Generation | None = None) -> bool:
+        """Whether ``replica``'s process (see ``process_of``) is known dead: it ran on this host and
+        its pid is gone, a zombie, or stopped (SIGSTOP: it takes part in nothing until it is
+        killed). A replica on another host is never known so: it is waited for."""
+        where = self.process_of(replica, generation)
+        return where is not None and where[0] == socket.gethostname() and process_state(where[1]) in (
+            None, "Z", "X", "T")
 
     def after_loss(self, generation: Generation, wait_s: float) -> Generation:
         """The generation after ``generation`` lost a member: this replica says it is alive, waits

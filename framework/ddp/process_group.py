@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from .heal import NothingToHealFrom, newest_state
-from .membership import Membership, Slot
+from .membership import Membership, Slot, process_state
 
 log = logging.getLogger(__name__)
 
@@ -133,12 +133,7 @@ def agent_gone() -> bool:
     # The kernel sends the death signal as the agent's main thread exits and hands this worker to
     # one of the agent's threads that are still exiting (kill -9): getppid() still names the agent,
     # whose main thread is a zombie by then.
-    try:
-        with open(f"/proc/{_armed_parent}/stat", "rb") as f:
-            stat = f.read()
-    except FileNotFoundError:
-        return True
-    return stat[stat.rindex(b")") + 2:stat.rindex(b")") + 3] in (b"Z", b"X")
+    return process_state(_armed_parent) in (None, "Z", "X")
 
 
 def select_device(local_rank: int, cuda_available: bool, device_count: int) -> torch.device:
@@ -300,15 +295,12 @@ def stop_silent_peer(rank: int) -> None:
     import socket
 
     replica = GENERATION.members[rank]
-    key = f"formed/{GENERATION.number}/{replica}"
-    if not MEMBERSHIP.store.check([key]):
-        return
-    host, _, pid = MEMBERSHIP.store.get(key).decode().partition(" ")
-    if host == socket.gethostname() and pid.isdigit() and int(pid) != os.getpid():
-        log.error("rank %d (replica %d, pid %s) is silent: killing it so that its torchrun starts it again",
-                  rank, replica, pid)
+    where = MEMBERSHIP.process_of(replica, GENERATION)
+    if where is not None and where[0] == socket.gethostname() and where[1] != os.getpid():
+        log.error("rank %d (replica %d, pid %d) is silent: killing it so that its torchrun starts it again",
+                  rank, replica, where[1])
         try:
-            os.kill(int(pid), signal.SIGKILL)
+            os.kill(where[1], signal.SIGKILL)
         except ProcessLookupError:
             pass
 

@@ -342,7 +342,7 @@ class Checkpointer:
 
     def save_survivor(self, step: int, *, model_state: dict) -> Path | None:
         """Write ``step``'s state from this rank alone, without a collective: for a rank whose peer
-        went away in the step after ``step`` (the trainer's ``_survivor_checkpoint_if_a_peer_is_lost``).
+        went away in the step after ``step`` (the trainer's ``_if_a_peer_is_lost``).
         The state is the live one, which the interrupted step has not changed. It holds no RNG
         state: every rank's generators are seeded from (seed, rank, step) at each step's start
         (rng.seed_step); ``model_state`` is the model's as it stood at the step's start (see

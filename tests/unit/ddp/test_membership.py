@@ -108,40 +108,36 @@ def test_a_stale_generation_is_not_formed_and_an_empty_one_not_proposed():
     assert m.newest(after=7) == Generation(2, (0,))  # a number never proposed: scanned from the start
 
 
+def dead_pid() -> int:
+    process = subprocess.Popen([sys.executable, "-c", "pass"])
+    process.wait()
+    return process.pid
+
 def test_after_a_loss_the_survivors_agree_at_once_when_the_lost_process_is_known_dead():
     """Replica 2's process on this host is dead (a pid that exited): replicas 0 and 1 need not wait
-    for it; each says it is alive, and the first to see every other member alive or dead proposes
-    them. A member on another host that says nothing is waited for, up to wait_s, then left out."""
+    for it (they are given an hour); each says it is alive, and the first to see every other member
+    alive or dead proposes them. A member on another host that says nothing is waited for, up to
+    wait_s, then left out."""
     import os
     import socket
-    import time
 
     store = dist.HashStore()
     first = [Membership(store, r) for r in range(3)]
     for m in first:
         m.start(3)
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
-    first[0].store.set("where/2", f"{socket.gethostname()} {dead.pid}")
+    first[0].store.set("where/2", f"{socket.gethostname()} {dead_pid()}")
     assert first[2].gone(2) and not first[0].gone(1)  # replica 1 is this process: alive
     gen1 = first[0].newest()
     seen = []
-    threads = [threading.Thread(target=lambda m=m: seen.append(m.after_loss(gen1, wait_s=30))) for m in first[:2]]
-    started = time.monotonic()
+    threads = [threading.Thread(target=lambda m=m: seen.append(m.after_loss(gen1, wait_s=3600)), daemon=True)
+               for m in first[:2]]
     [t.start() for t in threads]
-    [t.join() for t in threads]
-    assert seen == [Generation(2, (0, 1))] * 2 and time.monotonic() - started < 5
+    [t.join(60) for t in threads]  # a guard against a hang, not a timing: waiting for the dead is an hour
+    assert seen == [Generation(2, (0, 1))] * 2
 
     first[0].store.set("where/1", f"elsewhere-{os.getpid()} 1")  # on another host, silent
-    started = time.monotonic()
     assert first[0].after_loss(seen[0], wait_s=0.5) == Generation(3, (0,))
-    assert 0.5 <= time.monotonic() - started < 5
 
-
-def dead_pid() -> int:
-    process = subprocess.Popen([sys.executable, "-c", "pass"])
-    process.wait()
-    return process.pid
 
 
 def test_a_replica_started_again_forms_only_a_first_or_restart_generation_and_joins_any_other():
