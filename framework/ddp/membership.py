@@ -140,9 +140,11 @@ class Membership:
         when the run must not restart, e.g. after a FATAL stop). A spare of a whole group waits as
         long as the group stays whole; otherwise ``timeout_s`` without a new generation is an
         error. ``stop()`` true (a preemption signal): withdraw and end."""
-        self.store.set(f"join/{self.replica}", str(os.getpid()))
+        # Read before asking: a generation agreed before this process asked is not its to form, and
+        # one proposed from the moment it asks may list it before its first read.
         newest = self.newest()
-        asked_after = newest.number  # one proposed before this process asked is not its to form
+        asked_after = newest.number
+        self.store.set(f"join/{self.replica}", str(os.getpid()))
         deadline, orphaned_at, next_orphan_check = time.monotonic() + timeout_s, None, 0.0
         while True:
             if self.store.check(["finished"]):

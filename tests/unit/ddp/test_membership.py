@@ -239,3 +239,31 @@ def test_a_spare_outwaits_its_timeout_while_the_group_is_whole_and_a_refused_res
 
     with pytest.raises(RuntimeError, match="FATAL"):
         again.join(timeout_s=30, before_restart=fatal)
+
+
+def test_a_generation_proposed_the_moment_a_replica_asks_takes_it_in():
+    """The proposal that reads a replica's ``join`` key may land before the replica's own first
+    read of the newest generation: that generation is the replica's to form (CI once saw one of
+    two replicas started again left out of the restart that listed it, and time out)."""
+    import socket
+
+    store = dist.HashStore()
+    a, b = Membership(store, 0), Membership(store, 1)
+    a.start(2), b.start(2)
+    for m in (a, b):
+        m.store.set(f"formed/1/{m.replica}", f"{socket.gethostname()} {dead_pid()}")
+    again = Membership(store, 1)
+    prefixed = again.store
+
+    class ProposingStore:  # the other replica proposes as soon as it sees the key
+        def __getattr__(self, name):
+            return getattr(prefixed, name)
+
+        def set(self, key, value):
+            prefixed.set(key, value)
+            if key == "join/1":
+                a.propose(2, [0, 1])
+
+    again.store = ProposingStore()
+    again.replicas = again.size = 2
+    assert again.join(5) == (Generation(2, (0, 1)), False)
