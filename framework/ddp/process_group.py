@@ -287,22 +287,26 @@ def drop_broken_group(wait_s: float = 5.0) -> bool:
     return False
 
 
-def stop_silent_peer(rank: int) -> None:
+def stop_silent_peer(rank: int) -> bool:
     """A run that heals in place: SIGKILL the process of ``rank`` (of this generation) if it runs on
-    this host. A frozen member (SIGSTOP) takes part in nothing and would be waited for; killed,
-    its torchrun starts it again, and the run re-forms (every member restarts on a silent peer)."""
+    this host; True when it did. A frozen member (SIGSTOP) takes part in nothing and would be
+    waited for; killed, its connections close, so the collective the survivors wait in with it
+    fails and they heal in place, and its torchrun starts it again to rejoin. A member on another
+    host cannot be killed from here: False, and the run restarts from its checkpoint."""
     import signal
     import socket
 
     replica = GENERATION.members[rank]
     where = MEMBERSHIP.process_of(replica, GENERATION)
-    if where is not None and where[0] == socket.gethostname() and where[1] != os.getpid():
-        log.error("rank %d (replica %d, pid %d) is silent: killing it so that its torchrun starts it again",
-                  rank, replica, where[1])
-        try:
-            os.kill(where[1], signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    if where is None or where[0] != socket.gethostname() or where[1] == os.getpid():
+        return False
+    log.error("rank %d (replica %d, pid %d) is silent: killing it so that its torchrun starts it again",
+              rank, replica, where[1])
+    try:
+        os.kill(where[1], signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    return True
 
 
 def joining() -> bool:

@@ -68,7 +68,7 @@ class PeerMonitor(Listener):
     Config = RecoverySection
 
     def __init__(self, section, *, env, store: dist.Store | None, checkpoint_dir: str,
-                 on_lost: Callable[[str], None] | None = None, on_silent: Callable[[int], None] | None = None):
+                 on_lost: Callable[[str], None] | None = None, on_silent: Callable[[int], bool] | None = None):
         self.timeout_s = section.peer_timeout_s
         self.rank, self.world_size = env.rank, env.world_size
         # A group the user built on torchrun's agent store (which outlives restarts) has no key prefix
@@ -80,7 +80,8 @@ class PeerMonitor(Listener):
         self.enabled = self.store is not None
         self.checkpoint_dir = checkpoint_dir
         self.on_lost = on_lost or self._exit
-        self.on_silent = on_silent  # called with the silent rank before on_lost (healing in place: stop it)
+        # Called with a silent rank (healing in place: kill it); True: it was, and the group heals.
+        self.on_silent = on_silent
         self.watched = (self.rank + 1) % self.world_size
         self.lost: str | None = None
         self._stop = threading.Event()
@@ -161,8 +162,13 @@ class PeerMonitor(Listener):
                                   f"{self._store_error or 'a call that did not return'})")
             # Judged on the reads that happened: a beat thread stuck in the store is the rule above's.
             if self._ok_at - self._changed_at > self.timeout_s:
-                if self.on_silent is not None:
-                    self.on_silent(self.watched)
+                if self.on_silent is not None and self.on_silent(self.watched):
+                    # Killed: its connections close, the collective waiting for it fails on the
+                    # survivors, and they heal in place as after a kill -9.
+                    log.warning("rank %d went silent: no heartbeat for %.1f s (recovery.peer_timeout_s=%g); killed, "
+                                "so that the group heals in place", self.watched, now - self._changed_at,
+                                self.timeout_s)
+                    return None
                 return self._lose(f"rank {self.watched} went silent: no heartbeat for {now - self._changed_at:.1f} s "
                                   f"(recovery.peer_timeout_s={self.timeout_s:g}; frozen, or cut off)", announce=True)
 

@@ -26,14 +26,15 @@ REPLICAS = 3
 STEPS = 12
 
 
-def heal_run(run_dir: Path, fault: str = "", *, steps: int = STEPS, spares: int = 0) -> dict:
+def heal_run(run_dir: Path, fault: str = "", *, steps: int = STEPS, spares: int = 0, changes: dict | None = None
+             ) -> dict:
     """Three ddp_training.py processes on a run store of the test's, as launch_training.sh starts
-    them (without torchrun), the last ``spares`` of them spares; returns their exit codes and the
-    time the run took."""
+    them (without torchrun), the last ``spares`` of them spares, the configuration with ``changes``;
+    returns their exit codes and the time the run took."""
     run_dir.mkdir(parents=True)
     config = tiny(run_dir, {"train.max_steps": steps, "recovery.heal": "in_place", "recovery.fault_inject": fault,
                             "logging.record_samples": True, "checkpoint.every_steps": 4, "data.batch_size": 4,
-                            "data.global_batch_size": 24})
+                            "data.global_batch_size": 24, **(changes or {})})
     (run_dir / "config.json").write_text(json.dumps(config))
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HEAL_STORE": f"127.0.0.1:{store.port}",
@@ -125,6 +126,26 @@ def test_survivors_of_a_kill_9_heal_in_place_and_finish_the_run_unchanged(tmp_pa
     weights = final_weights(run_dir)
     assert max((weights[k].float() - reference[k].float()).abs().max().item() for k in reference) < 1e-5
     assert samples_per_epoch(run_dir) == expected
+
+
+@pytest.mark.dist
+def test_a_frozen_rank_is_killed_by_its_watcher_and_the_others_heal_in_place(tmp_path, whole):
+    """SIGSTOP of rank 1 at step 5's start: it sends no reset, so the others wait for it in step 5's
+    collectives. Its watcher (rank 0's peer monitor) names it after recovery.peer_timeout_s and,
+    on the same host, kills it: its connections close, the collective fails, and ranks 0 and 2 heal
+    in place as after a kill -9, instead of every rank restarting from the checkpoint."""
+    run_dir = tmp_path / "stopped"
+    run = heal_run(run_dir, "sigstop@step=5,rank=1", changes={"recovery.peer_timeout_s": 2})
+    assert run["codes"] == [0, -9, 0], run
+    text = logs(run_dir)
+    assert "rank 1 went silent: no heartbeat for" in text and "killed, so that the group heals in place" in text
+    assert text.count("healed in place at step 5 (epoch 1, sample 0 of the epoch)") == 2, text[-3000:]
+    assert "resumed from" not in text
+    summary = json.loads((run_dir / "logs" / "summary.json").read_text())
+    assert (summary["steps"], summary["world_size"], summary["restarts"]) == (STEPS, 2, 0)
+    reference, weights = final_weights(whole), final_weights(run_dir)
+    assert max((weights[k].float() - reference[k].float()).abs().max().item() for k in reference) < 1e-5
+    assert samples_per_epoch(run_dir) == samples_per_epoch(whole)
 
 
 @pytest.mark.dist

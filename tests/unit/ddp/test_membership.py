@@ -267,3 +267,34 @@ def test_a_generation_proposed_the_moment_a_replica_asks_takes_it_in():
     again.store = ProposingStore()
     again.replicas = again.size = 2
     assert again.join(5) == (Generation(2, (0, 1)), False)
+
+
+def test_a_silent_member_is_killed_only_on_this_host(monkeypatch):
+    """stop_silent_peer (the peer monitor's on_silent when healing in place): a member on this host
+    is killed, so that the collective waiting for it fails and the group heals; one on another host
+    (or this process itself) is left, and the monitor's loss ends the group instead."""
+    import os
+    import signal
+    import socket
+
+    from framework.ddp import process_group
+
+    store = dist.HashStore()
+    members = [Membership(store, r) for r in range(3)]
+    for m in members:
+        m.start(3)
+    frozen = subprocess.Popen(["sleep", "60"])
+    try:
+        frozen.send_signal(signal.SIGSTOP)
+        members[0].store.set("formed/1/1", f"{socket.gethostname()} {frozen.pid}")
+        members[0].store.set("formed/1/2", f"elsewhere-{socket.gethostname()} {frozen.pid}")
+        members[0].store.set("formed/1/0", f"{socket.gethostname()} {os.getpid()}")
+        monkeypatch.setattr(process_group, "MEMBERSHIP", members[0])
+        monkeypatch.setattr(process_group, "GENERATION", Generation(1, (0, 1, 2)))
+        assert not process_group.stop_silent_peer(2) and frozen.poll() is None  # another host's
+        assert not process_group.stop_silent_peer(0)  # this process
+        assert process_group.stop_silent_peer(1)
+        assert frozen.wait(10) == -signal.SIGKILL
+    finally:
+        frozen.kill()
+        frozen.wait()
