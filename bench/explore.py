@@ -127,6 +127,11 @@ DIMS = {
     # ends before the collective timeout, 20 s; elsewhere only a false alarm), or 0, off (the
     # watchdog and the collective timeout alone, as before it).
     "peer_timeout": [10, 0],
+    # Issue 31's heal in place: launch_training.sh --heal (one torchrun job per rank and the run's
+    # store); the survivors of a rank lost mid-step go on in their processes at the smaller world
+    # size, and the worker started again rejoins. Drawn last, after the trial (HEAL_SHARE of those
+    # it fits), so that the trials of every earlier seed stay as they were drawn.
+    "heal": ["restart", "in_place"],
 }
 LAYOUTS = {
     "apart": "checkpoint_dir, log_dir and export_dir side by side",
@@ -185,7 +190,7 @@ FAULTS = {
                              ("mid_step", "epoch_boundary")),
 }
 ORPHAN_GRACE_S = 15.0  # how long workers may outlive their launch's end (a save after their agent died)
-INVARIANTS = ("nothing_lost", "equivalence", "no_hang", "explained", "accounting")
+INVARIANTS = ("nothing_lost", "equivalence", "no_hang", "explained", "accounting", "in_place")
 NOT_COVERED = [
     "SIGHUP / SIGUSR1 to the launcher, a double SIGTERM (the fault campaign has the latter)",
     "an OOM (fault_inject oom needs CUDA to matter), a straggler (slow), a one-ulp divergence",
@@ -222,11 +227,15 @@ def elastic(cfg: dict) -> bool:
     """The run may change its world size (a relaunch at another, or a node range that loses a node):
     dropout off, so that the weights can be compared within a tolerance (a rank's dropout mask
     follows its rank), and data.global_batch_size set."""
-    return cfg.get("world_change", "none") != "none" or cfg.get("nnodes") == "range"
+    return cfg.get("world_change", "none") != "none" or cfg.get("nnodes") == "range" or heals(cfg)
 
 
 def hf(cfg: dict) -> bool:
     return cfg.get("trainer") == "hf"
+
+
+def heals(cfg: dict) -> bool:
+    return cfg.get("heal") == "in_place"
 
 
 # An HF trial is a transformers.Trainer script (bench/explore_hf.py): the choices it has no way to
@@ -236,11 +245,23 @@ def hf(cfg: dict) -> bool:
 # has no fault_inject.
 HF_FIXED = {"foreign": False, "resume": "none", "layout": "nested", "data": "map0", "spike_guard": "off", "accum": 1,
             "tiled_mlp": 0, "comm_hook": "none", "save_interval": 0, "stop": "max_steps", "save_on_peer_loss": True,
-            "save_every_minutes": 0, "peer_timeout": 10,
+            "save_every_minutes": 0, "peer_timeout": 10, "heal": "restart",
             "world_change": "none", "nnodes": "fixed", "loss_average": "tokens"}
 HF_SHARE = 0.07
 HF_FAULTS = ("none", "kill9_worker", "kill9_agent", "kill9_node", "sigterm_worker")
 HF_MOMENTS = ("startup", "mid_step", "epoch_boundary", "eval", "ckpt_write", "final_save", "export")
+# A trial healing in place: one node of 2 processes under launch_training.sh --heal. Its faults: the
+# others are a torchrun agent's or a second node's (kill9_agent, kill9_node: each rank's agent is one
+# of the launcher's jobs, not drawn yet), the survivor checkpoint's (kill9_slow_save: a survivor heals
+# instead of saving alone) or a restart loop's (crash_one_rank: once healed, the restarted rank
+# rejoins past the step that crashed it).
+HEAL_SHARE = 0.5
+HEAL_FAULTS = ("none", "kill9_worker", "sigterm_worker", "sigterm_launcher", "hang", "nan", "bad_data",
+               "kill_dl_worker", "corrupt_newest", "unreadable_newest", "sigstop_worker", "second_launch",
+               "user_error", "full_disk")
+# What must heal in place (no restart from the checkpoint): a worker killed inside a step; one
+# stopped there, named by the peer monitor (on, at 10 s) and killed by its watcher.
+HEALS_IN_PLACE = {"kill9_worker": ("mid_step", "epoch_boundary"), "sigstop_worker": ("mid_step", "epoch_boundary")}
 
 
 def total_steps(cfg: dict) -> int:
@@ -359,6 +380,23 @@ def issue33_applicable(cfg: dict, fault: str, moment: str) -> str | None:
         fixed = [k for k, v in HF_FIXED.items() if cfg.get(k, DIMS[k][0]) != v]
         if fixed:
             return f"an HF trial fixes {', '.join(f'{k}={HF_FIXED[k]}' for k in fixed)}"
+    return heal_applicable(cfg, fault)
+
+
+def heal_applicable(cfg: dict, fault: str) -> str | None:
+    """The rules of issue 31's heal dimension."""
+    if not heals(cfg):
+        return None
+    if cfg["topology"] != "1x2":
+        return "--heal: one node of 2 processes here (launch_training.sh --heal is one node)"
+    if cfg["data"] == "stream":
+        return "a stream whose dataset has a state of each rank's cannot heal: refused by design"
+    if cfg["comm_hook"] == "powersgd":
+        return "PowerSGD's error feedback is each rank's: --heal refuses it at --check-config"
+    if cfg.get("world_change", "none") != "none" or cfg.get("nnodes", "fixed") != "fixed" or hf(cfg):
+        return "heal in place: one launch of ddp_training.py on one fixed node"
+    if fault not in HEAL_FAULTS:
+        return f"{fault} is not drawn with heal in place (HEAL_FAULTS)"
     return None
 
 
@@ -377,9 +415,10 @@ RECIPES = [{k: r.choice(DIMS[k]) for k in MODEL_DIMS[:-1]} for r in [random.Rand
 RECIPES = [recipe | {"loss_average": r.choice(DIMS["loss_average"])} for r in [random.Random(33)] for recipe in RECIPES]
 
 
-def draw(rng: random.Random) -> dict:
+def draw(rng: random.Random, fixed: dict | None = None) -> dict:
+    """A trial from ``rng``; with ``fixed``, one whose configuration holds those choices."""
     while True:
-        cfg = {k: rng.choice(v) for k, v in DIMS.items()} | rng.choice(RECIPES)
+        cfg = {k: rng.choice(v) for k, v in DIMS.items() if k != "heal"} | rng.choice(RECIPES) | {"heal": "restart"}
         if hf(cfg):
             if rng.random() >= HF_SHARE:
                 continue  # an HF trial fits most draws (its fixed choices): kept at about 1 in 8
@@ -387,7 +426,14 @@ def draw(rng: random.Random) -> dict:
         fault = rng.choice(list(FAULTS))
         moment = rng.choice(FAULTS[fault].moments)
         trial = {"config": cfg, "fault": fault, "moment": moment}
-        if applicable(trial) is None:
+        if applicable(trial) is not None:
+            continue
+        if rng.random() < HEAL_SHARE:
+            healing = {**trial, "config": {**cfg, "heal": "in_place"}}
+            trial = healing if applicable(healing) is None else trial
+        if fixed and applicable(fixed_trial := {**trial, "config": {**trial["config"], **fixed}}) is None:
+            return fixed_trial
+        if not fixed:
             return trial
 
 
@@ -460,7 +506,7 @@ def config_args(trial: dict, lay: Layout, *, resume: str | None = None, foreign_
     spec = injected(trial)
     if spec:
         args["recovery.fault_inject"] = spec
-    if fault in ("hang", "sigstop_worker"):
+    if fault == "hang" or (fault == "sigstop_worker" and not heals(cfg)):  # healing, the peer monitor names it
         args.update(HANG_TIMEOUTS)
     if fault == "sigstop_worker":  # a peer stopped before the first step is ended by the collective timeout
         args["ddp.timeout_s"] = STOPPED_PEER_TIMEOUT_S
@@ -488,6 +534,8 @@ def injected(trial: dict) -> str:
         return f"crash@step={k},rank=1,restart=*"
     if fault == "kill9_slow_save":  # rank 0 killed; the last rank survives and saves alone
         return f"sigkill@step={k},rank=0"
+    if stops_itself(trial):
+        return f"sigstop@step={k},rank={last}"
     if fault not in kinds or moment in ("rollback", "export"):
         return spikes
     at = {"eval": ",at=eval", "ckpt_write": ",at=save", "final_save": ",at=save"}.get(moment, "")
@@ -519,11 +567,11 @@ class Job:
         port = free_port()
         self.env = worker_env()
         self.out, self.tag, self.script = out, tag, script
-        if fault in ("sigterm_launcher", "crash_one_rank"):
+        if fault in ("sigterm_launcher", "crash_one_rank") or heals(cfg):
             if fault == "crash_one_rank":
                 restarts = str(RESTARTS_ONE_RANK_ERROR)
             self.cmds = [[str(ROOT / "launch_training.sh"), "--cpu", "--nproc", str(w), "--max-restarts", restarts,
-                          "--", *argv]]
+                          *(["--heal"] if heals(cfg) else []), "--", *argv]]
             self.env = {k: v for k, v in self.env.items() if k != "PYTHONPATH"} | {"PYTHON": sys.executable}
         elif w == 1 and cfg["max_restarts"] == 0 and fault not in ("kill9_agent", "kill9_node"):
             self.cmds = [[sys.executable, str(script), *argv]]
@@ -584,7 +632,8 @@ class Job:
                 except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
                     continue
                 if "RANK" in env and "TORCHELASTIC_RESTART_COUNT" in env:
-                    found[int(env["RANK"])] = proc
+                    # Healing in place, each rank is a torchrun job of its own (RANK 0): its replica.
+                    found[int(env.get("HEAL_REPLICA", env["RANK"]))] = proc
                 elif len(self.cmds) == 1 and proc.pid == agent.pid and self.cmds[0][:2] == [sys.executable,
                                                                                           str(self.script)]:
                     found.setdefault(0, proc)  # a plain process is rank 0 itself
@@ -1104,7 +1153,15 @@ def running(proc: psutil.Process) -> bool:
 def injected_fully(trial: dict) -> bool:
     """The fault is fired by fault_inject alone (no external signal)."""
     return (trial["fault"] in ("kill9_worker", "sigterm_worker") and trial["moment"] not in ("rollback", "export")
-            and not hf(trial["config"]))
+            and not hf(trial["config"])) or stops_itself(trial)
+
+
+def stops_itself(trial: dict) -> bool:
+    """Healing in place, a SIGSTOP inside a step comes from fault_inject (the worker stops itself at
+    the step's start): a signal sent when the log shows step K lands anywhere in the next
+    milliseconds, often in an evaluation, which restarts from the checkpoint by design."""
+    return (trial["fault"] == "sigstop_worker" and heals(trial["config"])
+            and trial["moment"] in HEALS_IN_PLACE["sigstop_worker"])
 
 
 ROLLED_BACK = r"rolled back to the checkpoint of step (\d+)"
@@ -1141,11 +1198,19 @@ def verdict_inputs(trial: dict, lay: Layout, sentinels: dict, foreign_files: dic
     # The first launch's size leads: a launch killed before it logged one (kill -9 at start-up)
     # left the relaunch's as the only line, which hid its change of size.
     sizes = [world(cfg)] + [int(n) for n in re.findall(r"effective batch: \d+ per rank x (\d+) ranks", log0)]
+    # Healing in place: each heal and each growth, in rank 0's log (replica 0: the explorer's faults
+    # hit the last rank); a restart from the checkpoint through the run's store, on any rank's.
+    regrouped = [(int(old), int(new)) for new, old in re.findall(r"goes on with (\d+) of (\d+) ranks", log0)]
+    regrouped += [(int(old), int(new)) for new, old in re.findall(r"trains on (\d+) ranks \(was (\d+)", log0)]
     # Whether the rollback moment's injected spike (bad_data@step=7, first launch only) fired: a
     # fault delivered at an earlier, natural rollback can end that launch before step 7.
     injected_spike = any("fault injection: bad_data" in p.read_text(errors="replace")
                          for p in lay.logs.glob("rank_*.log")) if lay.logs.is_dir() else False
-    return {"world_changes": [f"{a} -> {b}" for a, b in zip(sizes, sizes[1:], strict=False) if a != b],
+    logs = [p.read_text(errors="replace") for p in lay.logs.glob("rank_*.log")] if lay.logs.is_dir() else []
+    return {"world_changes": [f"{a} -> {b}" for a, b in zip(sizes, sizes[1:], strict=False) if a != b]
+            + [f"{a} -> {b} in place" for a, b in regrouped],
+            "healed": log0.count("healed in place: a peer was lost"),
+            "restarted_in_store": any("resumes from the checkpoint" in text for text in logs),
             "final_weights": final_weights(lay) if elastic(cfg) else None,
             "node_lost_marker": marker_text(lay, "NODE_LOST") is not None,
             "changed": changed, "manifest_present": entries is not None, "manifest_missing": manifest_missing,
@@ -1196,7 +1261,7 @@ def check(trial: dict, res: dict, ref: dict | None) -> dict[str, str | None]:
     """invariant -> None (holds), 'n/a', or what broke it. Pure: works on recorded results."""
     ctx = Context(trial, res, ref)
     return {"nothing_lost": nothing_lost(ctx), "equivalence": equivalence(ctx), "no_hang": no_hang(ctx),
-            "explained": explained(ctx), "accounting": accounting(ctx)}
+            "explained": explained(ctx), "accounting": accounting(ctx), "in_place": in_place(ctx)}
 
 
 class Context:
@@ -1401,6 +1466,22 @@ def accounting(c: Context) -> str | None:
     return joined(problems)
 
 
+def in_place(c: Context) -> str | None:
+    """Healing in place, a rank lost inside a step (HEALS_IN_PLACE) heals: the survivors go on in
+    their processes, and no rank restarts from the checkpoint."""
+    if not heals(c.cfg):
+        return "n/a"
+    if c.trial["moment"] not in HEALS_IN_PLACE.get(c.fault, ()) or (
+            c.fault == "sigstop_worker" and not c.cfg.get("peer_timeout")) or c.res.get("hit") is False:
+        return None if c.res.get("healed") is not None else "n/a"
+    problems = []
+    if not c.res.get("healed"):
+        problems.append(f"{c.fault} at {c.trial['moment']} did not heal in place")
+    if c.res.get("restarted_in_store"):
+        problems.append(f"{c.fault} at {c.trial['moment']} restarted from the checkpoint")
+    return joined(problems)
+
+
 def exit_ok(fault: str, res: dict) -> bool:
     """The last launch exited 0 (an agent's own exit by the kill we sent it excepted)."""
     launches = res.get("launches") or [{"codes": [None]}]
@@ -1481,7 +1562,7 @@ def simpler(trial: dict):
     """Trials one choice simpler than ``trial``: each dimension at its simplest value, then no
     fault, then the simplest moment of the fault."""
     for dim, values in DIMS.items():
-        if trial["config"][dim] != values[0]:
+        if trial["config"].get(dim, values[0]) != values[0]:
             yield {**trial, "config": {**trial["config"], dim: values[0]}}
     if trial["fault"] != "none":
         yield {**trial, "fault": "none", "moment": "startup"}
@@ -1520,7 +1601,7 @@ def shrink(result: dict, run, budget: int = 8, log=print) -> dict:
 
 
 def changed_choice(a: dict, b: dict) -> str:
-    diff = [k for k in a["config"] if a["config"][k] != b["config"][k]]
+    diff = [k for k in a["config"] if a["config"][k] != b["config"].get(k)]
     return diff[0] if diff else ("fault" if a["fault"] != b["fault"] else "moment")
 
 
@@ -1541,21 +1622,22 @@ def describe(trial: dict) -> str:
 
 
 # --- the table -----------------------------------------------------------------------------------
-def results_from_log(text: str, seed: int) -> list[dict]:
-    """The results a run printed, one line per trial, rebuilt with the trials drawn from ``seed``."""
+def results_from_log(text: str, seed: int, fixed: dict | None = None) -> list[dict]:
+    """The results a run printed, one line per trial, rebuilt with the trials drawn from ``seed``
+    (and ``fixed``, as that run drew them)."""
     results = []
     for m in re.finditer(r"^\[(\d+)/\d+\] \S+ .*?: (ok|FAIL (.*)) \(\d+ s\)$", text, re.M):
         index = int(m.group(1)) - 1
         verdict = {} if m.group(2) == "ok" else dict(
             part.split(": ", 1) for part in re.split(r"; (?=[a-z_]+: )", m.group(3)))
-        results.append({"index": index, "trial": draw(random.Random(seed + index)), "failed": list(verdict),
+        results.append({"index": index, "trial": draw(random.Random(seed + index), fixed), "failed": list(verdict),
                         "verdict": verdict, "hit": None})
     return sorted(results, key=lambda r: r["index"])
 
 
 def table(results: list[dict]) -> str:
     lines = ["dimension         value            trials  failing", "-" * 52]
-    dims = {**{k: [r["trial"]["config"][k] for r in results] for k in DIMS},
+    dims = {**{k: [r["trial"]["config"].get(k, DIMS[k][0]) for r in results] for k in DIMS},
             "fault": [r["trial"]["fault"] for r in results], "moment": [r["trial"]["moment"] for r in results]}
     for dim, values in dims.items():
         counts = collections.Counter(map(str, values))
@@ -1574,10 +1656,12 @@ def table(results: list[dict]) -> str:
 
 
 def explore(n: int, seed: int, jobs: int, workdir: Path, *, do_shrink: bool = True, max_shrinks: int = 1000,
-            shrink_budget: int = 8, log=print, minutes: float = 0.0, trials: list[dict] | None = None) -> list[dict]:
-    """``n`` trials drawn from ``seed``, or the given ``trials`` (a rerun of an earlier run's)."""
+            shrink_budget: int = 8, log=print, minutes: float = 0.0, trials: list[dict] | None = None,
+            fixed: dict | None = None) -> list[dict]:
+    """``n`` trials drawn from ``seed`` (their configurations holding the ``fixed`` choices), or
+    the given ``trials`` (a rerun of an earlier run's)."""
     refs = References(workdir)
-    trials = [draw(random.Random(seed + i)) for i in range(n)] if trials is None else trials
+    trials = [draw(random.Random(seed + i), fixed) for i in range(n)] if trials is None else trials
     n = len(trials)
     deadline = time.monotonic() + minutes * 60 if minutes else None
 
@@ -1613,6 +1697,8 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--jobs", type=int, default=1)
+    parser.add_argument("--fix", action="append", default=[], metavar="DIM=VALUE",
+                        help="draw only trials with this choice (e.g. heal=in_place); repeatable")
     parser.add_argument("--out", default="explore.json", help="a file name under bench/results/, or a path")
     parser.add_argument("--no-shrink", action="store_true")
     parser.add_argument("--max-shrinks", type=int, default=1000, help="shrink at most this many kinds of failure")
@@ -1624,8 +1710,16 @@ def main() -> None:
     parser.add_argument("--minutes", type=float, default=0.0, help="start no trial after this many minutes (0: all)")
     parser.add_argument("--from-log", help="the table of a run stopped early, from its console log (with its --seed)")
     args = parser.parse_args()
+    fixed = {}
+    for item in args.fix:
+        dim, _, text = item.partition("=")
+        value = next((v for v in DIMS.get(dim, []) if str(v).lower() == text.lower()), None)
+        if value is None:
+            parser.error(f"--fix {item}: allowed dimensions and values: "
+                         + "; ".join(f"{k}={'|'.join(map(str, v))}" for k, v in DIMS.items()))
+        fixed[dim] = value
     if args.from_log:
-        results = results_from_log(Path(args.from_log).read_text(), args.seed)
+        results = results_from_log(Path(args.from_log).read_text(), args.seed, fixed or None)
         print(table(results))
         print("(from the log: a trial whose invariant was n/a counts as passing it)")
         return
@@ -1652,7 +1746,7 @@ def main() -> None:
                      if not faults or r["trial"]["fault"] in faults]
         results = explore(args.trials, args.seed, args.jobs, workdir, do_shrink=not args.no_shrink,
                           max_shrinks=args.max_shrinks, shrink_budget=args.shrink_budget, minutes=args.minutes,
-                          trials=rerun)
+                          trials=rerun, fixed=fixed or None)
         print()
         print(table(results))
         for r in results:
@@ -1665,7 +1759,7 @@ def main() -> None:
                 elif "same_as" in r:
                     print(f"  the same failure as trial {r['same_as']}: {r['repro']}")
         out = Path(args.out) if os.sep in args.out else ROOT / "bench" / "results" / args.out
-        out.write_text(json.dumps({"seed": args.seed, "trials": len(results), "jobs": args.jobs,
+        out.write_text(json.dumps({"seed": args.seed, "fixed": fixed, "trials": len(results), "jobs": args.jobs,
                                    "wall_s": round(time.monotonic() - start), "dimensions": DIMS,
                                    "faults": {k: v.what for k, v in FAULTS.items()}, "not_covered": NOT_COVERED,
                                    "results": results}, indent=1, default=str))

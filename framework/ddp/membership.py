@@ -11,8 +11,11 @@ group's keys can be read by a new one (what ``torch.distributed`` itself does fo
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import logging
 import os
+import signal
 import socket
 import time
 from dataclasses import dataclass
@@ -20,6 +23,8 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from .collectives import park
+
+log = logging.getLogger(__name__)
 
 PREFIX = "ddp_framework/heal/"
 JOIN_POLL_S = 0.05
@@ -227,11 +232,20 @@ class Membership:
 
     def gone(self, replica: int, generation: Generation | None = None) -> bool:
         """Whether ``replica``'s process (see ``process_of``) is known dead: it ran on this host and
-        its pid is gone, a zombie, or stopped (SIGSTOP: it takes part in nothing until it is
-        killed). A replica on another host is never known so: it is waited for."""
+        its pid is gone, a zombie, or stopped (SIGSTOP). A stopped one is killed here: it takes part
+        in nothing, and its torchrun (which waits for it) and the launcher (which waits for every
+        rank's job) would never end; killed, its torchrun starts it again or ends. A replica on
+        another host is never known gone: it is waited for."""
         where = self.process_of(replica, generation)
-        return where is not None and where[0] == socket.gethostname() and process_state(where[1]) in (
-            None, "Z", "X", "T")
+        if where is None or where[0] != socket.gethostname():
+            return False
+        state = process_state(where[1])
+        if state == "T" and where[1] != os.getpid():
+            log.warning("replica %d (pid %d) is stopped: killing it so that its torchrun starts it again or ends",
+                        replica, where[1])
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(where[1], signal.SIGKILL)
+        return state in (None, "Z", "X", "T")
 
     def after_loss(self, generation: Generation, wait_s: float) -> Generation:
         """The generation after ``generation`` lost a member: this replica says it is alive, waits

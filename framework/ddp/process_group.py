@@ -522,12 +522,27 @@ def agree_generation(store: dist.Store, rank: int, world_size: int, timeout: dat
         time.sleep(0.01)
 
 
+def lost_members() -> list[int]:
+    """Healing in place: the other replicas of this generation known gone (``Membership.gone``,
+    which kills one found stopped); [] otherwise, or when the run's store does not answer."""
+    if MEMBERSHIP is None or GENERATION is None:
+        return []
+    try:
+        return [m for m in GENERATION.members if m != MEMBERSHIP.replica and MEMBERSHIP.gone(m, GENERATION)]
+    except Exception as err:  # noqa: BLE001  (the run's store gone: nothing to learn from it)
+        log.warning("could not look for lost members in the run's store: %s: %s", type(err).__name__, err)
+        return []
+
+
 def teardown() -> None:
     """Leave the process group and free it now, while the interpreter is whole. Freeing the group
     joins its gloo threads and closes its sockets; a group that something still references is
     freed only when its last holder goes, during the interpreter's finalisation if that holder
-    lives as long (a module global), and there torch 2.13 occasionally aborts."""
+    lives as long (a module global), and there torch 2.13 occasionally aborts. Healing in place,
+    a member found stopped is killed first (``lost_members``): a process that ends after a
+    collective timed out on it would leave it, its torchrun and the launcher waiting for good."""
     global STORE, STORE_GENERATION
+    lost_members()
     if dist.is_available() and dist.is_initialized():
         group = dist.group.WORLD
         release_ddp_holders(group)

@@ -8,12 +8,13 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 
-from framework.ddp.membership import Generation, Membership
+from framework.ddp.membership import Generation, Membership, process_state
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -294,6 +295,31 @@ def test_a_silent_member_is_killed_only_on_this_host(monkeypatch):
         assert not process_group.stop_silent_peer(2) and frozen.poll() is None  # another host's
         assert not process_group.stop_silent_peer(0)  # this process
         assert process_group.stop_silent_peer(1)
+        assert frozen.wait(10) == -signal.SIGKILL
+    finally:
+        frozen.kill()
+        frozen.wait()
+
+
+def test_a_stopped_member_counts_as_gone_and_is_killed_so_that_its_job_ends():
+    """A member stopped for good (SIGSTOP) takes part in nothing, and neither its torchrun (which
+    waits for it) nor the launcher (which waits for every rank's job) would ever end: found stopped
+    by the others' membership, it is killed, so that its torchrun starts it again, or ends
+    (an explorer trial of a stopped worker under --heal with the peer monitor off hung until its bound)."""
+    import signal
+    import socket
+
+    store = dist.HashStore()
+    members = [Membership(store, r) for r in range(2)]
+    for m in members:
+        m.start(2)
+    frozen = subprocess.Popen(["sleep", "60"])
+    try:
+        frozen.send_signal(signal.SIGSTOP)
+        while process_state(frozen.pid) != "T":  # the signal is delivered asynchronously
+            time.sleep(0.01)
+        members[0].store.set("where/1", f"{socket.gethostname()} {frozen.pid}")
+        assert members[0].gone(1)
         assert frozen.wait(10) == -signal.SIGKILL
     finally:
         frozen.kill()
