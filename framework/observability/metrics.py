@@ -317,12 +317,16 @@ class SampleLog(Listener):
     on it (optimizer_step's all-reduce). Once a peer has passed that agreement the step is
     committed (a survivor checkpoint holds it, a restart does not redo it), so this rank's record
     must exist even if this rank dies right after; a step that is not committed is redone, and its
-    line dropped by the redo's ``purge_from``. ``sampler``: the step's indices (``pending()``)."""
+    line dropped by the redo's ``purge_from``. ``sampler``: the step's indices (``pending()``).
+    ``world_size``: rank 0's, so that a redo (a rollback) purges the files of the ranks this run
+    does not have too (``purge_absent_ranks``): after a shrink their records of the redone steps
+    belong to no run."""
 
-    def __init__(self, path: Path | None, sampler=None):
+    def __init__(self, path: Path | None, sampler=None, *, world_size: int | None = None):
         self.file, earlier = _open_appending(path) if path is not None else (None, False)
         self.last_step: float = math.inf if earlier else 0  # steps count from 1
         self.sampler = sampler
+        self.path, self.world_size = path, world_size
 
     def gradients(self, step: int, model) -> None:
         self.write(self.sampler.epoch, step + 1, self.sampler.pending())
@@ -332,6 +336,8 @@ class SampleLog(Listener):
             return
         if step <= self.last_step:
             self.file.write(json.dumps({"purge_from": step}) + "\n")
+            if self.world_size is not None and self.last_step != math.inf:  # a redo within this run
+                self.purge_absent_ranks(self.path.parent, self.world_size, step)
         self.last_step = step
         self.file.write(json.dumps({"epoch": epoch, "step": step, "indices": indices}) + "\n")
 

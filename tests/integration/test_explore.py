@@ -187,6 +187,48 @@ def test_issue_33s_dimensions_and_faults_are_drawn_and_a_rerun_fills_them_with_t
     assert args["train.loss_average"] == "micro_batch" and args["checkpoint.every_minutes"] == 0
 
 
+def test_issue_31s_heal_dimension_is_drawn_judged_and_launched_under_the_launcher():
+    import torch
+
+    # Drawn last: every earlier seed's trials keep their other choices; --fix heal=in_place draws only those
+    drawn = [explore.draw(random.Random(5000 + i)) for i in range(400)]
+    assert {t["config"]["heal"] for t in drawn} == {"restart", "in_place"}
+    fixed = [explore.draw(random.Random(31000 + i), {"heal": "in_place"}) for i in range(100)]
+    assert all(t["config"]["heal"] == "in_place" and explore.applicable(t) is None for t in fixed)
+    assert {"kill9_worker", "sigstop_worker"} <= {t["fault"] for t in fixed}
+    assert {t["config"]["topology"] for t in fixed} == {"1x2"} and "stream" not in {t["config"]["data"] for t in fixed}
+    healing = {"config": {**SIMPLEST, "topology": "1x2", "heal": "in_place"}, "fault": "kill9_worker",
+               "moment": "mid_step"}
+    assert explore.applicable({**healing, "fault": "kill9_agent"}) is not None
+    assert explore.applicable({**healing, "config": {**healing["config"], "comm_hook": "powersgd"}}) is not None
+    # launched as a user would: launch_training.sh --heal; a SIGSTOP inside a step from fault_inject
+    lay = explore.Layout(Path("w"), Path("ck"), Path("logs"), None)
+    args = explore.config_args(healing, lay)
+    assert args["dropout"] == 0.0 and args["data.global_batch_size"] == 2 * explore.BATCH
+    assert explore.injected(healing) == "sigkill@step=3,rank=1"
+    assert explore.injected({**healing, "fault": "sigstop_worker"}) == "sigstop@step=3,rank=1"
+    assert "recovery.step_timeout_s" not in explore.config_args({**healing, "fault": "sigstop_worker"}, lay)
+
+    # judged: a kill inside a step heals in place, within the world-size tolerance of the reference
+    good = clean_result(healing["config"])
+    weights = {"w": torch.zeros(3)}
+    good.update(healed=1, restarted_in_store=False, world_changes=["2 -> 1 in place", "1 -> 2 in place"],
+                final_weights={"w": torch.full((3,), 2e-6)})
+    good["summary"]["model_sha256"] = "b" * 64
+    ref = {**reference_of(good), "model_sha256": "a" * 64, "weights": weights}
+    assert violations(explore.check(healing, good, ref)) == {}
+    restarted = copy.deepcopy(good)
+    restarted.update(healed=0, restarted_in_store=True, world_changes=[])
+    restarted["summary"]["model_sha256"] = "a" * 64
+    found = violations(explore.check(healing, restarted, ref))
+    assert found == {"in_place": "kill9_worker at mid_step did not heal in place; kill9_worker at mid_step "
+                                 "restarted from the checkpoint"}
+    # a loss in an evaluation restarts from the checkpoint by design; a trial without heal is n/a
+    assert violations(explore.check({**healing, "moment": "eval"}, restarted, ref)) == {}
+    assert explore.check({"config": dict(SIMPLEST), "fault": "kill9_worker", "moment": "mid_step"}, good,
+                         ref)["in_place"] == "n/a"
+
+
 def test_a_failing_trial_is_shrunk_to_the_choice_that_fails_and_replayed_from_one_line():
     """A synthetic failure that needs only the nested layout: every other choice is simplified away."""
     rng = random.Random(4)
@@ -246,6 +288,10 @@ SLICE = [
     {"config": {**_ISSUE33, "topology": "1x2", "world_change": "2to1", "loss_average": "tokens",
                 "save_on_peer_loss": False}, "fault": "kill9_worker", "moment": "mid_step"},
     {"config": {**_ISSUE33, "topology": "2x1", "peer_timeout": 10}, "fault": "sigstop_worker", "moment": "eval"},
+    # Issue 31's: healing in place under launch_training.sh --heal, rank 1 killed mid-step, with data
+    # loader workers and accumulation; its torchrun starts it again.
+    {"config": {**_ISSUE33, "topology": "1x2", "heal": "in_place", "max_restarts": 2, "data": "map2", "accum": 2},
+     "fault": "kill9_worker", "moment": "mid_step"},
 ]
 
 
@@ -266,6 +312,9 @@ def test_a_fixed_seed_slice_of_real_trials_breaks_no_invariant(tmp_path):
     # relaunched on 1 rank, within 1e-5 of the uninterrupted 2-rank run
     assert results[3]["world_changes"] == ["2 -> 1"] and results[3]["weight_diff"] <= 1e-5
     assert len(results[4]["codes"]) == 2  # the stopped worker's group ended, then relaunched
+    # healed in place (2 -> 1), in one launch, within the tolerance of the uninterrupted 2-rank run
+    assert results[5]["world_changes"][0] == "2 -> 1 in place" and len(results[5]["codes"]) == 1
+    assert results[5]["verdict"]["in_place"] is None and results[5]["weight_diff"] <= 1e-5
 
 
 def test_a_guard_stop_is_judged_against_the_uninterrupted_run():

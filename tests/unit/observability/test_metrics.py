@@ -104,6 +104,27 @@ def test_a_run_on_fewer_ranks_purges_the_files_of_the_ranks_it_does_not_have(tmp
     assert [r["step"] for r in read_samples(tmp_path / "samples_rank_0.jsonl")] == list(range(1, 21))
 
 
+def test_a_rollback_on_fewer_ranks_purges_the_files_of_the_ranks_it_does_not_have(tmp_path):
+    """2 ranks recorded steps 1-4; rank 1 was lost in step 5 and rank 0 healed in place alone (or a
+    run resumed on 1 rank at step 4); then a rollback went back to step 3. Rank 0 redoes step 4 with
+    the whole global batch: rank 1's record of step 4 must go too (an explorer trial counted its
+    samples twice in the epoch)."""
+    from framework.observability.metrics import SampleLog, read_samples
+    logs = {rank: SampleLog(tmp_path / f"samples_rank_{rank}.jsonl") for rank in (0, 1)}
+    for step in range(1, 5):
+        for rank, log in logs.items():
+            log.write(0, step, [2 * step + rank])
+    for log in logs.values():
+        log.close()
+    SampleLog.purge_absent_ranks(tmp_path, world_size=1, from_step=5)  # healed at step 4, on 1 rank
+    alone = SampleLog(tmp_path / "samples_rank_0.jsonl", world_size=1)
+    alone.write(0, 5, [10, 11])
+    alone.write(0, 4, [8, 9])  # rolled back to step 3: step 4 again
+    alone.close()
+    assert [r["step"] for r in read_samples(tmp_path / "samples_rank_1.jsonl")] == [1, 2, 3]
+    assert [r["indices"] for r in read_samples(tmp_path / "samples_rank_0.jsonl")] == [[2], [4], [6], [8, 9]]
+
+
 def test_a_steps_row_is_written_when_the_step_ends(tmp_path):
     """A rank killed after a step must not take the step's row with it: the restart may resume
     after that step (a survivor checkpoint) and never log it again."""

@@ -803,3 +803,22 @@ def test_a_lost_manifest_is_rebuilt_past_a_step_file_that_cannot_be_read(tmp_pat
         store.save(state_at(3), 3, blocking=True)
     assert [e["step"] for e in manifest(tmp_path)] == [1, 3]
     assert f"{tmp_path / step_file(2)} is unreadable" in caplog.text
+
+
+def test_a_writer_that_took_over_a_lineage_and_resumes_an_older_checkpoint_of_it_starts_a_new_one(tmp_path):
+    """Healing in place, a replica joining a restart generation takes over the run's lineage
+    (take_over), then resumes from an older checkpoint of it because the newest is unreadable: it
+    must write the steps it redoes under a lineage of its own, beside the newer file, never over it
+    (an explorer trial replaced a directory at step 8's name, failed, and crashed at the final save)."""
+    first = save_steps(tmp_path, [4, 8])
+    (tmp_path / "step_00000008.pt").unlink()
+    (tmp_path / "step_00000008.pt").mkdir()  # unreadable (EISDIR), still listed
+    store = CheckpointStore(tmp_path, rank=1)  # not rank 0 when it joined
+    store.take_over(lineage=first.lineage, began_from=None)
+    try:
+        store.mark_resumed(tmp_path / "step_00000004.pt")
+        assert store.lineage != first.lineage
+        path = store.save(state_at(8), 8, blocking=True)
+    finally:
+        store.close()
+    assert path.name == f"step_00000008-{store.lineage}.pt" and (tmp_path / "step_00000008.pt").is_dir()
