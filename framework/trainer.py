@@ -208,7 +208,7 @@ class DDPTrainer:
             self._joined = True
             self.log_path = setup_logging(self.env.rank, self.config.logging.dir, debug=self._debug,
                                           file_rank=process_group.MEMBERSHIP.replica)
-            self.checkpointer.take_over(self.env)
+            self.checkpointer.take_over(self.env, resuming=given is None)
         self._build_training(doctor=doctor, given=given)
 
     def _build_training(self, *, doctor: bool = False, given: dict | None = None, rebuilt: bool = False) -> None:
@@ -641,7 +641,7 @@ class DDPTrainer:
                         generation.number)
             state, source = None, -1
         self._heals += 1
-        self.checkpointer.take_over(self.env)
+        self.checkpointer.take_over(self.env, resuming=state is None)
         self._build_training(given=state, rebuilt=True)
         return source
 

@@ -213,8 +213,6 @@ class CheckpointStore:
             self.lineage, self.began_from = entry["lineage"], entry.get("began_from")
             log.info("resuming from %s, the newest checkpoint of lineage %s: continuing it", path, self.lineage)
         else:
-            if self.lineage == entry["lineage"]:  # taken over (healing in place): a new one all the same
-                self.lineage, self.began_from = uuid.uuid4().hex[:12], None
             log.info("resuming from %s, older than %s of its lineage %s: this run starts lineage %s and "
                      "keeps both", path, newest["file"], entry["lineage"], self.lineage)
 

@@ -364,15 +364,18 @@ class Checkpointer:
         model's as at the step's start) and no RNG state: see ``save_survivor``. No collective."""
         return self._state(rngs=[None] * self.env.world_size, model_state=model_state, saved_alone_by=self.env.rank)
 
-    def take_over(self, env) -> None:
+    def take_over(self, env, *, resuming: bool = False) -> None:
         """After healing in place: this process's place in the new generation. The new rank 0, if it
         was not rank 0 before (rank 0 was lost), takes checkpoint_dir's lock and continues the
-        lineage rank 0 recorded, as a survivor checkpoint does."""
+        lineage rank 0 recorded, as a survivor checkpoint does. ``resuming``: the generation
+        resumes from the checkpoint instead (no member held a state): the lineage is chosen as a
+        restarted process chooses it (``load``), which continues the recorded one only from its
+        newest checkpoint; one resumed from an older checkpoint must not write over the newer."""
         before, self.env = self.env, env
         if not env.is_main or before.is_main:
             return
         record = markers.recorded_lineages(self.store.directory)
-        self.store.take_over(lineage=None if record is None else record["current"],
+        self.store.take_over(lineage=None if record is None or resuming else record["current"],
                              began_from=None if record is None else record["began_from"])
         self.lineages = [] if record is None else [x for x in record["lineages"] if x != record["current"]] + [
             record["current"]]

@@ -805,20 +805,31 @@ def test_a_lost_manifest_is_rebuilt_past_a_step_file_that_cannot_be_read(tmp_pat
     assert f"{tmp_path / step_file(2)} is unreadable" in caplog.text
 
 
-def test_a_writer_that_took_over_a_lineage_and_resumes_an_older_checkpoint_of_it_starts_a_new_one(tmp_path):
-    """Healing in place, a replica joining a restart generation takes over the run's lineage
-    (take_over), then resumes from an older checkpoint of it because the newest is unreadable: it
-    must write the steps it redoes under a lineage of its own, beside the newer file, never over it
-    (an explorer trial replaced a directory at step 8's name, failed, and crashed at the final save)."""
+def test_a_replica_that_takes_over_a_run_resuming_from_its_checkpoint_never_writes_over_a_newer_file(tmp_path):
+    """Healing in place, a replica joining a restart generation as rank 0 takes over checkpoint_dir
+    and resumes from the checkpoint; the newest (step 8) is unreadable, so it resumes from step 4
+    and redoes steps 5-8: it must write step 8 beside the newer file, under a lineage of its own,
+    as a restarted process does (an explorer trial wrote over the unreadable file, failed, and
+    crashed at the final save). Taking over with the members' state in memory continues the lineage."""
+    from types import SimpleNamespace
+
+    from framework.resilience import markers
+    from framework.state.checkpointer import Checkpointer
+
     first = save_steps(tmp_path, [4, 8])
+    markers.record_lineages(tmp_path, current=first.lineage, lineages=[first.lineage], resumed=None, began_from=None)
     (tmp_path / "step_00000008.pt").unlink()
     (tmp_path / "step_00000008.pt").mkdir()  # unreadable (EISDIR), still listed
-    store = CheckpointStore(tmp_path, rank=1)  # not rank 0 when it joined
-    store.take_over(lineage=first.lineage, began_from=None)
-    try:
-        store.mark_resumed(tmp_path / "step_00000004.pt")
-        assert store.lineage != first.lineage
-        path = store.save(state_at(8), 8, blocking=True)
-    finally:
-        store.close()
-    assert path.name == f"step_00000008-{store.lineage}.pt" and (tmp_path / "step_00000008.pt").is_dir()
+    cfg = SimpleNamespace(checkpoint=SimpleNamespace(resume="auto"))
+    for resuming in (False, True):
+        store = CheckpointStore(tmp_path, rank=1)  # it was not rank 0
+        checkpointer = Checkpointer(cfg, SimpleNamespace(is_main=False), store, {}, builtin_data=True)
+        checkpointer.take_over(SimpleNamespace(is_main=True), resuming=resuming)
+        try:
+            assert (store.lineage == first.lineage) == (not resuming)
+            if resuming:
+                store.mark_resumed(tmp_path / "step_00000004.pt")
+                path = store.save(state_at(8), 8, blocking=True)
+                assert path.name == f"step_00000008-{store.lineage}.pt" and (tmp_path / "step_00000008.pt").is_dir()
+        finally:
+            store.close()
