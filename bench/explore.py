@@ -5,8 +5,8 @@ Each trial draws, from ``random.Random(seed + trial)``, a configuration (topolog
 mode, directory layout, another run's checkpoints in checkpoint_dir, data kind, spike guard,
 accumulation, activation checkpointing, tiled MLP, comm hook, save schedule, keep_last, stop
 rule, the survivor checkpoint on a peer's loss, a world-size change at the relaunch, a node range,
-train.loss_average, the HF drop-in instead of ddp_training.py, timed checkpoints), a fault and a
-moment. It trains the
+train.loss_average, the HF drop-in instead of ddp_training.py, timed checkpoints, the peer
+monitor, healing in place under launch_training.sh --heal), a fault and a moment. It trains the
 tiny built-in GPT (10 or 12 steps, 6 steps an epoch; an HF trial: a tiny Llama, bench/explore_hf.py)
 with that fault, relaunches once with ``resume=auto`` when the run stopped without a FATAL (as a
 user or a scheduler would; at the other world size of a world_change), and checks:
@@ -30,12 +30,16 @@ user or a scheduler would; at the other world size of a world_change), and check
   NODE_LOST;
 - accounting: read_metrics steps strictly increasing, its last loss equal to summary.json's; with
   record_samples, no sample twice in an epoch, and each completed epoch's samples equal the
-  reference's.
+  reference's;
+- in_place: healing in place, a worker killed or stopped inside a step (HEALS_IN_PLACE) is healed
+  in place: the survivors go on in their processes (a heal in rank 0's log), and no rank restarts
+  from the checkpoint.
 
 A failing trial is shrunk (one choice at a time moved to its simplest value while the trial still
 fails the same invariant) and printed as one command: ``python bench/explore.py --replay '<json>'``.
 
 usage: python bench/explore.py [--trials N] [--seed S] [--jobs J] [--out explore.json] [--no-shrink]
+                               [--fix DIM=VALUE ...]
        python bench/explore.py --replay '<json>'
        python bench/explore.py --rerun bench/results/explore_seed4000.json [--rerun-faults a,b] [--jobs J]
 """

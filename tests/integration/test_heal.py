@@ -130,23 +130,25 @@ def test_survivors_of_a_kill_9_heal_in_place_and_finish_the_run_unchanged(tmp_pa
 
 @pytest.mark.dist
 def test_a_frozen_rank_is_killed_by_its_watcher_and_the_others_heal_in_place(tmp_path, whole):
-    """SIGSTOP of rank 1 at step 5's start: it sends no reset, so the others wait for it in step 5's
-    collectives. Its watcher (rank 0's peer monitor) names it after recovery.peer_timeout_s and,
-    on the same host, kills it: its connections close, the collective fails, and ranks 0 and 2 heal
-    in place as after a kill -9, instead of every rank restarting from the checkpoint. With the
-    monitor off, the collective's own timeout (ddp.timeout_s) ends the wait: the member found
-    stopped is killed, and they heal in place all the same (an explorer trial of this hung, its
-    stopped worker left waiting for good)."""
+    """SIGSTOP of rank 0 at step 5's start: it sends no reset, so the others wait for it in step 5's
+    collectives. Its watcher (rank 2's peer monitor) names it after recovery.peer_timeout_s and,
+    on the same host, kills it: its connections close, the collective fails, and ranks 1 and 2 heal
+    in place as after a kill -9 (the new rank 0 takes over checkpoint_dir's lock, which the kill
+    freed), instead of every rank restarting from the checkpoint. With the monitor off (rank 1
+    stopped), the collective's own timeout (ddp.timeout_s) ends the wait: the member found stopped
+    is killed, and they heal in place all the same (an explorer trial of this hung, its stopped
+    worker left waiting for good)."""
     reference, expected = final_weights(whole), samples_per_epoch(whole)
-    for monitor, changes in (("on", {"recovery.peer_timeout_s": 2}),
-                             ("off", {"recovery.peer_timeout_s": 0, "ddp.timeout_s": 3})):
+    for monitor, stopped, changes in (("on", 0, {"recovery.peer_timeout_s": 2}),
+                                      ("off", 1, {"recovery.peer_timeout_s": 0, "ddp.timeout_s": 3})):
         run_dir = tmp_path / f"monitor-{monitor}"
-        run = heal_run(run_dir, "sigstop@step=5,rank=1", changes=changes)
-        assert run["codes"] == [0, -9, 0], (monitor, run)
+        run = heal_run(run_dir, f"sigstop@step=5,rank={stopped}", changes=changes)
+        assert run["codes"][stopped] == -9 and [c for r, c in enumerate(run["codes"]) if r != stopped] == [0, 0], run
         text = logs(run_dir)
-        named = "rank 1 went silent: no heartbeat for" in text and "killed, so that the group heals in place" in text
+        named = (f"rank {stopped} went silent: no heartbeat for" in text
+                 and "killed, so that the group heals in place" in text)
         assert named == (monitor == "on"), text[-3000:]
-        assert monitor == "on" or "replica 1 (pid" in text and "is stopped: killing it" in text, text[-3000:]
+        assert monitor == "on" or f"replica {stopped} (pid" in text and "is stopped: killing it" in text, text[-3000:]
         assert text.count("healed in place at step 5 (epoch 1, sample 0 of the epoch)") == 2, text[-3000:]
         assert "resumed from" not in text
         summary = json.loads((run_dir / "logs" / "summary.json").read_text())
