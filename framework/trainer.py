@@ -553,7 +553,7 @@ class DDPTrainer:
         except Exception as err:
             # Healing in place, a collective that timed out on a member found stopped (killed by
             # lost_members) is a peer's loss too: with recovery.peer_timeout_s=0, ddp.timeout_s names it.
-            if markers.peer_lost(err) or (process_group.MEMBERSHIP is not None and isinstance(err, RuntimeError)
+            if markers.peer_lost(err) or (process_group.MEMBERSHIP is not None and markers.timed_out(err)
                                           and process_group.lost_members()):
                 if process_group.MEMBERSHIP is not None:
                     self._raise_healing(err)

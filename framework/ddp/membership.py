@@ -11,7 +11,6 @@ group's keys can be read by a new one (what ``torch.distributed`` itself does fo
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import logging
 import os
@@ -66,15 +65,47 @@ class Slot:
         return cls(host, int(port), int(replica), int(replicas), int(spares))
 
 
-def process_state(pid: int) -> str | None:
-    """The state letter of process ``pid`` in /proc (R, S, T, Z, ...), or None when there is none."""
+def _stat_fields(pid: int) -> list[str] | None:
+    """/proc/<pid>/stat's fields from the state on (field 3 first), or None when there is none."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
-    except (FileNotFoundError, ProcessLookupError):
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
         return None
     end = stat.rindex(b")")  # the command name may hold spaces and parentheses
-    return stat[end + 2:end + 3].decode()
+    return stat[end + 2:].decode().split()
+
+
+def process_state(pid: int) -> str | None:
+    """The state letter of process ``pid`` in /proc (R, S, T, Z, ...), or None when there is none."""
+    fields = _stat_fields(pid)
+    return fields[0] if fields else None
+
+
+def process_start(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks since boot, /proc's field 22): with the pid, it
+    names one process, where a pid alone may name another once reused."""
+    fields = _stat_fields(pid)
+    return int(fields[19]) if fields and len(fields) > 19 else None
+
+
+def where_this_runs() -> str:
+    """This process, as the run's store records it: ``host pid start``."""
+    return f"{socket.gethostname()} {os.getpid()} {process_start(os.getpid())}"
+
+
+def kill(where: tuple[str, int, int | None], why: str) -> bool:
+    """SIGKILL the process ``where`` (``Membership.process_of``) when it runs on this host, is not
+    this process, and is the one recorded (its start time, where recorded); True when it was."""
+    host, pid, start = where
+    if host != socket.gethostname() or pid == os.getpid() or start not in (None, process_start(pid)):
+        return False
+    log.warning("%s (pid %d): killing it so that its torchrun starts it again or ends", why, pid)
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):  # gone, or another user's: not the run's
+        return False
+    return True
 
 
 class RunFinished(SystemExit):
@@ -128,7 +159,7 @@ class Membership:
         first proposes it); a replica restarted before forming it forms it; one restarted after,
         and a spare, join."""
         self.replicas, self.size = replicas, replicas - spares
-        self.store.set(f"where/{self.replica}", f"{socket.gethostname()} {os.getpid()}")
+        self.store.set(f"where/{self.replica}", where_this_runs())
         newest = self.newest() or self.propose(1, range(self.size))
         # The first generation, which it was to form and never did, it forms as its members do,
         # from the start; any later one (a heal's, a grow's, a restart's) it joins.
@@ -219,32 +250,31 @@ class Membership:
             self.store.delete_key(f"join/{r}")
         return proposed
 
-    def process_of(self, replica: int, generation: Generation | None = None) -> tuple[str, int] | None:
-        """The host and pid of the process that formed ``generation`` as ``replica`` (or of its
-        newest process, without one), or None when none said so."""
+    def process_of(self, replica: int, generation: Generation | None = None) -> tuple[str, int, int | None] | None:
+        """The host, pid and start time (``process_start``; None if unrecorded) of the process that
+        formed ``generation`` as ``replica`` (or of its newest process, without one), or None when
+        none said so."""
         key = f"formed/{generation.number}/{replica}" if generation is not None else f"where/{replica}"
         if generation is not None and not self.store.check([key]):
             key = f"where/{replica}"
         if not self.store.check([key]):
             return None
-        host, _, pid = self.store.get(key).decode().partition(" ")
-        return host, int(pid)
+        host, pid, *start = self.store.get(key).decode().split(" ")
+        return host, int(pid), int(start[0]) if start and start[0].isdigit() else None
 
     def gone(self, replica: int, generation: Generation | None = None) -> bool:
         """Whether ``replica``'s process (see ``process_of``) is known dead: it ran on this host and
-        its pid is gone, a zombie, or stopped (SIGSTOP). A stopped one is killed here: it takes part
-        in nothing, and its torchrun (which waits for it) and the launcher (which waits for every
-        rank's job) would never end; killed, its torchrun starts it again or ends. A replica on
-        another host is never known gone: it is waited for."""
+        its pid is gone (or names another process since: another start time), a zombie, or stopped
+        (SIGSTOP). A stopped one is killed here: it takes part in nothing, and its torchrun (which
+        waits for it) and the launcher (which waits for every rank's job) would never end; killed,
+        its torchrun starts it again or ends. A replica on another host is never known gone: it is
+        waited for."""
         where = self.process_of(replica, generation)
         if where is None or where[0] != socket.gethostname():
             return False
-        state = process_state(where[1])
-        if state == "T" and where[1] != os.getpid():
-            log.warning("replica %d (pid %d) is stopped: killing it so that its torchrun starts it again or ends",
-                        replica, where[1])
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(where[1], signal.SIGKILL)
+        state = process_state(where[1]) if where[2] in (None, process_start(where[1])) else None
+        if state == "T":
+            kill(where, f"replica {replica} is stopped")
         return state in (None, "Z", "X", "T")
 
     def after_loss(self, generation: Generation, wait_s: float) -> Generation:
@@ -310,5 +340,5 @@ class Membership:
         dist.init_process_group(backend, store=group_store, rank=rank, world_size=generation.world_size,
                                 timeout=datetime.timedelta(seconds=timeout_s))
         self.formed_s = time.monotonic() - started
-        self.store.set(f"formed/{generation.number}/{self.replica}", f"{socket.gethostname()} {os.getpid()}")
+        self.store.set(f"formed/{generation.number}/{self.replica}", where_this_runs())
         return rank

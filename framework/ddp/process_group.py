@@ -9,6 +9,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 import uuid
 import weakref
@@ -293,20 +294,13 @@ def stop_silent_peer(rank: int) -> bool:
     waited for; killed, its connections close, so the collective the survivors wait in with it
     fails and they heal in place, and its torchrun starts it again to rejoin. A member on another
     host cannot be killed from here: False, and the run restarts from its checkpoint."""
-    import signal
-    import socket
+    from .membership import kill
 
-    replica = GENERATION.members[rank]
-    where = MEMBERSHIP.process_of(replica, GENERATION)
-    if where is None or where[0] != socket.gethostname() or where[1] == os.getpid():
+    membership, generation = MEMBERSHIP, GENERATION
+    if membership is None or generation is None or rank >= generation.world_size:
         return False
-    log.error("rank %d (replica %d, pid %d) is silent: killing it so that its torchrun starts it again",
-              rank, replica, where[1])
-    try:
-        os.kill(where[1], signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    return True
+    where = membership.process_of(generation.members[rank], generation)
+    return where is not None and kill(where, f"rank {rank} (replica {generation.members[rank]}) is silent")
 
 
 def joining() -> bool:
@@ -522,16 +516,26 @@ def agree_generation(store: dist.Store, rank: int, world_size: int, timeout: dat
         time.sleep(0.01)
 
 
-def lost_members() -> list[int]:
+def lost_members(wait_s: float = 5.0) -> list[int]:
     """Healing in place: the other replicas of this generation known gone (``Membership.gone``,
-    which kills one found stopped); [] otherwise, or when the run's store does not answer."""
-    if MEMBERSHIP is None or GENERATION is None:
+    which kills one found stopped); [] otherwise, or when the run's store does not answer within
+    ``wait_s`` (a frozen store keeps no client deadline: the lookup runs in a thread of its own)."""
+    membership, generation = MEMBERSHIP, GENERATION
+    if membership is None or generation is None:
         return []
-    try:
-        return [m for m in GENERATION.members if m != MEMBERSHIP.replica and MEMBERSHIP.gone(m, GENERATION)]
-    except Exception as err:  # noqa: BLE001  (the run's store gone: nothing to learn from it)
-        log.warning("could not look for lost members in the run's store: %s: %s", type(err).__name__, err)
-        return []
+    found: list[list[int]] = []
+
+    def look() -> None:
+        try:
+            found.append([m for m in generation.members if m != membership.replica
+                          and membership.gone(m, generation)])
+        except Exception as err:  # noqa: BLE001  (the run's store gone: nothing to learn from it)
+            log.warning("could not look for lost members in the run's store: %s: %s", type(err).__name__, err)
+
+    thread = threading.Thread(target=look, name="lost-members", daemon=True)
+    thread.start()
+    thread.join(wait_s)
+    return found[0] if found else []
 
 
 def teardown() -> None:

@@ -106,6 +106,12 @@ def peer_lost(err: BaseException) -> bool:
     return type(err).__name__ in ("DistBackendError", "PeerLostSilently") or any(s in str(err) for s in _PEER_LOST)
 
 
+def timed_out(err: BaseException) -> bool:
+    """Whether ``err`` is a collective that timed out (gloo's "Timed out waiting ..."; ddp.timeout_s),
+    not a deliberate stop (FatalError) or any other error."""
+    return isinstance(err, RuntimeError) and not isinstance(err, FatalError) and "Timed out waiting" in str(err)
+
+
 def record_error(directory: str | Path, rank: int, err: BaseException) -> None:
     """The error a rank is exiting with, for the restart-loop guard to name. A rank that only saw
     a peer go away (gloo's "Connection closed by peer", NCCL's DistBackendError) does not replace

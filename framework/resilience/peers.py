@@ -144,12 +144,15 @@ class PeerMonitor(Listener):
                 self._store_error = f"{type(err).__name__}: {err}"
                 continue
             now = time.monotonic()
+            if now - self._ok_at > self.timeout_s:  # this process did not run (the job suspended, then
+                self._changed_at = now             # continued): a peer not yet beaten again is not silent
             self._ok_at = now
             self._announced = announced
             if value != self._seen or value <= 0:  # moved, left, or not started: a peer frozen before
                 self._seen, self._changed_at = value, now  # its first beat is the collective timeout's
 
     def _judge(self) -> None:
+        killed_at = None
         while not self._stop.wait(self._period()):
             now = time.monotonic()
             if self._announced:
@@ -161,6 +164,11 @@ class PeerMonitor(Listener):
                                   f"(recovery.peer_timeout_s={self.timeout_s:g}; "
                                   f"{self._store_error or 'a call that did not return'})")
             # Judged on the reads that happened: a beat thread stuck in the store is the rule above's.
+            if killed_at is not None:
+                if now - killed_at > self.timeout_s:  # the heal stops this monitor: it did not come
+                    return self._lose(f"rank {self.watched} went silent and was killed, but the group did not heal "
+                                      f"within {self.timeout_s:g} s (recovery.peer_timeout_s)", announce=True)
+                continue
             if self._ok_at - self._changed_at > self.timeout_s:
                 if self.on_silent is not None and self.on_silent(self.watched):
                     # Killed: its connections close, the collective waiting for it fails on the
@@ -168,7 +176,8 @@ class PeerMonitor(Listener):
                     log.warning("rank %d went silent: no heartbeat for %.1f s (recovery.peer_timeout_s=%g); killed, "
                                 "so that the group heals in place", self.watched, now - self._changed_at,
                                 self.timeout_s)
-                    return None
+                    killed_at = now
+                    continue
                 return self._lose(f"rank {self.watched} went silent: no heartbeat for {now - self._changed_at:.1f} s "
                                   f"(recovery.peer_timeout_s={self.timeout_s:g}; frozen, or cut off)", announce=True)
 

@@ -308,6 +308,12 @@ class CheckpointStore:
         finally:
             self.release()
 
+    def start_lineage(self) -> None:
+        """Write from now on under a new lineage (as a new process would), until ``mark_resumed``
+        continues another."""
+        self.wait()
+        self.lineage, self.began_from = uuid.uuid4().hex[:12], None
+
     def take_over(self, *, lineage: str | None, began_from: str | None, wait_for_run_s: float = 10.0) -> None:
         """Become the writer of a run whose rank 0 was lost (healing in place): take the lock its
         death freed and continue its ``lineage``."""

@@ -372,6 +372,8 @@ class Checkpointer:
         restarted process chooses it (``load``), which continues the recorded one only from its
         newest checkpoint; one resumed from an older checkpoint must not write over the newer."""
         before, self.env = self.env, env
+        if env.is_main and before.is_main and resuming:
+            self.store.start_lineage()  # as a restarted rank 0's own: load() continues the old one from its newest
         if not env.is_main or before.is_main:
             return
         record = markers.recorded_lineages(self.store.directory)

@@ -43,8 +43,9 @@ def heal_run(run_dir: Path, fault: str = "", *, steps: int = STEPS, spares: int 
 
     def start(replica: int) -> subprocess.Popen:
         command = [sys.executable, str(ROOT / "ddp_training.py"), "--config", str(run_dir / "config.json")]
-        return subprocess.Popen(command, env={**env, "HEAL_REPLICA": str(replica)}, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.STDOUT, cwd=ROOT)
+        with open(run_dir / f"out_{replica}.txt", "wb") as out:
+            return subprocess.Popen(command, env={**env, "HEAL_REPLICA": str(replica)}, stdout=out,
+                                    stderr=subprocess.STDOUT, cwd=ROOT)
 
     procs = [start(r) for r in range(REPLICAS)]
     try:
@@ -52,7 +53,10 @@ def heal_run(run_dir: Path, fault: str = "", *, steps: int = STEPS, spares: int 
     finally:
         for p in procs:
             p.kill()
-    return {"codes": codes, "s": time.monotonic() - started}
+    # What a replica that failed printed last (its traceback), for the assertion's message.
+    tails = {r: (run_dir / f"out_{r}.txt").read_text(errors="replace")[-2000:] for r, c in enumerate(codes)
+             if c not in (0, -9)}
+    return {"codes": codes, "s": time.monotonic() - started, **({"tails": tails} if tails else {})}
 
 
 def launch_heal(like: Path, run_dir: Path, changes: dict) -> subprocess.CompletedProcess:
@@ -113,7 +117,11 @@ def test_survivors_of_a_kill_9_heal_in_place_and_finish_the_run_unchanged(tmp_pa
         assert diff < 1e-5, diff  # measured 1.05e-6: only the summation order differs
         assert samples_per_epoch(run_dir) == expected  # each sample once per epoch, as uninterrupted
         manifest = json.loads((run_dir / "ck" / "manifest.json").read_text())
-        assert [e["step"] for e in manifest] == [4, 8, 12] and len({e["lineage"] for e in manifest}) == 1
+        # Rank 0 writes step 4's checkpoint in the background: killed at step 5's start, it may die
+        # before that write lands (seen once under load); the new rank 0 writes 8 and 12 in its lineage.
+        steps = [e["step"] for e in manifest]
+        assert steps == [4, 8, 12] or (killed == 0 and steps == [8, 12]), steps
+        assert len({e["lineage"] for e in manifest}) == 1
 
     # With a spare: replicas 0 and 1 train, 2 waits with its model and data built; when rank 1 is
     # killed, the spare steps in at once and the group keeps its size.
@@ -148,7 +156,7 @@ def test_a_frozen_rank_is_killed_by_its_watcher_and_the_others_heal_in_place(tmp
         named = (f"rank {stopped} went silent: no heartbeat for" in text
                  and "killed, so that the group heals in place" in text)
         assert named == (monitor == "on"), text[-3000:]
-        assert monitor == "on" or f"replica {stopped} (pid" in text and "is stopped: killing it" in text, text[-3000:]
+        assert monitor == "on" or f"replica {stopped} is stopped (pid" in text, text[-3000:]
         assert text.count("healed in place at step 5 (epoch 1, sample 0 of the epoch)") == 2, text[-3000:]
         assert "resumed from" not in text
         summary = json.loads((run_dir / "logs" / "summary.json").read_text())

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from framework.ddp.membership import Generation, Membership, process_state
+from framework.ddp.membership import Generation, Membership, process_start, process_state
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -318,7 +318,11 @@ def test_a_stopped_member_counts_as_gone_and_is_killed_so_that_its_job_ends():
         frozen.send_signal(signal.SIGSTOP)
         while process_state(frozen.pid) != "T":  # the signal is delivered asynchronously
             time.sleep(0.01)
-        members[0].store.set("where/1", f"{socket.gethostname()} {frozen.pid}")
+        # its pid recorded with another start time: another process since (the pid reused), gone
+        # for the run, and not killed
+        members[0].store.set("where/1", f"{socket.gethostname()} {frozen.pid} {process_start(frozen.pid) + 1}")
+        assert members[0].gone(1) and frozen.poll() is None
+        members[0].store.set("where/1", f"{socket.gethostname()} {frozen.pid} {process_start(frozen.pid)}")
         assert members[0].gone(1)
         assert frozen.wait(10) == -signal.SIGKILL
     finally:

@@ -162,3 +162,13 @@ def test_a_consequential_error_is_recorded_when_nothing_of_this_restart_is(tmp_p
     os.utime(tmp_path / markers.LAST_ERROR, (0, 0))  # written before this process started
     markers.record_error(tmp_path, 1, RuntimeError("Connection reset by peer"))
     assert markers.read(tmp_path, markers.LAST_ERROR) == "rank 1: RuntimeError: Connection reset by peer"
+
+
+def test_only_a_collective_that_timed_out_reads_as_a_timeout():
+    """Healing in place, a collective that timed out on a member found stopped is a peer's loss
+    (trainer._if_a_peer_is_lost); a deliberate stop or another error is not, whatever its words."""
+    from framework.resilience.markers import FatalError, timed_out
+    gloo = "[../gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 20000ms for recv operation to complete"
+    assert timed_out(RuntimeError(gloo))
+    assert not timed_out(FatalError(gloo)) and not timed_out(ValueError(gloo))
+    assert not timed_out(RuntimeError("CUDA out of memory"))

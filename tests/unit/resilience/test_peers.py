@@ -185,3 +185,25 @@ def test_a_store_call_that_never_returns_is_a_lost_store(store, tmp_path):
         release.set()
         made[0]._stop.set()
         made[1].close()
+
+
+@pytest.mark.slow
+def test_a_silent_peer_killed_for_a_heal_that_never_comes_is_still_named(store, tmp_path):
+    """Healing in place, the watcher kills a silent peer (on_silent True) and waits for the heal,
+    which stops the monitor; if none comes within another timeout (the kill freed no collective:
+    NCCL on one host, a process in uninterruptible sleep), the loss is named as before."""
+    heard, silenced = [], []
+    made = [PeerMonitor(RecoverySection(peer_timeout_s=TIMEOUT_S),
+                        env=SimpleNamespace(rank=r, world_size=2, distributed=True), store=store,
+                        checkpoint_dir=str(tmp_path), on_lost=heard.append if r == 0 else lambda _: None,
+                        on_silent=lambda rank: silenced.append(rank) or True) for r in range(2)]
+    for m in made:
+        m.train_start()
+    try:
+        freeze(made[1])
+        assert wait_for(lambda: silenced, TIMEOUT_S + 3) and silenced == [1] and not heard
+        assert wait_for(lambda: heard, TIMEOUT_S + 3)
+        assert heard[0].startswith("rank 1 went silent and was killed, but the group did not heal within")
+    finally:
+        for m in made:
+            m.close()

@@ -821,9 +821,11 @@ def test_a_replica_that_takes_over_a_run_resuming_from_its_checkpoint_never_writ
     (tmp_path / "step_00000008.pt").unlink()
     (tmp_path / "step_00000008.pt").mkdir()  # unreadable (EISDIR), still listed
     cfg = SimpleNamespace(checkpoint=SimpleNamespace(resume="auto"))
-    for resuming in (False, True):
-        store = CheckpointStore(tmp_path, rank=1)  # it was not rank 0
-        checkpointer = Checkpointer(cfg, SimpleNamespace(is_main=False), store, {}, builtin_data=True)
+    for was_main, resuming in ((False, False), (False, True), (True, True)):
+        store = CheckpointStore(tmp_path, rank=0 if was_main else 1)
+        if was_main:  # rank 0 survived, in the lineage it wrote, and nobody holds a state: it resumes too
+            store.lineage = first.lineage
+        checkpointer = Checkpointer(cfg, SimpleNamespace(is_main=was_main), store, {}, builtin_data=True)
         checkpointer.take_over(SimpleNamespace(is_main=True), resuming=resuming)
         try:
             assert (store.lineage == first.lineage) == (not resuming)
