@@ -516,7 +516,7 @@ def config_args(trial: dict, lay: Layout, *, resume: str | None = None, foreign_
         args["ddp.timeout_s"] = STOPPED_PEER_TIMEOUT_S
     if fault == "second_launch":  # slow steps (a sleep, the same model), so that the two launches overlap
         args["recovery.fault_inject"] = "slow@step=0,ms=600,restart=*"
-    if rejoins(trial):
+    if (rejoins(trial) or grows_back(trial)) and REJOIN_SLOW not in args.get("recovery.fault_inject", ""):
         args["recovery.fault_inject"] = "; ".join(filter(None, [args.get("recovery.fault_inject"), REJOIN_SLOW]))
     if fault == "crash_one_rank":
         args["recovery.max_no_progress_restarts"] = 1
@@ -551,6 +551,13 @@ def rejoins(trial: dict) -> bool:
     node again once the survivor trains alone (a scheduler's replacement node)."""
     return (trial["config"].get("nnodes") == "range" and trial["fault"] in ("kill9_node", "kill9_agent")
             and trial["config"]["max_restarts"] > 0)
+
+
+def grows_back(trial: dict) -> bool:
+    """Healing in place with restarts left: every step slowed to >= 600 ms (REJOIN_SLOW), so that a
+    lost worker started again by its torchrun (a few seconds) rejoins before the run ends, and the
+    group grows back in place."""
+    return heals(trial["config"]) and trial["config"]["max_restarts"] > 0 and trial["fault"] != "user_error"
 
 
 # --- launching ----------------------------------------------------------------------------------
@@ -755,6 +762,8 @@ def bound_s(trial: dict) -> float:
     per_restart = 45.0 + 3.0 * total_steps(cfg) * cfg["accum"]
     if rejoins(trial):
         per_restart += 0.6 * total_steps(cfg) + REJOIN_AFTER_S  # REJOIN_SLOW
+    elif grows_back(trial):
+        per_restart += 0.6 * total_steps(cfg)
     restarts = RESTARTS_ONE_RANK_ERROR if fault == "crash_one_rank" else cfg["max_restarts"]
     # A stopped worker ignores torchrun's SIGTERM: its agent sends SIGKILL 30 s later.
     extra = {"hang": 20.0, "sigstop_worker": 20.0 + STOPPED_PEER_TIMEOUT_S + 30.0,
@@ -916,7 +925,11 @@ def run_trial(trial: dict, workdir: Path, *, reference: bool = False) -> dict:
     finally:
         kill_matching(marker)
         if injected(trial) and res["hit"] is None:
-            res["hit"] = any("fault injection: " in p.read_text(errors="replace") for p in lay.logs.glob("rank_*.log"))
+            # The trial's own faults, not the slowing of every step (REJOIN_SLOW) beside them.
+            kinds = [part.split("@")[0].strip() for part in injected(trial).split(";")]
+            said = [f"fault injection: {'killed DataLoader worker' if k == 'kill_worker' else k}" for k in kinds]
+            texts = [p.read_text(errors="replace") for p in lay.logs.glob("rank_*.log")]
+            res["hit"] = any(word in text for text in texts for word in said)
             if not res["hit"]:
                 res["notes"].append("fault_inject never fired")
         res.update(verdict_inputs(trial, lay, sentinels, foreign_files))
