@@ -92,6 +92,7 @@ class PeerMonitor(Listener):
         self._seen: int | None = None
         self._changed_at = self._ok_at = time.monotonic()
         self._announced: str | None = None
+        self._judged_at = time.monotonic()  # the judge's last round
         self._store_error = ""
 
     @contextlib.contextmanager
@@ -153,8 +154,12 @@ class PeerMonitor(Listener):
 
     def _judge(self) -> None:
         killed_at = None
+        self._judged_at = time.monotonic()
         while not self._stop.wait(self._period()):
             now = time.monotonic()
+            if now - self._judged_at > self.timeout_s:  # this process did not run (suspended, then
+                self._ok_at = self._changed_at = now    # continued): neither the store nor the peer is late
+            self._judged_at = now
             if self._announced:
                 return self._lose(self._announced)
             if self._seen == LEFT:

@@ -207,3 +207,22 @@ def test_a_silent_peer_killed_for_a_heal_that_never_comes_is_still_named(store, 
     finally:
         for m in made:
             m.close()
+
+
+@pytest.mark.slow
+def test_a_rank_whose_own_process_did_not_run_does_not_take_its_peer_for_silent(store, tmp_path):
+    """A job suspended and continued (Ctrl-Z, a scheduler's suspend): every rank's beat thread
+    stood still, so the first read after it finds the watched counter unchanged. That is this
+    rank's own pause, not the peer's silence: the silence counts from the read (healing in place,
+    a false silence would kill a healthy rank). A peer that stays silent is named after the timeout."""
+    made, heard = monitors(store, tmp_path, 2)
+    try:
+        freeze(made[1])  # it beats no more: as if not continued yet
+        paused = time.monotonic() - 3 * TIMEOUT_S
+        made[0]._ok_at = made[0]._changed_at = made[0]._judged_at = paused  # rank 0's threads stood still
+        time.sleep(TIMEOUT_S * 0.6)
+        assert heard[0] == []  # read after the pause: counted from then
+        assert wait_for(lambda: heard[0], TIMEOUT_S + 3) and heard[0][0].startswith("rank 1 went silent")
+    finally:
+        for m in made:
+            m.close()
