@@ -554,7 +554,7 @@ class DDPTrainer:
             # Healing in place, a collective that timed out on a member found stopped (killed by
             # lost_members) is a peer's loss too: with recovery.peer_timeout_s=0, ddp.timeout_s names it.
             if markers.peer_lost(err) or (process_group.MEMBERSHIP is not None and markers.timed_out(err)
-                                          and process_group.lost_members()):
+                                          and process_group.lost_members(settle_s=2.0)):
                 if process_group.MEMBERSHIP is not None:
                     self._raise_healing(err)
                 if save_alone:

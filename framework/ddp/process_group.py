@@ -516,25 +516,32 @@ def agree_generation(store: dist.Store, rank: int, world_size: int, timeout: dat
         time.sleep(0.01)
 
 
-def lost_members(wait_s: float = 5.0) -> list[int]:
+def lost_members(wait_s: float = 5.0, settle_s: float = 0.0) -> list[int]:
     """Healing in place: the other replicas of this generation known gone (``Membership.gone``,
     which kills one found stopped); [] otherwise, or when the run's store does not answer within
-    ``wait_s`` (a frozen store keeps no client deadline: the lookup runs in a thread of its own)."""
+    ``wait_s`` (a frozen store keeps no client deadline: the lookup runs in a thread of its own).
+    ``settle_s``: look again for so long while none is found: a member another rank has just
+    killed runs its exit for a moment (state R) before it is gone."""
     membership, generation = MEMBERSHIP, GENERATION
     if membership is None or generation is None:
         return []
     found: list[list[int]] = []
 
     def look() -> None:
+        until = time.monotonic() + settle_s
         try:
-            found.append([m for m in generation.members if m != membership.replica
-                          and membership.gone(m, generation)])
+            while True:
+                gone = [m for m in generation.members if m != membership.replica and membership.gone(m, generation)]
+                if gone or time.monotonic() >= until:
+                    found.append(gone)
+                    return
+                time.sleep(0.05)
         except Exception as err:  # noqa: BLE001  (the run's store gone: nothing to learn from it)
             log.warning("could not look for lost members in the run's store: %s: %s", type(err).__name__, err)
 
     thread = threading.Thread(target=look, name="lost-members", daemon=True)
     thread.start()
-    thread.join(wait_s)
+    thread.join(wait_s + settle_s)
     return found[0] if found else []
 
 

@@ -148,7 +148,10 @@ def test_a_frozen_rank_is_killed_by_its_watcher_and_the_others_heal_in_place(tmp
     worker left waiting for good)."""
     reference, expected = final_weights(whole), samples_per_epoch(whole)
     for monitor, stopped, changes in (("on", 0, {"recovery.peer_timeout_s": 2}),
-                                      ("off", 1, {"recovery.peer_timeout_s": 0, "ddp.timeout_s": 3})):
+                                      # 8 s: a collective that times out before the stop (a stall under
+                                      # load: 3 s did, 2 runs in 4 on a loaded 2-core box) is an error
+                                      # of its own, not the frozen member's loss
+                                      ("off", 1, {"recovery.peer_timeout_s": 0, "ddp.timeout_s": 8})):
         run_dir = tmp_path / f"monitor-{monitor}"
         run = heal_run(run_dir, f"sigstop@step=5,rank={stopped}", changes=changes)
         assert run["codes"][stopped] == -9 and [c for r, c in enumerate(run["codes"]) if r != stopped] == [0, 0], run
