@@ -2,6 +2,7 @@
 the same processes: three replicas, one leaves (its process ends), the two survivors go on as
 generation 2 without a restart, and the replica's new process joins them as generation 3."""
 
+import contextlib
 import datetime
 import json
 import subprocess
@@ -270,6 +271,31 @@ def test_a_generation_proposed_the_moment_a_replica_asks_takes_it_in():
     assert again.join(5) == (Generation(2, (0, 1)), False)
 
 
+def started(replicas: int) -> list[Membership]:
+    """``replicas`` members of one run on an in-memory store, each past its start."""
+    store = dist.HashStore()
+    members = [Membership(store, r) for r in range(replicas)]
+    for m in members:
+        m.start(replicas)
+    return members
+
+
+@contextlib.contextmanager
+def stopped_process():
+    """A process stopped with SIGSTOP (once the kernel shows it stopped), killed at the end."""
+    import signal
+
+    frozen = subprocess.Popen(["sleep", "60"])
+    try:
+        frozen.send_signal(signal.SIGSTOP)
+        while process_state(frozen.pid) != "T":  # the signal is delivered asynchronously
+            time.sleep(0.01)
+        yield frozen
+    finally:
+        frozen.kill()
+        frozen.wait()
+
+
 def test_a_silent_member_is_killed_only_on_this_host(monkeypatch):
     """stop_silent_peer (the peer monitor's on_silent when healing in place): a member on this host
     is killed, so that the collective waiting for it fails and the group heals; one on another host
@@ -280,13 +306,8 @@ def test_a_silent_member_is_killed_only_on_this_host(monkeypatch):
 
     from framework.ddp import process_group
 
-    store = dist.HashStore()
-    members = [Membership(store, r) for r in range(3)]
-    for m in members:
-        m.start(3)
-    frozen = subprocess.Popen(["sleep", "60"])
-    try:
-        frozen.send_signal(signal.SIGSTOP)
+    members = started(3)
+    with stopped_process() as frozen:
         members[0].store.set("formed/1/1", f"{socket.gethostname()} {frozen.pid}")
         members[0].store.set("formed/1/2", f"elsewhere-{socket.gethostname()} {frozen.pid}")
         members[0].store.set("formed/1/0", f"{socket.gethostname()} {os.getpid()}")
@@ -296,9 +317,6 @@ def test_a_silent_member_is_killed_only_on_this_host(monkeypatch):
         assert not process_group.stop_silent_peer(0)  # this process
         assert process_group.stop_silent_peer(1)
         assert frozen.wait(10) == -signal.SIGKILL
-    finally:
-        frozen.kill()
-        frozen.wait()
 
 
 def test_a_stopped_member_counts_as_gone_and_is_killed_so_that_its_job_ends():
@@ -309,15 +327,8 @@ def test_a_stopped_member_counts_as_gone_and_is_killed_so_that_its_job_ends():
     import signal
     import socket
 
-    store = dist.HashStore()
-    members = [Membership(store, r) for r in range(2)]
-    for m in members:
-        m.start(2)
-    frozen = subprocess.Popen(["sleep", "60"])
-    try:
-        frozen.send_signal(signal.SIGSTOP)
-        while process_state(frozen.pid) != "T":  # the signal is delivered asynchronously
-            time.sleep(0.01)
+    members = started(2)
+    with stopped_process() as frozen:
         # its pid recorded with another start time: another process since (the pid reused), gone
         # for the run, and not killed
         members[0].store.set("where/1", f"{socket.gethostname()} {frozen.pid} {process_start(frozen.pid) + 1}")
@@ -325,6 +336,3 @@ def test_a_stopped_member_counts_as_gone_and_is_killed_so_that_its_job_ends():
         members[0].store.set("where/1", f"{socket.gethostname()} {frozen.pid} {process_start(frozen.pid)}")
         assert members[0].gone(1)
         assert frozen.wait(10) == -signal.SIGKILL
-    finally:
-        frozen.kill()
-        frozen.wait()

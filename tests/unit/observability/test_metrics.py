@@ -80,17 +80,23 @@ def test_a_relaunch_that_resumes_at_the_last_step_reports_the_loss_it_ended_with
     assert json.loads((tmp_path / "logs" / "summary.json").read_text())["final_train_loss"] == rows[-1]["train/loss"]
 
 
+def two_ranks_recorded(log_dir, steps: int) -> None:
+    """Ranks 0 and 1 recorded steps 1..``steps`` (sample 2 * step + rank each) in ``log_dir``."""
+    from framework.observability.metrics import SampleLog
+    logs = {rank: SampleLog(log_dir / f"samples_rank_{rank}.jsonl") for rank in (0, 1)}
+    for step in range(1, steps + 1):
+        for rank, log in logs.items():
+            log.write(0, step, [2 * step + rank])
+    for log in logs.values():
+        log.close()
+
+
 def test_a_run_on_fewer_ranks_purges_the_files_of_the_ranks_it_does_not_have(tmp_path):
     """2 ranks recorded steps 1-12 and died after the checkpoint of step 8; the run resumed there on
     1 rank, and later on 2 again from step 20. Rank 1's steps 9-12 belong to no run: without the
     purge at the 1-rank resume, rank 1's own purge (from step 21) would leave them."""
     from framework.observability.metrics import SampleLog, read_samples
-    logs = {rank: SampleLog(tmp_path / f"samples_rank_{rank}.jsonl") for rank in (0, 1)}
-    for step in range(1, 13):
-        for rank, log in logs.items():
-            log.write(0, step, [2 * step + rank])
-    for log in logs.values():
-        log.close()
+    two_ranks_recorded(tmp_path, steps=12)
     SampleLog.purge_absent_ranks(tmp_path, world_size=1, from_step=9)  # the 1-rank resume at step 8
     alone = SampleLog(tmp_path / "samples_rank_0.jsonl")
     for step in range(9, 21):
@@ -110,12 +116,7 @@ def test_a_rollback_on_fewer_ranks_purges_the_files_of_the_ranks_it_does_not_hav
     the whole global batch: rank 1's record of step 4 must go too (an explorer trial counted its
     samples twice in the epoch)."""
     from framework.observability.metrics import SampleLog, read_samples
-    logs = {rank: SampleLog(tmp_path / f"samples_rank_{rank}.jsonl") for rank in (0, 1)}
-    for step in range(1, 5):
-        for rank, log in logs.items():
-            log.write(0, step, [2 * step + rank])
-    for log in logs.values():
-        log.close()
+    two_ranks_recorded(tmp_path, steps=4)
     SampleLog.purge_absent_ranks(tmp_path, world_size=1, from_step=5)  # healed at step 4, on 1 rank
     alone = SampleLog(tmp_path / "samples_rank_0.jsonl", world_size=1)
     alone.write(0, 5, [10, 11])
