@@ -98,6 +98,7 @@ class DDPTrainer:
     _eval_owed = -1  # the step whose evaluation a preemption request stopped: a run resumed there runs it first
     _evaluated_step = -1  # the step of the last evaluation recorded (the final one is not run twice)
     _evaluated_loss: float | None = None  # its validation loss (the summary's, when a resumed run does not rerun it)
+    _final_on_disk = False  # the checkpoint resumed from is the run's final save (a finished run relaunched)
     _heals = 0  # generations formed in place after a lost peer (recovery.heal=in_place)
     _joined = False  # this process joined a running generation (a replica started again)
     _regrouped = ""  # how the current generation formed in this process: "healed in place at", "grew in place at"
@@ -287,9 +288,13 @@ class DDPTrainer:
                        else f"train.target_loss is now {self.config.train.target_loss!r}")
             log.info("the run in %s stopped early at step %d (%s); %s: training on", ckpt.dir, self.step,
                      self._stopped_by, changed)
-        elif self.step >= self._total_steps or self.sampler.epoch >= self.config.train.num_epochs:
+        elif self._finished():
             log.info("the run in %s finished at step %d: nothing to do (raise train.max_steps or train.num_epochs "
                      "to go on, or set checkpoint.resume=none to start afresh)", ckpt.dir, self.step)
+
+    def _finished(self) -> bool:
+        """The run has trained all its steps (not an early stop: see _stopped_here)."""
+        return self.step >= self._total_steps or self.sampler.epoch >= self.config.train.num_epochs
 
     def _build_model(self, model: torch.nn.Module | None) -> None:
         cfg = self.config
@@ -419,6 +424,10 @@ class DDPTrainer:
         cfg, env = self.config, self.env
         if not self._heals:
             self._say_where_the_run_starts(resumed=self._resumed)
+        # A relaunch of a finished run whose checkpoint holds its last step's evaluation: that
+        # checkpoint is the final save, not written again (the export is: it may have been cut short).
+        self._final_on_disk = (self._resumed and not self._heals and not self._stopped_here() and self._finished()
+                               and self._evaluated_step == self.step)
         self.checkpointer.start_clock()
         step_log = StepLog.open(cfg, env, total_steps=self._total_steps, initial_step=self.step, health=lambda: {
             **self.spike_guard.scalars(), **self.stragglers.scalars(), "health/skipped_steps": self.skips.total})
@@ -714,6 +723,9 @@ class DDPTrainer:
         if preempted or not (evaluated or self._evaluate_and_record(step_log)):
             self._save_preempted()
             return True
+        if self._final_on_disk:
+            log.info("the checkpoint of step %d is the run's final save: not written again", self.step)
+            return False
         with self.watchdog.phase("checkpoint save", scale=10):
             self.events.save(self.step)
             self.checkpointer.save_final(self.step)

@@ -581,7 +581,8 @@ def release_ddp_holders(group) -> int:
 
     released = 0
     for obj in gc.get_objects():
-        if isinstance(obj, DistributedDataParallel) and getattr(obj, "process_group", None) is group:
+        # type(), not isinstance(): the latter reads __class__, which warns on torch's deprecated reduce_op
+        if issubclass(type(obj), DistributedDataParallel) and getattr(obj, "process_group", None) is group:
             for name in ("logger", "reducer"):
                 if name in obj.__dict__:
                     obj.__dict__[name] = None

@@ -52,10 +52,14 @@ def test_resume_auto_says_what_it_found(tmp_path, caplog):
         DDPTrainer(tiny_config(tmp_path, **{"train.max_steps": 4, "checkpoint.every_steps": 2})).train()
         assert f"resume=auto: no checkpoint in {tmp_path / 'ck'}; starting a new run at step 0" in caplog.text
         caplog.clear()
+        written = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "ck").rglob("*.pt")}
         summary = DDPTrainer(tiny_config(tmp_path, **{"train.max_steps": 4, "checkpoint.every_steps": 2})).train()
     assert summary["steps"] == 4
     assert f"the run in {tmp_path / 'ck'} finished at step 4: nothing to do" in caplog.text
     assert "starting a new run" not in caplog.text
+    # the relaunch writes no second checkpoint of its last step (nor rewrites the first)
+    assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "ck").rglob("*.pt")
+            if p.name != "final_model.pt"} == {k: v for k, v in written.items() if k != "final_model.pt"}
 
 
 def test_a_run_stopped_by_target_loss_and_preempted_before_its_end_ends_there_on_resume(tmp_path, caplog):
