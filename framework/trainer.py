@@ -16,15 +16,17 @@ import torch
 import torch.distributed as dist
 
 from .config import TrainConfig, resolve_config
-from .data.batch_stream import build_stream
+from .data.batch_stream import BatchStream, build_stream
 from .data.batches import num_tokens
 from .data.datasets import builtin_datasets, check_same_datasets
+from .data.iterable_stream import IterableStream, StreamPosition
+from .data.sampler import ResumableDistributedSampler
 from .ddp import policy, process_group
 from .ddp.comm_hooks import CommHook
 from .ddp.compile import compile_model
 from .ddp.heal import Growing, Healing, NothingToHealFrom, newest_state
 from .ddp.membership import RunFinished
-from .model.activation_checkpointing import enable_checkpointing
+from .model.activation_checkpointing import Checkpointing, enable_checkpointing
 from .model.gpt import GPT, GPTConfig, lm_loss
 from .model.tiled_mlp import tile_user_mlps
 from .observability.logs import DETAIL, log_file_stream, setup_logging
@@ -46,7 +48,7 @@ from .train.callbacks import UserCallbacks, user_stateful
 from .train.events import EventBus, StepResult
 from .train.agreement import Agreement, agree
 from .train.evaluation import Evaluator
-from .train.optim import Precision, optimizer_and_schedule
+from .train.optim import LRSchedule, Precision, UserSchedule, optimizer_and_schedule
 from .train.step import SkipBudget, TrainStep, apply_recorded_micro_batch, oom_recovery_enabled, prepare_model
 
 log = logging.getLogger(__name__)
@@ -87,12 +89,40 @@ class DDPTrainer:
       micro-batches), ``checkpointer`` (what is saved, when, and the resume), ``train_step``,
       ``evaluator``, ``precision`` (autocast, dtype, GradScaler), ``schedule``, ``skips``,
       ``comm_hook``, ``activation_checkpointing``, and what surrounds a step: ``watchdog``,
-      ``stragglers``, ``spike_guard``, ``consistency``, ``step_start_buffers``, ``faults``;
+      ``stragglers``, ``spike_guard``, ``consistency``, ``step_start_buffers``, ``faults``, ``peers``
+      (the peer monitor);
     - ``events``: the run's event bus (framework/train/events.py); ``events.attach(listener)``
-      adds a ``Listener`` after the others.
+      adds a ``Listener`` after the others; ``callbacks``: the user's callbacks, one of its listeners.
 
     Methods: ``train()``, ``evaluate()``, ``save_checkpoint()``, ``request_stop()``, ``close()``, and one step by hand
     with ``forward_backward()`` and ``optimizer_step()``."""
+
+    # The public attributes, typed (built in __init__, _build and _build_training):
+    config: TrainConfig
+    env: process_group.DistEnv
+    model: torch.nn.Module
+    raw_model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    sampler: ResumableDistributedSampler | StreamPosition
+    step: int
+    stream: BatchStream | IterableStream
+    checkpointer: Checkpointer
+    train_step: TrainStep
+    evaluator: Evaluator
+    precision: Precision
+    schedule: LRSchedule | UserSchedule
+    skips: SkipBudget
+    comm_hook: CommHook
+    activation_checkpointing: Checkpointing
+    watchdog: Watchdog
+    stragglers: StragglerMonitor
+    spike_guard: SpikeGuard
+    consistency: ConsistencyCheck
+    step_start_buffers: StepStartBuffers
+    faults: FaultPlan
+    peers: PeerMonitor
+    events: EventBus
+    callbacks: UserCallbacks
 
     _stop_requested = False
     _eval_owed = -1  # the step whose evaluation a preemption request stopped: a run resumed there runs it first
@@ -526,10 +556,10 @@ class DDPTrainer:
         self.events.data_ready(self.step, micro)
         if micro is None:
             return None
-        with self._if_a_peer_is_lost(save_alone=True):
+        with self._if_a_peer_is_lost(survivor_checkpoint=True):
             loss = self.train_step.forward_backward_with_retry(micro, self.step)
         self.events.gradients(self.step, self.raw_model)
-        with self._if_a_peer_is_lost(save_alone=False):  # in the agreement, before the optimizer steps
+        with self._if_a_peer_is_lost(survivor_checkpoint=False):  # in the agreement, before the optimizer steps
             agreed, lr, grad_norm = self.optimizer_step(loss, preempt=self._preemption.requested is not None)
         process_group.set_steady_timeout(self.config.ddp.init_timeout_s or self.config.ddp.timeout_s,
                                          self.config.ddp.timeout_s)
@@ -549,13 +579,13 @@ class DDPTrainer:
         rng.seed_step(self.config.train.seed, self.env.rank, step)
 
     @contextlib.contextmanager
-    def _if_a_peer_is_lost(self, *, save_alone: bool):
+    def _if_a_peer_is_lost(self, *, survivor_checkpoint: bool):
         """A step's forward and backward, and its agreement, change nothing that a checkpoint holds
         but buffers that a forward updates, copied at the step's start (StepStartBuffers); the
         generators are seeded anew at each step. When a collective in them fails because a peer
         process went away (killed, or its node lost), this rank still holds the whole state of the
         last step that every rank finished. A run that heals in place goes on from it (``Healing``);
-        else, with ``save_alone``, this rank writes that step's checkpoint alone before the error
+        else, with ``survivor_checkpoint``, this rank writes that step's checkpoint alone before the error
         ends it, so that the restart redoes no step (Checkpointer.save_survivor)."""
         try:
             yield
@@ -566,7 +596,7 @@ class DDPTrainer:
                                           and process_group.lost_members(settle_s=2.0)):
                 if process_group.MEMBERSHIP is not None:
                     self._raise_healing(err)
-                if save_alone:
+                if survivor_checkpoint:
                     with self.peers.holding():
                         self._save_survivor_checkpoint()
             raise
@@ -669,14 +699,14 @@ class DDPTrainer:
         if step == 0 and self.config.checkpoint.save_on_peer_loss:
             why_not = "no step finished since the start"
         if why_not is not None:
-            log.info("a peer went away in step %d: not saving step %d alone (%s)", step + 1, step, why_not)
+            log.info("a peer went away in step %d: no survivor checkpoint of step %d (%s)", step + 1, step, why_not)
             return
         start = time.monotonic()
         try:
             with self.watchdog.phase("survivor checkpoint", scale=10):
                 path = self.checkpointer.save_survivor(step, model_state=model_state)
         except Exception as err:  # noqa: BLE001  (best effort: the peer's loss is the error the run ends with)
-            log.error("a peer went away in step %d; saving step %d alone failed: %s: %s", step + 1, step,
+            log.error("a peer went away in step %d; the survivor checkpoint of step %d failed: %s: %s", step + 1, step,
                       type(err).__name__, err)
             return
         if path is not None:

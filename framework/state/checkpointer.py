@@ -352,7 +352,8 @@ class Checkpointer:
         if not self.env.is_main:
             record = markers.recorded_lineages(self.store.directory)
             if record is None:
-                log.info("not saving step %d alone: rank 0 recorded no lineage in %s", step, self.store.directory)
+                log.info("no survivor checkpoint of step %d: rank 0 recorded no lineage in %s", step,
+                         self.store.directory)
                 return None
             lineage, began_from = record["current"], record["began_from"]
         state = self.survivor_state(model_state=model_state)

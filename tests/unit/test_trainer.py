@@ -377,3 +377,18 @@ def test_a_steps_samples_are_recorded_before_the_ranks_agree_on_it(tmp_path):
     assert seen == [(1, [1]), (2, [1, 2]), (3, [1, 2, 3])]
     records = [json.loads(line) for line in samples.read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3] and all(len(r["indices"]) == cfg["batch_size"] for r in records)
+
+
+def test_the_public_components_are_the_typed_attributes_the_class_declares(tmp_path):
+    """Every attribute DDPTrainer declares is built, with the declared type; the docstring lists it."""
+    import typing
+
+    hints = {name: kind for name, kind in typing.get_type_hints(DDPTrainer).items() if not name.startswith("_")}
+    trainer = DDPTrainer(tiny(tmp_path, {"train.max_steps": 1}))
+    try:
+        assert {"checkpointer", "train_step", "watchdog", "peers", "events"} <= set(hints)
+        for name, kind in hints.items():
+            assert isinstance(getattr(trainer, name), kind), (name, kind, type(getattr(trainer, name)))
+            assert f"``{name}``" in DDPTrainer.__doc__, name
+    finally:
+        trainer.close()
