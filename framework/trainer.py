@@ -307,7 +307,7 @@ class DDPTrainer:
         ckpt = self.config.checkpoint
         if not resumed:
             if ckpt.resume == "auto":
-                log.info("resume=auto: no checkpoint in %s; starting a new run at step 0", ckpt.dir)
+                log.info("checkpoint.resume=auto: no checkpoint in %s; starting a new run at step 0", ckpt.dir)
             return
         if self._stopped_here():
             log.info("the run in %s stopped early at step %d (%s): nothing to do but its final save (raise "

@@ -327,7 +327,7 @@ class Checkpointer:
             if err.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG):
                 raise
             raise FatalError(f"checkpoint.dir={self.cfg.checkpoint.dir!r}: {err.strerror} while writing a "
-                             f"checkpoint; free space or use another checkpoint_dir, then resume") from err
+                             f"checkpoint; free space or use another checkpoint.dir, then resume") from err
 
     def state(self) -> dict:
         """The whole training state (a collective)."""
@@ -398,14 +398,15 @@ class Checkpointer:
             except CheckpointError as err:
                 choice[1] = str(err)
             except FileNotFoundError as err:
-                choice[1] = f"resume={self.cfg.checkpoint.resume}: {err.strerror}: {err.filename}"
+                choice[1] = f"checkpoint.resume={self.cfg.checkpoint.resume}: {err.strerror}: {err.filename}"
             except OSError as err:
                 choice[1:] = [str(err) if isinstance(err, CheckpointUnreadable) else
                               f"checkpoint.resume={self.cfg.checkpoint.resume}: unreadable ({err.strerror or err})",
                               True]
             except (RuntimeError, EOFError) as err:
                 first_line = (str(err).splitlines() or [""])[0]
-                choice[1] = f"resume={self.cfg.checkpoint.resume}: unreadable: {type(err).__name__}: {first_line}"
+                choice[1] = (f"checkpoint.resume={self.cfg.checkpoint.resume}: unreadable: {type(err).__name__}: "
+                             f"{first_line}")
         if self.env.distributed:
             dist.broadcast_object_list(choice, src=0)
         if choice[1] is not None:
@@ -425,8 +426,8 @@ class Checkpointer:
         ours = self._launch_lineages()
         found = self.store.latest_valid(lineages=ours) if ours else None
         if found is not None:
-            log.info("restart %d of this launch: continuing its own lineage from %s (resume=%s chose the launch's "
-                     "start)", process_group.group_restarts(), found[0].name, self.cfg.checkpoint.resume)
+            log.info("restart %d of this launch: continuing its own lineage from %s (checkpoint.resume=%s chose the "
+                     "launch's start)", process_group.group_restarts(), found[0].name, self.cfg.checkpoint.resume)
         elif self.cfg.checkpoint.resume == "auto":
             found = self.store.latest_valid()
         elif self.cfg.checkpoint.resume != "none":
@@ -468,7 +469,7 @@ class Checkpointer:
         if refused:
             raise CheckpointError(f"the checkpoint's run used other data: {'; '.join(refused)}; its sample "
                                   f"position does not apply. Restore these values, or start fresh with "
-                                  f"resume=none or another checkpoint_dir")
+                                  f"checkpoint.resume=none or another checkpoint.dir")
         if changed:
             log.warning("resuming with a changed configuration (the run differs from an uninterrupted one): %s",
                         "; ".join(changed))

@@ -50,7 +50,8 @@ def test_same_seed_same_model_and_log_appends(tmp_path):
 def test_resume_auto_says_what_it_found(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="framework.trainer"):
         DDPTrainer(tiny_config(tmp_path, **{"train.max_steps": 4, "checkpoint.every_steps": 2})).train()
-        assert f"resume=auto: no checkpoint in {tmp_path / 'ck'}; starting a new run at step 0" in caplog.text
+        assert (f"checkpoint.resume=auto: no checkpoint in {tmp_path / 'ck'}; starting a new run at step 0"
+                in caplog.text)
         caplog.clear()
         written = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "ck").rglob("*.pt")}
         summary = DDPTrainer(tiny_config(tmp_path, **{"train.max_steps": 4, "checkpoint.every_steps": 2})).train()
