@@ -265,6 +265,9 @@ class Checkpointer:
         self.on_save = on_save
         self.lineages: list[str] = []  # rank 0: the lineages this launch has written in, its current one last
         self.origin: str | None = None  # rank 0: the file in checkpoint_dir the launch started from
+        # A generation healed in place resumed from the checkpoint (take_over): like a restart, it
+        # continues the launch's own lineage whatever checkpoint.resume chose at the launch's start.
+        self.healed_from_disk = False
         self.resumed_lineage: str | None = None  # rank 0: that file's lineage
         self._last_save = time.monotonic()  # checkpoint.every_minutes counts from here
 
@@ -373,6 +376,7 @@ class Checkpointer:
         restarted process chooses it (``load``), which continues the recorded one only from its
         newest checkpoint; one resumed from an older checkpoint must not write over the newer."""
         before, self.env = self.env, env
+        self.healed_from_disk |= resuming
         if env.is_main and before.is_main and resuming:
             self.store.start_lineage()  # as a restarted rank 0's own: load() continues the old one from its newest
         if not env.is_main or before.is_main:
@@ -426,8 +430,10 @@ class Checkpointer:
         ours = self._launch_lineages()
         found = self.store.latest_valid(lineages=ours) if ours else None
         if found is not None:
-            log.info("restart %d of this launch: continuing its own lineage from %s (checkpoint.resume=%s chose the "
-                     "launch's start)", process_group.group_restarts(), found[0].name, self.cfg.checkpoint.resume)
+            restarts = process_group.group_restarts()
+            log.info("%s: continuing its own lineage from %s (checkpoint.resume=%s chose the launch's start)",
+                     f"restart {restarts} of this launch" if restarts else "a generation healed from the checkpoint",
+                     found[0].name, self.cfg.checkpoint.resume)
         elif self.cfg.checkpoint.resume == "auto":
             found = self.store.latest_valid()
         elif self.cfg.checkpoint.resume != "none":
@@ -449,8 +455,9 @@ class Checkpointer:
         return path, state
 
     def _launch_lineages(self) -> list[str]:
-        """A restart's: the lineages its launch has written in."""
-        if process_group.group_restarts() == 0:
+        """A restart's, or a generation's healed in place from the checkpoint: the lineages its
+        launch has written in."""
+        if process_group.group_restarts() == 0 and not self.healed_from_disk:
             return []
         record = markers.recorded_lineages(self.store.directory, restart=True)
         return [] if record is None else record["lineages"]

@@ -574,9 +574,9 @@ def test_second_manager_on_a_locked_directory_fails_with_one_line(tmp_path):
         CheckpointStore(tmp_path)
     message = str(info.value)
     assert isinstance(info.value, RuntimeError) and "\n" not in message
-    assert message.startswith(f"checkpoint_dir {tmp_path} is in use by another run "
+    assert message.startswith(f"checkpoint.dir {tmp_path} is in use by another run "
                               f"(pid {os.getpid()} on {socket.gethostname()}")
-    assert message.endswith("wait for it to finish, or use another checkpoint_dir")
+    assert message.endswith("wait for it to finish, or use another checkpoint.dir")
     assert in_progress.exists()
     assert CheckpointStore(tmp_path, rank=1).latest_valid() is None  # other ranks take no lock
     first.close()
@@ -734,7 +734,7 @@ def test_a_second_run_on_a_busy_checkpoint_dir_exits_2_with_one_line(tmp_path):
         first.kill()
         first.wait()
     assert second.returncode == 2
-    assert second.stderr.strip().splitlines()[-1].startswith(f"error: checkpoint_dir {tmp_path / 'ck'} is in use by "
+    assert second.stderr.strip().splitlines()[-1].startswith(f"error: checkpoint.dir {tmp_path / 'ck'} is in use by "
                                                              f"another run (pid {first.pid}")
     assert "Traceback" not in second.stderr
 
@@ -835,3 +835,29 @@ def test_a_replica_that_takes_over_a_run_resuming_from_its_checkpoint_never_writ
                 assert path.name == f"step_00000008-{store.lineage}.pt" and (tmp_path / "step_00000008.pt").is_dir()
         finally:
             store.close()
+
+
+@pytest.mark.parametrize("resume", ["none", "PATH"])
+def test_a_generation_healed_in_place_from_the_checkpoint_continues_the_launch_not_its_start(tmp_path, resume):
+    """Healing in place, a generation in which no member holds a state resumes from the checkpoint
+    (``take_over(resuming=True)``). Before any restart of the group, it must still continue this
+    launch's own lineage, as a restart does: under checkpoint.resume=none it started afresh at
+    step 0, and under resume=PATH it went back to PATH, losing every step the launch had trained."""
+    from framework.resilience import markers
+    from framework.state.checkpointer import Checkpointer
+
+    start = save_steps(tmp_path / "elsewhere", [2])
+    path = "none" if resume == "none" else str(tmp_path / "elsewhere" / step_file(2))
+    cfg = SimpleNamespace(checkpoint=SimpleNamespace(resume=path))
+    store = CheckpointStore(tmp_path / "run", rank=0)
+    checkpointer = Checkpointer(cfg, MAIN, store, {}, builtin_data=True)
+    try:
+        assert (checkpointer._choose()[0] is None) == (resume == "none")  # the launch's start
+        for step in (4, 8):
+            store.save(state_at(step), step, blocking=True)
+        checkpointer.take_over(MAIN, resuming=True)  # rank 0 survived; nobody holds a state
+        chosen, state = checkpointer._choose()
+        assert chosen is not None and state["step"] == 8, (chosen, start.lineage)
+        assert markers.recorded_lineages(tmp_path / "run")["current"] == store.lineage
+    finally:
+        store.close()
