@@ -2,7 +2,7 @@
 """Training stall per checkpoint save, as a share of training time between saves.
 
 At the nanoGPT CPU size (configs/nanogpt_shakespeare_char.toml), one process, one thread, it
-trains with save_every_steps=N and times, on the training thread, every ``save_checkpoint()``
+trains with checkpoint.every_steps=N and times, on the training thread, every ``save_checkpoint()``
 call (gathering the RNG states, building the state dict, copying it to CPU memory and waiting
 for the previous write; the file itself is written by a background thread) and every step.
 Share = median stall per save / (N x median step time). Target: <= 2% at N = 100.
@@ -40,9 +40,9 @@ def main() -> None:
     os.chdir(ROOT)
     with tempfile.TemporaryDirectory() as tmp:
         cfg, _ = parse_command_line(["--config", "configs/nanogpt_shakespeare_char.toml",
-                                     "--max-steps", str(args.steps), "--save-every-steps", str(args.every),
-                                     "--eval-interval", "0", "--eval-steps", "1", "--resume", "none",
-                                     "--log-dir", f"{tmp}/logs", "--checkpoint-dir", f"{tmp}/ck"], env={})
+                                     "--train.max_steps", str(args.steps), "--checkpoint.every_steps", str(args.every),
+                                     "--eval.interval", "0", "--eval.steps", "1", "--checkpoint.resume", "none",
+                                     "--logging.dir", f"{tmp}/logs", "--checkpoint.dir", f"{tmp}/ck"], env={})
         trainer = DDPTrainer(cfg)
         stalls, steps = [], []
         save, step = trainer.save_checkpoint, trainer.optimizer_step

@@ -96,9 +96,10 @@ FAULTS = {
     "sigterm_worker": Fault("SIGTERM to worker rank 1; relaunch once after PREEMPTED", True, True),
     "sigterm_launcher": Fault("SIGTERM to ./launch_training.sh; relaunch once after PREEMPTED", True, True, ("1x2",)),
     "double_sigterm": Fault("two SIGTERMs 10 ms apart to worker rank 1; relaunch once after PREEMPTED", True, True),
-    "hang": Fault("fault_inject hang (holds the GIL) with step_timeout_s=3, step_timeout_factor=2", True),
-    "nan": Fault("fault_inject nan: a NaN in rank 1's gradients (the step is skipped on all ranks)", False),
-    "full_disk": Fault("checkpoint_dir on a small tmpfs that a later checkpoint cannot fit", False),
+    "hang": Fault("recovery.fault_inject hang (holds the GIL) with recovery.step_timeout_s=3, "
+                  "recovery.step_timeout_factor=2", True),
+    "nan": Fault("recovery.fault_inject nan: a NaN in rank 1's gradients (the step is skipped on all ranks)", False),
+    "full_disk": Fault("checkpoint.dir on a small tmpfs that a later checkpoint cannot fit", False),
     "kill9_rank0_ckpt": Fault("kill -9 of rank 0 while a checkpoint temp file exists", True),
     "corrupt_newest": Fault("the newest step_*.pt truncated to half, then kill -9 of worker rank 1", True),
 }

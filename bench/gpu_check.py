@@ -9,9 +9,9 @@ scripts, each a row of the table and an entry of bench/results/gpu_check.json:
   scaler_overflow     fp16 with a NaN injected into a gradient: the GradScaler skips the step and
                       lowers its scale; it does not count as a non-finite (skipped) step
   oom_halving         a real torch.cuda.OutOfMemoryError (the process limited to the memory of an
-                      8-sample micro-batch, measured): oom_recovery halves 32 until it fits
+                      8-sample micro-batch, measured): recovery.oom halves 32 until it fits
   memory              bench/memory.py --model gpt: torch.cuda.max_memory_allocated per memory mode
-  comm_hook           ddp_comm_hook=bf16 on NCCL (1 process, or 2 with two GPUs), loss falling
+  comm_hook           ddp.comm_hook=bf16 on NCCL (1 process, or 2 with two GPUs), loss falling
   compile             bench/throughput.py --compile: tokens/s eager vs compile=true, 1 process
   throughput          bench/throughput.py --quick: the framework against a bare loop
 

@@ -101,8 +101,8 @@ def main() -> None:
 
     os.chdir(ROOT)
     with tempfile.TemporaryDirectory() as tmp:
-        cfg, _ = parse_command_line(["--config", "configs/nanogpt_shakespeare_char.toml", "--resume", "none",
-                                     "--log-dir", f"{tmp}/logs", "--checkpoint-dir", f"{tmp}/ck"], env={})
+        cfg, _ = parse_command_line(["--config", "configs/nanogpt_shakespeare_char.toml", "--checkpoint.resume", "none",
+                                     "--logging.dir", f"{tmp}/logs", "--checkpoint.dir", f"{tmp}/ck"], env={})
         trainer = DDPTrainer(cfg)
         trainer.stream.start_epoch()
 

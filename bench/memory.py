@@ -8,11 +8,11 @@ through DDPTrainer (1 process, so no DDP wrapper): ``forward_backward`` then ``o
 
 Modes, each in a fresh subprocess of this script, run one after another (never concurrently):
   off              no saver
-  non_reentrant    gradient_checkpointing=non_reentrant on every Block
-  reentrant        gradient_checkpointing=reentrant on every Block
+  non_reentrant    memory.activation_checkpointing=non_reentrant on every Block
+  reentrant        memory.activation_checkpointing=reentrant on every Block
   offload          non_reentrant + CpuOffload of what checkpointing keeps
-  tiled8           tiled_mlp_chunks=8, checkpointing off
-  nr+tiled8        non_reentrant + tiled_mlp_chunks=8
+  tiled8           memory.tiled_mlp_chunks=8, checkpointing off
+  nr+tiled8        non_reentrant + memory.tiled_mlp_chunks=8
 
 Per mode, 3 steps (forward+backward+AdamW step):
   saved bytes      torch.autograd.graph.saved_tensors_hooks wrapped around the forward (model call
@@ -58,12 +58,13 @@ weights, nothing downloaded): 4 layers, hidden 256, intermediate 1024, 4 heads (
 0 on q_proj, v_proj, gate_proj, up_proj, down_proj (4.48M parameters, 156K trainable). Each of the
 same MODES is applied with the framework's own functions in DDPTrainer._build_model's order:
 tile_user_mlps(model, chunks, "LlamaMLP"), then enable_checkpointing(model, mode, checkpoint_modules).
-checkpoint_modules is DDPTrainer's default "Block", which names nothing in a Llama, so checkpointing
-takes the Hugging Face path (the model's own, per LlamaDecoderLayer; offload runs each layer's
-checkpoint inside CpuOffload); --llama-checkpoint-modules LlamaDecoderLayer measures the framework's
-wrapping instead. One worker process, torch.set_num_threads(1), builds one model per mode (same seed,
-so the same weights) and AdamW over its LoRA parameters. A step is forward (model call and
-lm_loss on the logits) + backward + AdamW step + zero_grad, on a random batch that every mode gets.
+memory.activation_checkpointing_modules is DDPTrainer's default "Block", which names nothing in a
+Llama, so checkpointing takes the Hugging Face path (the model's own, per LlamaDecoderLayer; offload
+runs each layer's checkpoint inside CpuOffload); --llama-checkpoint-modules LlamaDecoderLayer
+measures the framework's wrapping instead. One worker process, torch.set_num_threads(1), builds one
+model per mode (same seed, so the same weights) and AdamW over its LoRA parameters. A step is forward
+(model call and lm_loss on the logits) + backward + AdamW step + zero_grad, on a random batch that
+every mode gets.
   round 0          every mode once, under the same SavedCounter as the GPT (outer hook around the
                    model call and the loss, distinct non-parameter, non-buffer storages; they all
                    stay alive until backward, so this is the peak live bytes saved in forward);
@@ -798,8 +799,9 @@ def main() -> int:
     p.add_argument("--llama-seq-len", type=int, default=None,
                    help=f"LoRA Llama: sequence length (default {LLAMA_SEQ_LEN}, quick {LLAMA_QUICK_SEQ_LEN})")
     p.add_argument("--llama-checkpoint-modules", default="Block",
-                   help="LoRA Llama: checkpoint_modules (default Block, DDPTrainer's default, which names nothing "
-                        "in a Llama: the model's own checkpointing; LlamaDecoderLayer: the framework's wrapping)")
+                   help="LoRA Llama: memory.activation_checkpointing_modules (default Block, DDPTrainer's default, "
+                        "which names nothing in a Llama: the model's own checkpointing; LlamaDecoderLayer: the "
+                        "framework's wrapping)")
     p.add_argument("--seq-len", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/memory.json)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per worker process")

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The loss-spike guard's z-scores at the nanoGPT CPU size (configs/nanogpt_shakespeare_char.toml,
 2 gloo ranks x batch 6, the same 12 samples per step): the largest z-score of clean runs, which
-sets the default spike_threshold, and the z-score of a real spike (bad_data: one rank's batch
+sets the default spike.threshold, and the z-score of a real spike (bad_data: one rank's batch
 with random targets) in a run with the guard at warn.
 
 usage: python bench/spike_calibration.py [--steps 300] [--spike-step 250]
@@ -27,9 +27,10 @@ def run(tmp: Path, name: str, steps: int, extra: list[str]) -> dict:
     from harness.launch import torchrun_cmd, worker_env
 
     logs = tmp / name / "logs"
-    args = ["--config", "configs/nanogpt_shakespeare_char.toml", "--batch-size", "6", "--max-steps", str(steps),
-            "--eval-interval", "0", "--eval-steps", "1", "--log-interval", "1", "--resume", "none",
-            "--log-dir", str(logs), "--checkpoint-dir", str(tmp / name / "ck"), "--export-dir", "none", *extra]
+    args = ["--config", "configs/nanogpt_shakespeare_char.toml", "--batch-size", "6", "--train.max_steps", str(steps),
+            "--eval.interval", "0", "--eval.steps", "1", "--log-interval", "1", "--checkpoint.resume", "none",
+            "--logging.dir", str(logs), "--checkpoint.dir", str(tmp / name / "ck"), "--checkpoint.export_dir", "none",
+            *extra]
     proc = subprocess.run(torchrun_cmd(ROOT / "ddp_training.py", args, nproc=2), cwd=ROOT, env=worker_env(),
                           capture_output=True, text=True, timeout=3600)
     if proc.returncode != 0:
@@ -51,7 +52,7 @@ def main() -> None:
         results = {
             "clean": run(Path(tmp), "clean", args.steps, []),
             "bad_data": run(Path(tmp), "bad_data", args.steps,
-                            ["--fault-inject", f"bad_data@step={args.spike_step},rank=1"]),
+                            ["--recovery.fault_inject", f"bad_data@step={args.spike_step},rank=1"]),
         }
     print(f"{'run':10} {'steps':>6} {'spikes':>7} {'max z':>7}  top z (step, z)")
     for name, r in results.items():

@@ -78,27 +78,27 @@ COMPILE_RESULTS = ROOT / "bench" / "results" / "compile.json"
 # defaults, fp32, torch's default AdamW (foreach); every other setting starts from the framework's
 # defaults (fused AdamW) and changes what its name says.
 COMM_SETTINGS = {
-    "plain": {"optimizer_impl": "foreach"},
+    "plain": {"optim.impl": "foreach"},
     "fused AdamW (default)": {},
-    "fp16 hook": {"ddp_comm_hook": "fp16"},
-    "bf16 hook": {"ddp_comm_hook": "bf16"},
-    "bucket 1 MiB": {"bucket_cap_mb": 1},
-    "grad as bucket view": {"gradient_as_bucket_view": True},
-    "bf16 hook+bucket view": {"ddp_comm_hook": "bf16", "gradient_as_bucket_view": True},
-    "bf16 autocast": {"use_amp": "true"},
-    "bf16 autocast+bf16 hook": {"use_amp": "true", "ddp_comm_hook": "bf16"},
+    "fp16 hook": {"ddp.comm_hook": "fp16"},
+    "bf16 hook": {"ddp.comm_hook": "bf16"},
+    "bucket 1 MiB": {"ddp.bucket_cap_mb": 1},
+    "grad as bucket view": {"ddp.gradient_as_bucket_view": True},
+    "bf16 hook+bucket view": {"ddp.comm_hook": "bf16", "ddp.gradient_as_bucket_view": True},
+    "bf16 autocast": {"precision.autocast": "true"},
+    "bf16 autocast+bf16 hook": {"precision.autocast": "true", "ddp.comm_hook": "bf16"},
 }
 SCRIPT = Path(__file__).resolve()
 
 
 # ============================================================================ worker side ====
 def load_cfg(workdir: Path, total_steps: int, overrides: dict | None = None):
-    from framework.config import ALIASES, build_config, load_config_file
+    from framework.config import build_config, load_config_file
     values = {f"{section}.{key}": value for section, keys in load_config_file(CONFIG).items()
               for key, value in keys.items()}
     run = {"train.max_steps": total_steps, "eval.interval": 0, "eval.steps": 1, "logging.tensorboard": True,
            "logging.dir": str(workdir / "logs"), "checkpoint.dir": str(workdir / "checkpoints"), **(overrides or {})}
-    values.update({ALIASES.get(key, key): value for key, value in run.items()})  # flat names -> section.key
+    values.update(run)  # dotted keys, as the file's [section] tables give them
     return build_config(values, env={})
 
 
@@ -516,7 +516,8 @@ def orchestrate_comm_hooks(args) -> int:
               f"{comm - overlap:>13.1f}  {buckets}")
     # The paired ratio decides: a repeat's settings ran back to back, so drift between repeats cancels.
     best = max(rows, key=lambda r: r["vs_plain_paired"])
-    best_fp32 = max((r for r in rows if r["overrides"].get("use_amp") != "true"), key=lambda r: r["vs_plain_paired"])
+    best_fp32 = max((r for r in rows if r["overrides"].get("precision.autocast") != "true"),
+                    key=lambda r: r["vs_plain_paired"])
     spread = {k: (max(v) - min(v)) / statistics.median(v) for k, v in runs.items()}
     print(f"\nbest (paired): {best['setting']} at {best['vs_plain_paired']:.3f}x plain DDP (target >= 1.05: "
           f"{'met' if best['vs_plain_paired'] >= 1.05 else 'NOT met'}); its c/a {best['c_over_a']:.3f} against the "

@@ -58,7 +58,7 @@ class StreamPosition:
 
     def last_step(self, step: int, cfg) -> int:
         if not cfg.train.max_steps:
-            raise ValueError("max_steps: an IterableDataset has no length, so the run needs max_steps > 0")
+            raise ValueError("train.max_steps: an IterableDataset has no length, so the run needs train.max_steps > 0")
         return cfg.train.max_steps
 
     def set_epoch(self, epoch: int) -> None:

@@ -106,7 +106,7 @@ class ResumableDistributedSampler(torch.utils.data.Sampler[list[int]]):
         bad = sorted(i for i in indices if not 0 <= i < self.num_samples)
         if bad:
             raise FatalError(f"excluded sample indices {bad[:5]} are outside the training set of {self.num_samples} "
-                             f"samples (from exclude_samples, or a rollback's {EXCLUDED_FILE} in checkpoint.dir)")
+                             f"samples (from data.exclude_samples, or a rollback's {EXCLUDED_FILE} in checkpoint.dir)")
         excluded = frozenset(self.excluded | set(indices))
         if self.num_samples - len(excluded) < self.global_batch:
             raise FatalError(f"excluding {len(excluded)} of the {self.num_samples} training samples leaves fewer "
@@ -182,7 +182,8 @@ class ResumableDistributedSampler(torch.utils.data.Sampler[list[int]]):
         the configured split applies."""
         for key in ("num_samples", "seed"):
             if key in state and int(state[key]) != getattr(self, key):
-                raise ValueError(f"the checkpoint's data order was drawn with {key}={state[key]}, this run has "
+                name = "train.seed" if key == "seed" else key  # the configuration key that sets it
+                raise ValueError(f"the checkpoint's data order was drawn with {name}={state[key]}, this run has "
                                  f"{getattr(self, key)}: its sample position does not apply")
         self.epoch = int(state["epoch"])
         self.consumed = int(state["consumed"])

@@ -657,13 +657,13 @@ def _locked_fd(path: Path, wait_for_run_s: float = 0) -> int | None:
                 # the step it saves alone. The new round waits for it (bounded) instead of failing.
                 if waiting_since is None:
                     waiting_since = time.monotonic()
-                    log.warning("checkpoint_dir %s is locked by %s of this run (a survivor saving alone?): waiting "
+                    log.warning("checkpoint.dir %s is locked by %s of this run (a survivor saving alone?): waiting "
                                 "up to %.0f s for it", path.parent, holder, deadline - waiting_since)
                 time.sleep(0.1)
                 continue
             waited = "" if waiting_since is None else f" (waited {time.monotonic() - waiting_since:.0f} s for it)"
-            raise CheckpointDirLocked(f"checkpoint_dir {path.parent} is in use by another run ({holder}){waited}: "
-                                      f"wait for it to finish, or use another checkpoint_dir") from None
+            raise CheckpointDirLocked(f"checkpoint.dir {path.parent} is in use by another run ({holder}){waited}: "
+                                      f"wait for it to finish, or use another checkpoint.dir") from None
         except OSError as e:
             os.close(fd)
             if e.errno not in (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP):

@@ -196,7 +196,7 @@ def _install(tmp: Path, directory: Path) -> None:
             ours.append(name)
         else:
             log.error("%s exists and no earlier export wrote it: not replaced, so this export lacks it; move it "
-                      "away and export again, or choose another export_dir", directory / name)
+                      "away and export again, or choose another checkpoint.export_dir", directory / name)
     _write_record(directory, previous | set(ours))
     for name in ours:
         (directory / name).parent.mkdir(parents=True, exist_ok=True)
