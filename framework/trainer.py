@@ -682,6 +682,9 @@ class DDPTrainer:
         self._heals += 1
         self.checkpointer.take_over(self.env, resuming=state is None)
         self._build_training(given=state, rebuilt=True)
+        if getattr(self.sampler, "uneven", None):
+            log.info("the global batch of %d samples splits unevenly: %s", self.sampler.global_batch,
+                     self.sampler.describe())
         return source
 
     def _stop_run_health(self) -> None:

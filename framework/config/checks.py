@@ -173,12 +173,19 @@ def _global_batch(cfg: TrainConfig, world_size: int) -> tuple[int, str]:
 
 
 def global_batch_problems(cfg: TrainConfig, world_size: int) -> list[str]:
-    """data.global_batch_size against the world size the run starts at (an elastic run checks each
-    later world size when it gets there: framework/data/sampler.py, split_global_batch)."""
-    g = cfg.data.global_batch_size
-    if g and g % world_size:
-        return [f"data.global_batch_size={g}: does not split over world size {world_size}; allowed: a multiple "
-                f"of {world_size}"]
+    """data.global_batch_size against the world size the run starts at (an elastic run or a heal
+    checks each later world size when it gets there: framework/data/sampler.py, UnevenSplit). A
+    world size that does not divide it splits it unevenly, each rank's loss weighted by its
+    samples; a share smaller than the largest share's number of micro-batches cannot."""
+    g, cap = cfg.data.global_batch_size, cfg.data.batch_size
+    if not g or g % world_size == 0:
+        return []
+    base = g // world_size
+    micro_batches = -(-(base + 1) // cap)
+    if base < micro_batches:
+        return [f"data.global_batch_size={g}: does not split over world size {world_size} in micro-batches of at "
+                f"most data.batch_size={cap}; allowed: a multiple of {world_size}, or at least "
+                f"{world_size * micro_batches} samples (or a larger data.batch_size)"]
     return []
 
 
@@ -216,7 +223,7 @@ def training_set_problems(cfg: TrainConfig, samples: int, world_size: int, *, he
 def builtin_data_problems(cfg: TrainConfig, world_size: int) -> list[str]:
     """The built-in data (what the command line trains on) against the global batch of
     ``world_size`` ranks and exclude_samples. A dataset given from Python is checked when the
-    run builds its sampler (framework/loader.py)."""
+    run builds its sampler (`check_datasets` in framework/data/datasets.py)."""
     if cfg.data.source == "synthetic":
         return training_set_problems(cfg, cfg.data.synthetic_size, world_size,
                                      head=f"data.synthetic_size={cfg.data.synthetic_size}", count="",

@@ -24,7 +24,8 @@ class DataSection:
     gradient_accumulation_steps: int = bounded(1, lo=1, resume="changes", was="gradient_accumulation_steps")
     """Micro-batches per optimizer step; all but the last run under no_sync()."""
     global_batch_size: int = bounded(0, lo=0, resume="changes", was=None)
-    """Samples per optimizer step on all ranks, re-split at any world size; 0: batch_size x accumulation x ranks."""
+    """Samples per optimizer step on all ranks, re-split at any world size (unevenly where it does not divide, each
+    rank's loss weighted by its samples); 0: batch_size x accumulation x ranks."""
     world_size_change: Literal["keep_global_batch", "scale_global_batch"] = option(
         "keep_global_batch", resume="neutral", was=None)
     """On resume at another world size: keep the checkpoint's global batch (re-split per rank), or scale it."""

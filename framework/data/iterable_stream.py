@@ -56,6 +56,10 @@ class StreamPosition:
     def epochs_done(self) -> float:
         return float(self.epoch)
 
+    def micro_weights(self) -> None:
+        """A stream's split is always even (see ResumableDistributedSampler.micro_weights)."""
+        return None
+
     def last_step(self, step: int, cfg) -> int:
         if not cfg.train.max_steps:
             raise ValueError("train.max_steps: an IterableDataset has no length, so the run needs train.max_steps > 0")

@@ -23,6 +23,33 @@ class GlobalBatchUnsplittable(WorldSizeMismatch):
     """The global batch does not split over this world size (no FATAL marker: see the base)."""
 
 
+class UnevenSplit:
+    """A global batch that the world size does not divide: the first ``g % W`` ranks take one
+    sample more than the others, each rank's share contiguous in the step (rank r's from
+    ``offset``), cut into ``accumulation`` micro-batches (the same number on every rank) of
+    ``sizes`` samples, the largest at most ``max_micro_batch``. Each micro-batch's mean loss
+    weighs by its samples (``weights``: size * W / g, what DDP's mean over W ranks turns into the
+    global batch's mean); an even split's weights would be 1 / accumulation."""
+
+    def __init__(self, global_batch: int, world_size: int, rank: int, max_micro_batch: int, *, why: str):
+        base, rest = divmod(global_batch, world_size)
+        largest = base + (rest > 0)
+        self.accumulation = -(-largest // max_micro_batch)
+        if base < self.accumulation:
+            raise GlobalBatchUnsplittable(
+                f"{why}: the global batch of {global_batch} samples does not split over {world_size} ranks in "
+                f"micro-batches of at most {max_micro_batch} (the smallest share, {base} samples, is fewer than "
+                f"the {self.accumulation} micro-batches of the largest); run on fewer ranks or allow a larger "
+                f"data.batch_size")
+        share = base + (rank < rest)
+        self.offset = rank * base + min(rank, rest)
+        q, r = divmod(share, self.accumulation)
+        self.sizes = [q + (i < r) for i in range(self.accumulation)]
+        self.micro_batch = -(-largest // self.accumulation)  # the largest micro-batch of any rank
+        self.weights = [size * world_size / global_batch for size in self.sizes]
+        self.global_batch = global_batch
+
+
 def split_global_batch(global_batch: int, world_size: int, max_micro_batch: int, *, why: str) -> tuple[int, int]:
     """``(micro-batch, accumulation)`` that make ``global_batch`` on ``world_size`` ranks: the largest
     micro-batch up to ``max_micro_batch`` that divides each rank's share. A share that is not whole
@@ -63,6 +90,8 @@ class ResumableDistributedSampler(torch.utils.data.Sampler[list[int]]):
         # The largest micro-batch known to fit in memory, once an out-of-memory error halved it
         # (set_micro_batch): a re-split at another world size stays at or below it.
         self.micro_batch_cap: int | None = None
+        # A global batch that this world size does not divide (a heal, an elastic restart): UnevenSplit.
+        self.uneven: UnevenSplit | None = None
         self.batch_size, self.accumulation = self._named_split(batch_size) if global_batch else (batch_size,
                                                                                                    accumulation)
         self.epoch = 0
@@ -74,7 +103,17 @@ class ResumableDistributedSampler(torch.utils.data.Sampler[list[int]]):
 
     @property
     def global_batch(self) -> int:
-        return self.world_size * self.batch_size * self.accumulation
+        return self.uneven.global_batch if self.uneven else self.world_size * self.batch_size * self.accumulation
+
+    @property
+    def rank_batch(self) -> int:
+        """This rank's samples in a step."""
+        return sum(self.uneven.sizes) if self.uneven else self.batch_size * self.accumulation
+
+    def micro_weights(self) -> list[float] | None:
+        """What each of this rank's micro-batch mean losses is multiplied by when the split is uneven
+        (UnevenSplit.weights); None when it is even (each weighs 1 / accumulation)."""
+        return self.uneven.weights if self.uneven else None
 
     @property
     def epoch_samples(self) -> int:
@@ -125,6 +164,14 @@ class ResumableDistributedSampler(torch.utils.data.Sampler[list[int]]):
         self.delivered.clear()
         for step in range(self.steps_remaining()):
             base = start + step * self.global_batch
+            if self.uneven:
+                lo = base + self.uneven.offset
+                for size in self.uneven.sizes:
+                    batch = perm[lo:lo + size].tolist()
+                    lo += size
+                    self.delivered.append(batch)
+                    yield batch
+                continue
             for m in range(self.accumulation):
                 lo = base + m * micro + self.rank * self.batch_size
                 batch = perm[lo:lo + self.batch_size].tolist()
@@ -158,14 +205,18 @@ class ResumableDistributedSampler(torch.utils.data.Sampler[list[int]]):
         return min(cfg.train.max_steps, by_epochs) if cfg.train.max_steps else by_epochs
 
     def set_micro_batch(self, batch_size: int, accumulation: int) -> None:
-        """Change how a step's samples are split (the global batch must stay the same)."""
-        assert batch_size * accumulation == self.batch_size * self.accumulation, (batch_size, accumulation)
-        self.batch_size, self.accumulation = batch_size, accumulation
+        """Change how a step's samples are split (the global batch must stay the same). An uneven
+        split is cut again into micro-batches of at most ``batch_size`` (its accumulation follows)."""
+        if self.uneven:
+            self.batch_size, self.accumulation = self._uneven(self.uneven.global_batch, batch_size, "")
+        else:
+            assert batch_size * accumulation == self.batch_size * self.accumulation, (batch_size, accumulation)
+            self.batch_size, self.accumulation = batch_size, accumulation
         self.micro_batch_cap = min(batch_size, self.micro_batch_cap or batch_size)
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "consumed": self.consumed, "batch_size": self.batch_size,
-                "accumulation": self.accumulation, "world_size": self.world_size,
+                "accumulation": self.accumulation, "world_size": self.world_size, "global_batch": self.global_batch,
                 "num_samples": self.num_samples, "seed": self.seed, "configured": list(self.configured),
                 "micro_batch_cap": self.micro_batch_cap}
 
@@ -202,30 +253,52 @@ class ResumableDistributedSampler(torch.utils.data.Sampler[list[int]]):
         same_config = configured == self.configured or (
             "configured" not in state and b * a == self.configured[0] * self.configured[1])
         if world == self.world_size:
-            if same_config:
+            if same_config and int(state.get("global_batch", world * b * a)) != world * b * a:  # an uneven resize's
+                self.batch_size, self.accumulation = self._uneven(int(state["global_batch"]), b, "")
+            elif same_config:
                 self.batch_size, self.accumulation = b, a
         elif same_config and self.keep_global_batch:
             self.resize(world * b * a, saved=f"{world} ranks x micro-batch {b} x accumulation {a}")
 
     def _named_split(self, max_micro_batch: int) -> tuple[int, int]:
-        """data.global_batch_size split over this world size."""
-        return split_global_batch(self.global_batch_size, self.world_size, max_micro_batch,
-                                  why=f"data.global_batch_size={self.global_batch_size}")
+        """data.global_batch_size split over this world size (unevenly where it does not divide)."""
+        why = f"data.global_batch_size={self.global_batch_size}"
+        if self.global_batch_size % self.world_size:
+            return self._uneven(self.global_batch_size, max_micro_batch, why)
+        self.uneven = None
+        return split_global_batch(self.global_batch_size, self.world_size, max_micro_batch, why=why)
+
+    def _uneven(self, global_batch: int, max_micro_batch: int, why: str) -> tuple[int, int]:
+        """An UnevenSplit of ``global_batch``; returns (its largest micro-batch, its accumulation)."""
+        self.uneven = UnevenSplit(global_batch, self.world_size, self.rank, max_micro_batch, why=why)
+        return self.uneven.micro_batch, self.uneven.accumulation
 
     def resize(self, global_batch: int, saved: str) -> None:
         """Split ``global_batch`` over this world size (``split_global_batch``), with micro-batches
         no larger than the configured one, nor than ``micro_batch_cap``."""
         limit = min(self.configured[0], self.micro_batch_cap or self.configured[0])
-        micro, self.accumulation = split_global_batch(
-            global_batch, self.world_size, limit,
-            why=f"data.world_size_change=keep_global_batch (checkpoint: {saved}; or set "
-                f"data.world_size_change=scale_global_batch to train on with {self.world_size} x "
-                f"{self.configured[0]} x {self.configured[1]} samples a step, a run that differs from an "
-                f"uninterrupted one)")
+        why = (f"data.world_size_change=keep_global_batch (checkpoint: {saved}; or set "
+               f"data.world_size_change=scale_global_batch to train on with {self.world_size} x "
+               f"{self.configured[0]} x {self.configured[1]} samples a step, a run that differs from an "
+               f"uninterrupted one)")
+        if global_batch % self.world_size:
+            micro, self.accumulation = self._uneven(global_batch, limit, why)
+        else:
+            self.uneven = None
+            micro, self.accumulation = split_global_batch(global_batch, self.world_size, limit, why=why)
         self.batch_size = micro
-        log.warning("world size changed (checkpoint: %s = %d samples a step): %d ranks x micro-batch %d x "
-                    "accumulation %d keep the global batch, so the steps, their samples and the schedule are the "
-                    "uninterrupted run's", saved, global_batch, self.world_size, micro, self.accumulation)
+        log.warning("world size changed (checkpoint: %s = %d samples a step): %s keep the global batch, so the "
+                    "steps, their samples and the schedule are the uninterrupted run's", saved, global_batch,
+                    self.describe())
+
+    def describe(self) -> str:
+        """How a step's global batch is split: "2 ranks x micro-batch 4 x accumulation 2", or for an
+        uneven split "2 ranks with 5 or 4 samples each (micro-batches of up to 3 x accumulation 2)"."""
+        if not self.uneven:
+            return f"{self.world_size} ranks x micro-batch {self.batch_size} x accumulation {self.accumulation}"
+        base = self.global_batch // self.world_size
+        return (f"{self.world_size} ranks with {base + 1} or {base} samples each (micro-batches of up to "
+                f"{self.batch_size} x accumulation {self.accumulation}, each weighted by its samples)")
 
 def peek_batches(sampler: ResumableDistributedSampler, dataset: Dataset, n: int, device: torch.device) -> list:
     """This rank's next ``n`` micro-batches on ``device``, read without consuming them."""

@@ -417,15 +417,18 @@ def log_run_start(cfg, env, sampler, *, model: torch.nn.Module, amp: bool, total
                  Path(cfg.logging.dir) / "config.json")
     log.info("model: %s, %.2fM parameters, amp=%s", type(model).__name__,
              sum(p.numel() for p in model.parameters()) / 1e6, f"on ({cfg.precision.dtype})" if amp else "off (fp32)")
-    log.info("effective batch: %d per rank x %d ranks x %d accumulation = %d samples per step",
-             s.batch_size, env.world_size, s.accumulation, s.global_batch)
+    if getattr(s, "uneven", None):
+        log.info("effective batch: %s = %d samples per step", s.describe(), s.global_batch)
+    else:
+        log.info("effective batch: %d per rank x %d ranks x %d accumulation = %d samples per step",
+                 s.batch_size, env.world_size, s.accumulation, s.global_batch)
     if s.num_samples is None:
         log.info("rank %d reads its shard of a stream (length unknown), %d samples a step", env.rank,
                  s.batch_size * s.accumulation)
     else:
         log.info("rank %d share: %d steps/epoch x %d samples = %d of %d samples per epoch; %d loader workers",
-                 env.rank, s.steps_per_epoch, s.batch_size * s.accumulation,
-                 s.steps_per_epoch * s.batch_size * s.accumulation, s.num_samples, num_workers)
+                 env.rank, s.steps_per_epoch, s.rank_batch, s.steps_per_epoch * s.rank_batch, s.num_samples,
+                 num_workers)
     log.info("schedule: %d steps (%d per epoch, train.num_epochs=%d, train.max_steps=%d)", total_steps,
              s.steps_per_epoch, cfg.train.num_epochs, cfg.train.max_steps)
     if env.is_main:

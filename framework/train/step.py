@@ -43,14 +43,15 @@ class SyncedBackwardOOM(RuntimeError):
 def halve_micro_batch(sampler, reason: str) -> tuple[int, int]:
     """Half the micro-batch, twice the accumulation; the same global batch per step."""
     b, a = sampler.batch_size, sampler.accumulation
-    if b == 1 or b % 2:
+    uneven = getattr(sampler, "uneven", None) is not None  # any cap splits it: up to half, rounded up
+    if b == 1 or (b % 2 and not uneven):
         raise FatalError(f"{reason} at micro-batch {b}: cannot halve it further without changing the "
                          f"effective batch; lower model.seq_len or the model size, or set "
                          f"memory.activation_checkpointing")
-    sampler.set_micro_batch(b // 2, a * 2)
+    sampler.set_micro_batch((b + 1) // 2 if uneven else b // 2, a * 2)
     log.warning("%s: micro-batch %d -> %d, gradient accumulation %d -> %d (the effective batch stays %d)",
-                reason, b, b // 2, a, a * 2, sampler.global_batch)
-    return b // 2, a * 2
+                reason, b, sampler.batch_size, a, sampler.accumulation, sampler.global_batch)
+    return sampler.batch_size, sampler.accumulation
 
 
 def prepare_model(prepare: Callable[[], tuple], sampler, checkpoint_dir, *, oom_recovery: bool) -> tuple:
@@ -194,7 +195,8 @@ class TrainStep:
         arguments and the factor its loss is multiplied by, so that the step's gradient is the
         mean over the labelled tokens of the global batch (tokens: a SUM all-reduce of the count
         before the first forward, the same point on every rank; DDP then averages over the W ranks,
-        which the factor W undoes) or of this rank's micro-batches (rank_tokens)."""
+        which the factor W undoes) or of this rank's micro-batches (rank_tokens; a rank's share of an
+        uneven split weighs by its samples)."""
         try:
             counts = [label_count(batch, shifted=self.shifted).to(self.env.device) for batch in micro_batches]
         except ValueError as err:  # no labels to count: every step would fail the same way
@@ -204,6 +206,8 @@ class TrainStep:
         if self.loss_average == "tokens" and self.env.distributed:
             dist.all_reduce(total)
             world = self.env.world_size
+        elif shares := self.sampler.micro_weights():  # rank_tokens, uneven: a rank weighs by its samples
+            world = sum(shares)
         total = total.clamp(min=1)
         if self.model_divides:
             return [({"num_items_in_batch": total}, world) for _ in counts]
@@ -211,7 +215,11 @@ class TrainStep:
 
     def _accumulate(self, micro_batches: list, step: int) -> torch.Tensor:
         n = len(micro_batches)
-        self._weights = None if self.loss_average == "micro_batch" else self._token_weights(micro_batches)
+        if self.loss_average != "micro_batch":
+            self._weights = self._token_weights(micro_batches)
+        else:  # an uneven split's micro-batches weigh by their samples (even: 1 / n each)
+            shares = self.sampler.micro_weights()
+            self._weights = None if shares is None else [({}, share) for share in shares]
         total = torch.zeros((), device=self.env.device)
         agree_oom = self.oom_recovery and self.env.distributed
         oom = False

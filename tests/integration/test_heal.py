@@ -219,3 +219,29 @@ def test_a_loss_outside_a_step_restarts_every_rank_from_the_checkpoint_through_t
     reference, weights = final_weights(whole), final_weights(run_dir)
     assert max((weights[k].float() - reference[k].float()).abs().max().item() for k in reference) < 1e-5
     assert samples_per_epoch(run_dir) == samples_per_epoch(whole)
+
+
+@pytest.mark.dist
+def test_survivors_that_do_not_divide_the_global_batch_split_it_unevenly_and_finish_the_run_unchanged(tmp_path):
+    """data.global_batch_size=27 on 3 replicas (9 samples each); rank 1 is killed at step 5 and the
+    2 survivors, which 27 does not divide, heal in place with shares of 14 and 13 samples (4
+    micro-batches each, every micro-batch's loss weighted by its samples) instead of restarting
+    from the checkpoint: the final weights are the uninterrupted 3-rank run's to fp32 noise, and
+    every sample is trained once per epoch."""
+    changes = {"data.global_batch_size": 27}
+    whole = tmp_path / "whole"
+    assert heal_run(whole, changes=changes)["codes"] == [0] * REPLICAS
+    run_dir = tmp_path / "kill1"
+    run = heal_run(run_dir, "sigkill@step=5,rank=1", changes=changes)
+    assert run["codes"] == [0, -9, 0], run
+    text = logs(run_dir)
+    assert text.count("generation 2 goes on with 2 of 3 ranks") == 2 and "resumed from" not in text, text[-3000:]
+    assert text.count("the global batch of 27 samples splits unevenly: 2 ranks with 14 or 13 samples each "
+                      "(micro-batches of up to 4 x accumulation 4") == 2, text[-3000:]
+    summary = json.loads((run_dir / "logs" / "summary.json").read_text())
+    assert (summary["steps"], summary["world_size"], summary["restarts"]) == (STEPS, 2, 0)
+    reference, weights = final_weights(whole), final_weights(run_dir)
+    diff = max((weights[k].float() - reference[k].float()).abs().max().item() for k in reference)
+    assert diff < 1e-5, diff
+    assert samples_per_epoch(run_dir) == samples_per_epoch(whole)
+    assert sum(samples_per_epoch(whole).values()) == STEPS * 27

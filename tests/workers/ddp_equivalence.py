@@ -24,6 +24,11 @@ GRAD_CASES = {
 TRAIN_CASES = {
     "train_b4_accum1": {"batch_size": 4, "data.gradient_accumulation_steps": 1, "train.max_steps": 6},
     "train_b2_accum2": {"batch_size": 2, "data.gradient_accumulation_steps": 2, "train.max_steps": 6},
+    # data.global_batch_size=9 on 2 ranks: shares of 5 and 4 samples (micro-batches 3+2 and 2+2),
+    # each micro-batch's loss weighted by its samples; rank_tokens weighs each rank by its share
+    "train_uneven": {"batch_size": 3, "data.global_batch_size": 9, "train.max_steps": 6},
+    "train_uneven_rank_tokens": {"batch_size": 3, "data.global_batch_size": 9, "train.max_steps": 6,
+                                 "train.loss_average": "rank_tokens"},
 }
 TOKENS_CASE = {"batch_size": 4, "data.gradient_accumulation_steps": 2}  # train.loss_average=tokens, masked targets
 EVAL_CASE = {"batch_size": 7, "eval.steps": 5}  # 35 samples: unequal shards of 18 and 17

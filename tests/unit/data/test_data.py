@@ -51,7 +51,8 @@ def test_resume_continues_at_the_exact_sample():
         resumed.advance()
     state = resumed.state_dict()
     assert state == {"epoch": 0, "consumed": 4 * 12, "batch_size": 3, "accumulation": 2, "world_size": 2,
-                     "num_samples": 120, "seed": 5, "configured": [3, 2], "micro_batch_cap": None}
+                     "num_samples": 120, "seed": 5, "configured": [3, 2], "micro_batch_cap": None,
+                     "global_batch": 12}
     fresh = ResumableDistributedSampler(120, 2, 1, 3, 2, seed=5)
     fresh.load_state_dict(state)
     assert list(fresh) == expected[4 * 2:]
@@ -97,14 +98,44 @@ def test_a_world_size_change_keeps_the_global_batch_and_each_steps_samples(befor
 
 
 def test_a_global_batch_that_does_not_split_is_a_fatal_error_naming_the_sizes_unless_scaling_is_allowed():
-    ranks = [ResumableDistributedSampler(96, 2, r, 3, 1, seed=7) for r in range(2)]
+    """6 samples a step on 4 ranks in micro-batches of 1: the 2 ranks with 2 samples need 2
+    micro-batches, the others hold 1 sample (an uneven split needs as many micro-batches everywhere)."""
+    ranks = [ResumableDistributedSampler(96, 6, r, 1, 1, seed=7) for r in range(6)]
     state = ranks[0].state_dict()  # 6 samples a step
-    with pytest.raises(FatalError, match=r"checkpoint: 2 ranks x micro-batch 3 x accumulation 1; or set "
+    with pytest.raises(FatalError, match=r"checkpoint: 6 ranks x micro-batch 1 x accumulation 1; or set "
                                          r"data.world_size_change=scale_global_batch.*: the global batch of 6 "
-                                         r"samples does not split over 4 ranks"):
-        step_samples(4, 3, 1, state)
-    _, scaled = step_samples(4, 3, 1, state, keep=False)
-    assert scaled[0].global_batch == 12 and scaled[0].consumed == 0
+                                         r"samples does not split over 4 ranks in micro-batches of at most 1"):
+        step_samples(4, 1, 1, state)
+    _, scaled = step_samples(4, 1, 1, state, keep=False)
+    assert scaled[0].global_batch == 4 and scaled[0].consumed == 0
+
+
+@pytest.mark.parametrize("world, named", [(3, True), (4, False), (5, True)])
+def test_a_global_batch_the_world_size_does_not_divide_is_split_unevenly_with_the_same_steps(world, named):
+    """16 samples a step (data.global_batch_size, or a checkpoint's 2 x 4 x 2 kept at another world
+    size) on 3, 4 (from 3 ranks' 18) or 5 ranks: the first g % W ranks take one sample more, every
+    rank runs as many micro-batches of at most the configured 4, and each step holds the samples
+    of the uninterrupted 1-rank run's step, each once; the micro-batches weigh by their samples."""
+    g = 16 if world != 4 else 18
+    reference = [ResumableDistributedSampler(96, 1, 0, 4, 1, seed=7, global_batch=g)]
+    if named:
+        ranks = [ResumableDistributedSampler(96, world, r, 4, 1, seed=7, global_batch=g) for r in range(world)]
+    else:
+        state = ResumableDistributedSampler(96, 3, 0, 3, 2, seed=7).state_dict()  # 3 x 3 x 2 = 18 a step
+        _, ranks = step_samples(world, 3, 2, state)
+    for samplers in (reference, ranks):
+        micro = [list(s) for s in samplers]
+        a = samplers[0].accumulation
+        assert len({s.accumulation for s in samplers}) == 1 and all(len(m) % a == 0 for m in micro)
+        steps = [sorted(i for m in micro for b in m[k * a:(k + 1) * a] for i in b) for k in range(len(micro[0]) // a)]
+        if samplers is reference:
+            expected = steps
+    assert steps == expected and len(steps) == 96 // g
+    shares = [s.rank_batch for s in ranks]
+    assert sum(shares) == g and max(shares) - min(shares) == 1 and shares == sorted(shares, reverse=True)
+    assert all(max(len(b) for b in list(s)) <= 4 for s in ranks)
+    assert sum(sum(s.micro_weights()) for s in ranks) == pytest.approx(world)
+    assert ranks[0].micro_weights()[0] == pytest.approx(len(next(iter(ranks[0]))) * world / g)
 
 
 def test_a_changed_configured_batch_is_the_users_choice_not_a_resize():
@@ -239,12 +270,14 @@ def test_a_named_global_batch_is_split_at_every_world_size_and_checked_where_it_
         steps[world] = [sorted(i for r in range(world) for m in micro[r][k * a:(k + 1) * a] for i in m)
                         for k in range(len(micro[0]) // a)]
     assert steps[1] == steps[2] == steps[4] and len(steps[1]) == 6
-    with pytest.raises(ConfigError, match=r"data.global_batch_size=16: does not split over world size 3; allowed: "
-                                          r"a multiple of 3"):
-        build_config({"data": {"global_batch_size": 16}}, env={}, world_size=3)
+    build_config({"data": {"global_batch_size": 16, "batch_size": 4}}, env={}, world_size=3)  # 6 + 5 + 5
+    with pytest.raises(ConfigError, match=r"data.global_batch_size=16: does not split over world size 12 in "
+                                          r"micro-batches of at most data.batch_size=1; allowed: a multiple of 12, "
+                                          r"or at least 24 samples"):
+        build_config({"data": {"global_batch_size": 16, "batch_size": 1}}, env={}, world_size=12)
     with pytest.raises(FatalError, match="data.global_batch_size=16: the global batch of 16 samples does not split "
-                                         "over 3 ranks"):
-        ResumableDistributedSampler(96, 3, 0, 4, 1, global_batch=16)
+                                         "over 12 ranks in micro-batches of at most 1"):
+        ResumableDistributedSampler(96, 12, 0, 1, 1, global_batch=16)
 
 
 def test_a_resize_stays_at_or_below_the_micro_batch_an_out_of_memory_error_left():
@@ -285,3 +318,23 @@ def test_an_unsplittable_global_batch_stops_without_the_fatal_marker_that_would_
     assert (tmp_path / "ck" / "FATAL").exists() == fatal
     if not fatal:
         assert "does not split over 4 ranks" in (tmp_path / "ck" / "LAST_ERROR").read_text()
+
+
+def test_an_uneven_split_halved_by_an_out_of_memory_error_keeps_its_global_batch_and_resumes_so():
+    """An out-of-memory halving of an uneven split (16 on 3 ranks, micro-batches of up to 4) cuts
+    every rank's share into micro-batches of up to 2, the same number on each; a resume on the
+    same 3 ranks keeps that cap, and one on 4 ranks (16 divides) splits evenly below it."""
+    from framework.train.step import halve_micro_batch
+
+    ranks = [ResumableDistributedSampler(96, 3, r, 4, 1, seed=7, global_batch=16) for r in range(3)]
+    assert [s.accumulation for s in ranks] == [2, 2, 2] and ranks[0].batch_size == 3
+    for s in ranks:
+        halve_micro_batch(s, "out of memory")
+    assert {s.accumulation for s in ranks} == {3} and max(len(b) for s in ranks for b in list(s)) <= 2
+    assert [s.rank_batch for s in ranks] == [6, 5, 5] and ranks[0].global_batch == 16
+    again = ResumableDistributedSampler(96, 3, 1, 4, 1, seed=7, global_batch=16)
+    again.load_state_dict(ranks[1].state_dict())
+    assert list(again) == list(ranks[1])
+    even = ResumableDistributedSampler(96, 4, 0, 4, 1, seed=7, global_batch=16)
+    even.load_state_dict(ranks[0].state_dict())
+    assert even.uneven is None and (even.batch_size, even.accumulation) == (2, 2)
