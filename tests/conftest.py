@@ -54,14 +54,21 @@ def pytest_runtest_protocol(item, nextitem):
 
 
 @pytest.fixture(scope="module")
-def two_ranks(request, tmp_path_factory):
+def two_ranks_run(request, tmp_path_factory):
     """Every case of the test module's ``WORKER`` (a script under tests/workers/) run in one torchrun
-    launch on 2 gloo ranks, once per module: ``{rank: results}`` (``tests.dist_helper.case`` reads
-    one). The module's ``WORKER_TIMEOUT`` bounds the launch (seconds, default 300)."""
+    launch on 2 gloo ranks, once per module: ``(out_dir, {rank: results})``, the launch's output
+    folder (named after the worker) and each rank's results. The module's ``WORKER_TIMEOUT`` bounds
+    the launch (seconds, default 300)."""
     from tests.dist_helper import launch_cases
     worker = request.module.WORKER
-    return launch_cases(worker, tmp_path_factory.mktemp(Path(worker).stem),
-                        timeout=getattr(request.module, "WORKER_TIMEOUT", 300))
+    out = tmp_path_factory.mktemp(Path(worker).stem)
+    return out, launch_cases(worker, out, timeout=getattr(request.module, "WORKER_TIMEOUT", 300))
+
+
+@pytest.fixture(scope="module")
+def two_ranks(two_ranks_run):
+    """``two_ranks_run``'s results alone: ``{rank: results}`` (``tests.dist_helper.case`` reads one)."""
+    return two_ranks_run[1]
 
 
 @pytest.fixture(autouse=True)

@@ -1,7 +1,10 @@
 """The torchrun launch helpers, kept under their old name for the tests' imports; they live in
-harness.launch, which bench/ uses too."""
+harness.launch, which bench/ uses too. Beside them, the helpers that several test files and workers
+share: the fault-test run (``FAULT_RUN``, ``args_for``), its logs, a one-rank process group, polling,
+and a worker's record of an error."""
 
 import json
+import time
 from pathlib import Path
 
 from harness.launch import *  # noqa: F403
@@ -25,10 +28,10 @@ FAULT_RUN = {"vocab_size": 64, "hidden_size": 96, "num_heads": 2, "num_layers": 
              "target_loss": 0.0, "learning_rate": 2e-3, "optim.warmup_steps": 4, "train.seed": 5}
 
 
-def args_for(run_dir: Path, overrides: dict | None = None, /, **compact) -> list[str]:
-    """ddp_training.py's arguments for FAULT_RUN with ``overrides`` (dotted keys) and ``compact`` keys, its
-    logs and checkpoints under ``run_dir``."""
-    return cli_args({**FAULT_RUN, "logging.dir": str(run_dir / "logs"), "checkpoint.dir": str(run_dir / "ck"),
+def args_for(run_dir: Path, overrides: dict | None = None, /, *, base: dict = FAULT_RUN, **compact) -> list[str]:
+    """ddp_training.py's arguments for ``base`` (FAULT_RUN unless a test module has its own) with
+    ``overrides`` (dotted keys) and ``compact`` keys, its logs and checkpoints under ``run_dir``."""
+    return cli_args({**base, "logging.dir": str(run_dir / "logs"), "checkpoint.dir": str(run_dir / "ck"),
                      **(overrides or {}), **compact})
 
 
@@ -44,3 +47,27 @@ def rank_log(run_dir: Path, rank: int = 0, *, missing_ok: bool = False) -> str:
     if missing_ok and not path.exists():
         return ""
     return path.read_text()
+
+
+def one_process_group() -> None:
+    """A gloo process group of one rank in this process, on an in-memory store (destroy it after; the
+    conftest's autouse teardown does so too)."""
+    import torch.distributed as dist
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+
+
+def holds_within(condition, seconds: float, interval: float = 0.05) -> bool:
+    """Poll ``condition`` every ``interval`` s until it holds or ``seconds`` pass; whether it holds
+    then (unlike ``wait_for``, which fails by itself, the caller asserts with its own message)."""
+    end = time.monotonic() + seconds
+    while not condition() and time.monotonic() < end:
+        time.sleep(interval)
+    return condition()
+
+
+def error_record(err: BaseException, iteration: int, chars: int = 2000) -> dict:
+    """A worker's JSON record of the error ``err`` raised at ``iteration``: its type, its first line
+    and its first ``chars`` characters."""
+    text = str(err)
+    return {"iteration": iteration, "type": type(err).__name__,
+            "message": text.splitlines()[0] if text else type(err).__name__, "full": text[:chars]}

@@ -1,6 +1,7 @@
 """Comparing the weights of two runs that summed the same gradients in different orders (another
 micro-batch split, world size or accumulation): what fp32 summation-order noise leaves, and the
-one part of a GPT left out of the comparison because it holds nothing but that noise."""
+one part of a GPT left out of the comparison because it holds nothing but that noise; and
+``max_diff``, the largest gap between two sets of gradients and where it is."""
 
 import torch
 
@@ -25,3 +26,11 @@ def max_weight_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> f
     attention key biases left out (see ``_without_key_bias``)."""
     assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
     return max((_without_key_bias(k, a[k]) - _without_key_bias(k, b[k])).abs().max().item() for k in a)
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tuple[float, str]:
+    """The largest absolute difference between the tensors of ``a`` and ``b`` over ``b``'s names (the
+    reference's), and the name where it is."""
+    diffs = {n: (a[n] - b[n]).abs().max().item() for n in b}
+    worst = max(diffs, key=diffs.get)
+    return diffs[worst], worst

@@ -12,6 +12,7 @@ import psutil
 import pytest
 
 from tests.dist_helper import (
+    args_for,
     cli_args,
     ROOT,
     finish_nodes,
@@ -39,17 +40,9 @@ CONFIG = {"vocab_size": 32, "hidden_size": 32, "num_heads": 2, "num_layers": 1, 
 TIMEOUT = 150  # for a whole 2-node launch, restart included
 
 
-def args_for(run_dir: Path, overrides: dict | None = None, /, **compact) -> list[str]:
-    return cli_args({**CONFIG, "logging.dir": str(run_dir / "logs"), "checkpoint.dir": str(run_dir / "ck"),
-                     **(overrides or {}), **compact})
-
-
-
-
 def start_two_nodes(run_dir: Path, overrides: dict | None = None, /, **compact):
-    return start_nodes(ROOT / "ddp_training.py", args_for(run_dir, overrides, **compact), run_dir, nnodes=2,
-                       rdzv_id=run_dir.name,
-                       env={"LOGLEVEL": "INFO"}, torchrun_extra=["--max-restarts", "1"])
+    return start_nodes(ROOT / "ddp_training.py", args_for(run_dir, overrides, base=CONFIG, **compact), run_dir,
+                       nnodes=2, rdzv_id=run_dir.name, env={"LOGLEVEL": "INFO"}, torchrun_extra=["--max-restarts", "1"])
 
 
 def assert_finished(nodes) -> None:
@@ -135,7 +128,7 @@ def test_two_node_kill_9_of_rank_1_then_elastic_restart_resumes_bit_exact(refere
 def test_workers_die_with_their_agent(tmp_path):
     """kill -9 of the torchrun agent: its workers save (a preemption) and end within seconds
     instead of training on as orphans."""
-    endless = args_for(tmp_path, {"train.max_steps": 10**6, "checkpoint.every_steps": 0}, num_epochs=10**6)
+    endless = args_for(tmp_path, {"train.max_steps": 10**6, "checkpoint.every_steps": 0}, base=CONFIG, num_epochs=10**6)
     cmd = torchrun_cmd(ROOT / "ddp_training.py", endless, nproc=2)
     agent = subprocess.Popen(cmd, cwd=ROOT, env=worker_env(), stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL, start_new_session=True)
@@ -168,7 +161,7 @@ def test_a_worker_whose_agent_died_before_it_armed_the_death_signal_ends():
 
 def test_two_nodes_stop_a_crash_after_every_restart_after_max_no_progress_restarts(tmp_path):
     args = args_for(tmp_path, {"train.max_steps": 40, "recovery.fault_inject": "crash@step=20,restart=*",
-                               "recovery.max_no_progress_restarts": 1})
+                               "recovery.max_no_progress_restarts": 1}, base=CONFIG)
     nodes = start_nodes(ROOT / "ddp_training.py", args, tmp_path, nnodes=2, rdzv_id=tmp_path.name,
                         torchrun_extra=["--max-restarts", "2"])
     nodes = finish_nodes(nodes, TIMEOUT)

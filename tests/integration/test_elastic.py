@@ -18,8 +18,8 @@ import torch
 
 from framework.observability.metrics import read_metrics, read_samples
 from tests.tiny import tiny
-from tests.dist_helper import (ROOT, cli_args, free_port, kill_matching, launch, torchrun_cmd, wait_for, wait_gone,
-                               worker_env, workers_by_rank)
+from tests.dist_helper import (ROOT, cli_args, free_port, kill_matching, launch, rank_log, torchrun_cmd, wait_for,
+                               wait_gone, worker_env, workers_by_rank)
 from tests.equivalence import max_weight_diff
 
 pytestmark = pytest.mark.dist
@@ -105,11 +105,6 @@ def start_agent(run_dir: Path, port: int, name: str, nnodes: str, restarts: int 
                                                 **(elastic if ":" in nnodes or backend != "c10d" else {})}))
 
 
-def rank0_log(run_dir: Path) -> str:
-    path = run_dir / "logs" / "rank_0.log"
-    return path.read_text() if path.exists() else ""
-
-
 def worker_of(agent: subprocess.Popen) -> psutil.Process:
     children = [c for c in psutil.Process(agent.pid).children() if "RANK" in c.environ()]
     assert len(children) == 1, children
@@ -149,7 +144,7 @@ def test_a_lost_agent_ends_the_surviving_node_in_seconds_with_a_save_and_exit_75
     time.sleep(0.5)  # node 0 hosts the store
     agents.append(start_agent(tmp_path, port, "node1", "2"))
     try:
-        wait_for(lambda: "checkpoint step 8 written" in rank0_log(tmp_path), 90, "the first checkpoint")
+        wait_for(lambda: "checkpoint step 8 written" in rank_log(tmp_path, missing_ok=True), 90, "the first checkpoint")
         workers = [worker_of(a) for a in agents]
         os.kill(agents[1].pid, signal.SIGKILL)
         lost_at = time.monotonic()
@@ -183,17 +178,17 @@ def test_a_lost_node_leaves_the_survivor_training_on_one_node_then_it_rejoins(no
     time.sleep(0.5)  # node 0 hosts the store
     agents.append(start_agent(run_dir, port, "node1", "1:2", restarts=2))
     try:
-        wait_for(lambda: "checkpoint step 8 written" in rank0_log(run_dir), 90, "the first checkpoint")
+        wait_for(lambda: "checkpoint step 8 written" in rank_log(run_dir, missing_ok=True), 90, "the first checkpoint")
         lose_node(agents[1])
         lost_at = time.monotonic()
-        wait_for(lambda: "resuming a world-size-2 checkpoint on 1 ranks" in rank0_log(run_dir), 30,
+        wait_for(lambda: "resuming a world-size-2 checkpoint on 1 ranks" in rank_log(run_dir, missing_ok=True), 30,
                  "the survivor to resume alone")
-        resumed = rank0_log(run_dir).split("resuming a world-size-2 checkpoint on 1 ranks")[1]
-        wait_for(lambda: re.search(r"step \d+/64", rank0_log(run_dir).split(resumed[:200])[-1]), 30,
+        resumed = rank_log(run_dir, missing_ok=True).split("resuming a world-size-2 checkpoint on 1 ranks")[1]
+        wait_for(lambda: re.search(r"step \d+/64", rank_log(run_dir, missing_ok=True).split(resumed[:200])[-1]), 30,
                  "a step on one node")
         recovered_s = time.monotonic() - lost_at
         agents.append(start_agent(run_dir, port, "node1_back", "1:2", restarts=2))
-        wait_for(lambda: "resuming a world-size-1 checkpoint on 2 ranks" in rank0_log(run_dir), 60,
+        wait_for(lambda: "resuming a world-size-1 checkpoint on 2 ranks" in rank_log(run_dir, missing_ok=True), 60,
                  "the group to grow back to 2 ranks")
         for agent in (agents[0], agents[2]):
             agent.wait(timeout=120)
@@ -202,7 +197,7 @@ def test_a_lost_node_leaves_the_survivor_training_on_one_node_then_it_rejoins(no
     outputs = "".join((run_dir / f"{n}.out").read_text()[-2000:] for n in ("node0", "node1_back"))
     assert agents[0].returncode == 0 and agents[2].returncode == 0, outputs
     assert recovered_s <= 30, recovered_s
-    log0 = rank0_log(run_dir)
+    log0 = rank_log(run_dir, missing_ok=True)
     # data.global_batch_size=8, split at each world size the run (re)starts at.
     assert "effective batch: 4 per rank x 1 ranks x 2 accumulation = 8 samples per step" in log0
     assert "effective batch: 4 per rank x 2 ranks x 1 accumulation = 8 samples per step" in log0
@@ -267,12 +262,12 @@ def test_with_etcd_losing_the_node_of_rank_0_leaves_the_other_node_training(etcd
     run_dir.mkdir()
     agents = [start_agent(run_dir, etcd_server, f"node{i}", "1:2", restarts=2, backend="etcd-v2") for i in (0, 1)]
     try:
-        wait_for(lambda: "checkpoint step 8 written" in rank0_log(run_dir), 90, "the first checkpoint")
+        wait_for(lambda: "checkpoint step 8 written" in rank_log(run_dir, missing_ok=True), 90, "the first checkpoint")
         rank0 = workers_by_rank([a.pid for a in agents])[0]
         lost = next(a for a in agents if a.pid == rank0.ppid())
         lose_node(lost)
         lost_at = time.monotonic()
-        wait_for(lambda: "resuming a world-size-2 checkpoint on 1 ranks" in rank0_log(run_dir), 30,
+        wait_for(lambda: "resuming a world-size-2 checkpoint on 1 ranks" in rank_log(run_dir, missing_ok=True), 30,
                  "the other node to resume alone")
         recovered_s = time.monotonic() - lost_at
         survivor = next(a for a in agents if a is not lost)
@@ -312,7 +307,7 @@ def test_a_fixed_size_run_that_loses_a_node_ends_within_30_s_and_says_so(tmp_pat
     time.sleep(0.5)  # node 0 hosts the store
     launchers.append(start_launcher(tmp_path, port, "node1", "2", "--rdzv-rejoin-timeout", "5"))
     try:
-        wait_for(lambda: "checkpoint step 8 written" in rank0_log(tmp_path), 90, "the first checkpoint")
+        wait_for(lambda: "checkpoint step 8 written" in rank_log(tmp_path, missing_ok=True), 90, "the first checkpoint")
         node1 = psutil.Process(launchers[1].pid)
         whole_node = [*node1.children(recursive=True), node1]
         for proc in whole_node:  # the node's launcher, agent and worker at once

@@ -11,13 +11,13 @@ import os
 import re
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import psutil
 import pytest
 
-from tests.dist_helper import FAULT_RUN, ROOT, cli_args, free_port, kill_matching, rank_log, torchrun_cmd, worker_env
+from tests.dist_helper import (FAULT_RUN, ROOT, cli_args, free_port, holds_within, kill_matching, rank_log,
+                               torchrun_cmd, worker_env)
 
 pytestmark = pytest.mark.dist
 
@@ -95,20 +95,13 @@ def logged_at(line: str) -> datetime.datetime:
     return datetime.datetime.fromisoformat(line[:19])
 
 
-def wait_for(condition, seconds: float) -> bool:
-    end = time.monotonic() + seconds
-    while not condition() and time.monotonic() < end:
-        time.sleep(0.2)
-    return condition()
-
-
 def test_a_cut_link_is_named_on_both_sides_within_the_peer_timeout(two_hosts, tmp_path):
     port = free_port()
     agents: list[subprocess.Popen] = []
     try:
         for node in (0, 1):
             agents.append(start_node(tmp_path, node, port))
-        assert wait_for(lambda: "step 10/400" in rank_log(tmp_path, missing_ok=True), 120), \
+        assert holds_within(lambda: "step 10/400" in rank_log(tmp_path, missing_ok=True), 120, interval=0.2), \
             (tmp_path / "node0.out").read_text()[-3000:]
         cut = datetime.datetime.now().replace(microsecond=0)
         ip("-n", NAMESPACES[0], "link", "set", LINKS[0], "down")
@@ -116,14 +109,14 @@ def test_a_cut_link_is_named_on_both_sides_within_the_peer_timeout(two_hosts, tm
 
         def lines(rank):
             return [line for line in rank_log(tmp_path, rank, missing_ok=True).splitlines() if said[rank] in line]
-        assert wait_for(lambda: lines(0) and lines(1), PEER_TIMEOUT_S + 30), (
+        assert holds_within(lambda: lines(0) and lines(1), PEER_TIMEOUT_S + 30, interval=0.2), (
             rank_log(tmp_path, 0, missing_ok=True)[-2000:], rank_log(tmp_path, 1, missing_ok=True)[-2000:])
         for rank in (0, 1):
             waited = (logged_at(lines(rank)[0]) - cut).total_seconds()
             assert waited <= PEER_TIMEOUT_S + 10, (rank, waited)  # not ddp.timeout_s (600 s)
             assert "ending this restart with exit 75" in lines(rank)[0]
         # Both workers are gone (exit 75 from their monitors), though no collective returned.
-        assert wait_for(lambda: not workers(agents), 15), [p.cmdline() for p in workers(agents)]
+        assert holds_within(lambda: not workers(agents), 15, interval=0.2), [p.cmdline() for p in workers(agents)]
         last_error = (tmp_path / "ck" / "LAST_ERROR").read_text()
         assert re.search(r"rank [01]: PeerLostSilently: rank 1 (went silent|lost the run's store)", last_error)
     finally:

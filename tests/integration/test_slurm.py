@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.tiny import tiny
-from tests.dist_helper import ROOT, cli_args, free_port, kill_matching, summary, wait_for
+from tests.dist_helper import ROOT, cli_args, free_port, kill_matching, rank_log, summary, wait_for
 
 pytestmark = [pytest.mark.dist, pytest.mark.slurm]
 
@@ -125,12 +125,6 @@ def wait_done(env, job: str, timeout: float) -> str:
     return job_field(env, job, "JobState")
 
 
-def rank0_log(run_dir: Path) -> str:
-    path = run_dir / "logs" / "rank_0.log"
-    return path.read_text() if path.exists() else ""
-
-
-
 @pytest.fixture(scope="module")
 def job1(slurm, tmp_path_factory):
     """Job 1, uninterrupted: its id and directory."""
@@ -149,20 +143,22 @@ def test_a_job_trains_with_one_process_per_allocated_cpu_and_exits_0(slurm, job1
     job, run_dir = job1
     out = (run_dir / "job.out").read_text()
     assert job_field(slurm, job, "JobState") == "COMPLETED" and job_field(slurm, job, "ExitCode") == "0:0", out[-3000:]
-    assert "effective batch: 4 per rank x 2 ranks x 1 accumulation" in rank0_log(run_dir)  # 2 CPUs: 2 processes
+    # 2 CPUs: 2 processes
+    assert "effective batch: 4 per rank x 2 ranks x 1 accumulation" in rank_log(run_dir, missing_ok=True)
     result = summary(run_dir)
     assert result["steps"] == 30 and result["world_size"] == 2 and not result["preempted"]
 
 
 def test_usr1_saves_requeues_the_job_and_the_requeued_job_resumes_bit_exact(slurm, uninterrupted, tmp_path):
     job = submit(slurm, tmp_path)
-    wait_for(lambda: "step 10/" in rank0_log(tmp_path), 90, "step 10")
+    wait_for(lambda: "step 10/" in rank_log(tmp_path, missing_ok=True), 90, "step 10")
     signalled = time.monotonic()
     subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=slurm, check=True)
     wait_for(lambda: job_field(slurm, job, "Restarts") == "1", 60, "the job to requeue itself")
     requeued = time.monotonic()
-    wait_for(lambda: "resumed from step" in rank0_log(tmp_path), 60, "the requeued job to resume")
-    wait_for(lambda: "start-up took" in rank0_log(tmp_path).split("resumed from step")[-1], 60, "its first step")
+    wait_for(lambda: "resumed from step" in rank_log(tmp_path, missing_ok=True), 60, "the requeued job to resume")
+    wait_for(lambda: "start-up took" in rank_log(tmp_path, missing_ok=True).split("resumed from step")[-1], 60,
+             "its first step")
     first_step = time.monotonic()
     assert wait_done(slurm, job, 120) == "COMPLETED"
     out = (tmp_path / "job.out").read_text()
@@ -175,9 +171,9 @@ def test_usr1_saves_requeues_the_job_and_the_requeued_job_resumes_bit_exact(slur
 
 def test_scancel_saves_and_the_job_ends_without_a_requeue(slurm, tmp_path):
     job = submit(slurm, tmp_path)
-    wait_for(lambda: "step 10/" in rank0_log(tmp_path), 90, "step 10")
+    wait_for(lambda: "step 10/" in rank_log(tmp_path, missing_ok=True), 90, "step 10")
     subprocess.run(["scancel", job], env=slurm, check=True)
-    saved = wait_for(lambda: "preempted: checkpoint of step" in rank0_log(tmp_path), 30, "the save")
+    saved = wait_for(lambda: "preempted: checkpoint of step" in rank_log(tmp_path, missing_ok=True), 30, "the save")
     assert wait_done(slurm, job, 60) == "CANCELLED"
     time.sleep(2)  # a requeue would show now
     assert job_field(slurm, job, "Restarts") == "0" and job_field(slurm, job, "JobState") == "CANCELLED"

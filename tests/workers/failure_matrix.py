@@ -34,7 +34,8 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint
 
-from tests.dist_helper import finish_worker, register_worker
+from tests.dist_helper import error_record, finish_worker, register_worker
+from tests.equivalence import max_diff
 from tests.workers.naive_tiled_mlp import grad_then_backward_tiled_mlp, naive_tiled_mlp
 
 WORLD = 2
@@ -300,18 +301,6 @@ def set_chunks(model: nn.Module, chunks: list[int], iteration: int) -> None:
 def grads_of(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: (torch.zeros_like(p) if p.grad is None else p.grad.detach().clone())
             for n, p in model.named_parameters()}
-
-
-def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tuple[float, str]:
-    diffs = {n: (a[n] - b[n]).abs().max().item() for n in a}
-    worst = max(diffs, key=diffs.get)
-    return diffs[worst], worst
-
-
-def error_record(err: BaseException, iteration: int) -> dict:
-    text = str(err)
-    return {"iteration": iteration, "type": type(err).__name__,
-            "message": text.splitlines()[0] if text else type(err).__name__, "full": text[:2000]}
 
 
 def compare(case: Case, used: list, grads: list, error: dict | None, chunks: list[int]) -> dict:

@@ -28,7 +28,8 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint
 
-from tests.dist_helper import finish_worker, register_worker
+from tests.dist_helper import error_record, finish_worker, register_worker
+from tests.equivalence import max_diff
 
 WORLD = 2
 SEED = 5
@@ -156,23 +157,12 @@ def reference_grads(kind: str, batches: list) -> dict[str, torch.Tensor]:
     return trainable_grads(model)
 
 
-def max_diff(a: dict, b: dict) -> tuple[float, str]:
-    diffs = {n: (a[n] - b[n]).abs().max().item() for n in b}
-    worst = max(diffs, key=diffs.get)
-    return diffs[worst], worst
-
-
 def params_sha(model: nn.Module) -> str:
     h = hashlib.sha256()
     for name, p in sorted(model.named_parameters()):
         h.update(name.encode())
         h.update(p.detach().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()
-
-
-def error_record(err: BaseException, iteration: int) -> dict:
-    text = str(err)
-    return {"iteration": iteration, "type": type(err).__name__, "full": text[:1500]}
 
 
 # --- cases -------------------------------------------------------------------------------------
@@ -248,7 +238,7 @@ def run_plain(case: Plain, rank: int) -> dict:
             lm_loss(ddp(batch[0]), batch[1]).backward()
             grads.append(trainable_grads(model))
     except RuntimeError as err:  # the failure under test; the reducer is unusable afterwards
-        error = error_record(err, len(grads))
+        error = error_record(err, len(grads), chars=1500)
     del ddp
     everyone: list = [None] * WORLD
     dist.all_gather_object(everyone, {"batches": used, "grads": grads, "error": error})

@@ -6,45 +6,42 @@ compiled and uncompiled runs both ways."""
 import pytest
 
 from framework.config import ConfigError, resolve_config
-from tests.dist_helper import launch_cases
 from tests.equivalence import max_weight_diff
 from tests.workers.compiled import GRAD_CASES
 
-
-@pytest.fixture(scope="module")
-def compiled(tmp_path_factory):
-    return launch_cases("tests/workers/compiled.py", tmp_path_factory.mktemp("compiled"), timeout=600)
+WORKER = "tests/workers/compiled.py"
+WORKER_TIMEOUT = 600  # seconds, for the conftest two_ranks fixture
 
 
 @pytest.mark.parametrize("name", list(GRAD_CASES))
 @pytest.mark.parametrize("rank", [0, 1])
 @pytest.mark.dist
-def test_compiled_gradients_match_one_eager_process(compiled, name, rank):
-    out = compiled[rank]["cases"][name]
+def test_compiled_gradients_match_one_eager_process(two_ranks, name, rank):
+    out = two_ranks[rank]["cases"][name]
     assert "error" not in out, out.get("traceback")
     assert out["compiled_frames"] > 0  # Dynamo compiled the model's frames in this case
     assert out["max_abs_diff"] <= 1e-5, out
 
 
-def sha(compiled, name):
-    out = compiled[0]["cases"][name]
+def sha(two_ranks, name):
+    out = two_ranks[0]["cases"][name]
     assert "error" not in out, out.get("traceback")
     assert len(set(out["all_sha256"])) == 1  # identical parameters on both ranks
     return out["all_sha256"][0]
 
 
 @pytest.mark.dist
-def test_a_compiled_run_equals_the_eager_run(compiled):
-    assert sha(compiled, "compiled_6") == sha(compiled, "eager_6")
+def test_a_compiled_run_equals_the_eager_run(two_ranks):
+    assert sha(two_ranks, "compiled_6") == sha(two_ranks, "eager_6")
 
 
 @pytest.mark.dist
-def test_checkpoints_move_between_compiled_and_uncompiled_runs(compiled):
-    assert sha(compiled, "compiled_4") == sha(compiled, "eager_4")
-    resumed = compiled[0]["cases"]["then_eager_6"]["summary"]
-    assert resumed["steps"] == 6 and resumed["first_train_loss"] != compiled[0]["cases"]["eager_6"]["summary"][
+def test_checkpoints_move_between_compiled_and_uncompiled_runs(two_ranks):
+    assert sha(two_ranks, "compiled_4") == sha(two_ranks, "eager_4")
+    resumed = two_ranks[0]["cases"]["then_eager_6"]["summary"]
+    assert resumed["steps"] == 6 and resumed["first_train_loss"] != two_ranks[0]["cases"]["eager_6"]["summary"][
         "first_train_loss"]  # it resumed at step 4
-    assert sha(compiled, "then_eager_6") == sha(compiled, "then_compiled_6")
+    assert sha(two_ranks, "then_eager_6") == sha(two_ranks, "then_compiled_6")
 
 
 def test_inductor_without_a_cpp_compiler_is_a_one_line_error(monkeypatch):

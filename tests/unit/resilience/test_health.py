@@ -13,6 +13,7 @@ from framework.ddp.policy import unwrap
 from framework.resilience.consistency import ConsistencyCheck, first_divergent, model_sha256, parameter_hashes
 from framework.resilience.watchdog import Watchdog
 from framework.resilience.config import RecoverySection
+from tests.dist_helper import one_process_group
 
 
 def small_model(seed: int = 0) -> nn.Module:
@@ -25,10 +26,6 @@ def nudge(model: nn.Module, param: int, index: int) -> None:
     with torch.no_grad():
         flat = p.view(-1)
         flat[index] = torch.nextafter(flat[index], torch.tensor(float("inf")))
-
-
-def one_process_group():
-    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
 
 
 # --- fingerprints ------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from framework.resilience.config import RecoverySection
 from framework.resilience.peers import PeerMonitor
+from tests.dist_helper import holds_within
 
 TIMEOUT_S = 2.0  # each beat 0.5 s: a thread starved for 2 s in this process would be a false loss
 
@@ -54,13 +55,6 @@ def freeze(monitor):
         thread.join()
 
 
-def wait_for(condition, seconds):
-    end = time.monotonic() + seconds
-    while not condition() and time.monotonic() < end:
-        time.sleep(0.05)
-    return condition()
-
-
 @pytest.mark.slow
 def test_a_silent_peer_is_named_within_the_timeout_and_every_rank_learns_it(store, tmp_path):
     made, heard = monitors(store, tmp_path, 3)
@@ -69,12 +63,12 @@ def test_a_silent_peer_is_named_within_the_timeout_and_every_rank_learns_it(stor
         assert heard == {0: [], 1: [], 2: []}  # all beating: nobody is lost
         start = time.monotonic()
         freeze(made[1])
-        assert wait_for(lambda: heard[0], TIMEOUT_S + 3)
+        assert holds_within(lambda: heard[0], TIMEOUT_S + 3)
         took = time.monotonic() - start
         assert heard[0][0].startswith("rank 1 went silent: no heartbeat for")
         assert TIMEOUT_S - 2 * 0.5 <= took < TIMEOUT_S + 3  # its last beat came up to one beat before the close
         # rank 0 announced it: rank 2, which watches rank 0 (still beating), learns it too
-        assert wait_for(lambda: heard[2], 2.0) and heard[2] == heard[0]
+        assert holds_within(lambda: heard[2], 2.0) and heard[2] == heard[0]
     finally:
         for m in made:
             m.close()
@@ -120,7 +114,7 @@ def test_a_rank_cut_off_from_the_store_says_so(store, tmp_path):
         time.sleep(1.0)
 
         made[0].store = BrokenStore(fail_with=RuntimeError("connection reset"))
-        assert wait_for(lambda: heard[0], TIMEOUT_S + 3)
+        assert holds_within(lambda: heard[0], TIMEOUT_S + 3)
         assert heard[0][0].startswith("rank 0 lost the run's store: no answer for")
         assert heard[0][0].endswith("(recovery.peer_timeout_s=2; RuntimeError: connection reset)")
     finally:
@@ -146,7 +140,7 @@ def test_a_silence_found_while_the_main_thread_saves_for_a_lost_peer_does_not_cu
         time.sleep(1.5)  # both beating
         with made[0].holding():  # the main thread writes the survivor checkpoint, then exits 75 itself
             freeze(made[1])
-            assert wait_for(lambda: made[0].lost is not None, TIMEOUT_S + 3)
+            assert holds_within(lambda: made[0].lost is not None, TIMEOUT_S + 3)
             assert heard[0] == [] and made[0].lost.startswith("rank 1 went silent")
     finally:
         for m in made:
@@ -160,7 +154,7 @@ def test_a_peer_frozen_right_after_it_started_is_named(store, tmp_path):
     made, heard = monitors(store, tmp_path, 2)
     try:
         freeze(made[1])
-        assert wait_for(lambda: heard[0], TIMEOUT_S + 3)
+        assert holds_within(lambda: heard[0], TIMEOUT_S + 3)
         assert heard[0][0].startswith("rank 1 went silent")
     finally:
         for m in made:
@@ -178,7 +172,7 @@ def test_a_store_call_that_never_returns_is_a_lost_store(store, tmp_path):
         time.sleep(1.0)
 
         made[0].store = BrokenStore(block_until=release)
-        assert wait_for(lambda: heard[0], TIMEOUT_S + 3)
+        assert holds_within(lambda: heard[0], TIMEOUT_S + 3)
         assert heard[0][0].startswith("rank 0 lost the run's store: no answer for")
         assert heard[0][0].endswith("a call that did not return)")
     finally:
@@ -201,8 +195,8 @@ def test_a_silent_peer_killed_for_a_heal_that_never_comes_is_still_named(store, 
         m.train_start()
     try:
         freeze(made[1])
-        assert wait_for(lambda: silenced, TIMEOUT_S + 3) and silenced == [1] and not heard
-        assert wait_for(lambda: heard, TIMEOUT_S + 3)
+        assert holds_within(lambda: silenced, TIMEOUT_S + 3) and silenced == [1] and not heard
+        assert holds_within(lambda: heard, TIMEOUT_S + 3)
         assert heard[0].startswith("rank 1 went silent and was killed, but the group did not heal within")
     finally:
         for m in made:
@@ -222,7 +216,7 @@ def test_a_rank_whose_own_process_did_not_run_does_not_take_its_peer_for_silent(
         made[0]._ok_at = made[0]._changed_at = made[0]._judged_at = paused  # rank 0's threads stood still
         time.sleep(TIMEOUT_S * 0.6)
         assert heard[0] == []  # read after the pause: counted from then
-        assert wait_for(lambda: heard[0], TIMEOUT_S + 3) and heard[0][0].startswith("rank 1 went silent")
+        assert holds_within(lambda: heard[0], TIMEOUT_S + 3) and heard[0][0].startswith("rank 1 went silent")
     finally:
         for m in made:
             m.close()

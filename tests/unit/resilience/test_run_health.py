@@ -9,82 +9,78 @@ import pytest
 import torch
 
 from framework.data.sampler import ResumableDistributedSampler
-from tests.dist_helper import ROOT, args_for, launch, launch_cases, rank_log, summary
+from tests.dist_helper import ROOT, args_for, launch, rank_log, summary
 from tests.equivalence import max_weight_diff
 from tests.workers.run_health import BASE
+
+WORKER = "tests/workers/run_health.py"  # the conftest two_ranks_run fixture launches it
 
 pytestmark = pytest.mark.dist
 
 
-@pytest.fixture(scope="module")
-def health(tmp_path_factory):
-    out = tmp_path_factory.mktemp("run_health")
-    return out, launch_cases("tests/workers/run_health.py", out)
-
-
-def case(health, name, rank):
-    out = health[1][rank]["cases"][name]
+def case(run, name, rank):
+    out = run[1][rank]["cases"][name]
     assert "steps_per_epoch" in out, out.get("traceback")  # the case's harness itself finished
     return out
 
 
-def logs(health, name, rank):
-    return (health[0] / name / "logs" / f"rank_{rank}.log").read_text()
+def logs(run, name, rank):
+    return (run[0] / name / "logs" / f"rank_{rank}.log").read_text()
 
 
-def test_nan_on_one_rank_is_skipped_on_both(health):
+def test_nan_on_one_rank_is_skipped_on_both(two_ranks_run):
     for rank in (0, 1):
-        out = case(health, "nan_skip", rank)
+        out = case(two_ranks_run, "nan_skip", rank)
         assert "error" not in out, out.get("traceback")
         assert out["summary"]["steps"] == BASE["train.max_steps"]
         assert "step 4: non-finite loss or gradients on some rank; step skipped on all ranks" in logs(
-            health, "nan_skip", rank)
-    assert case(health, "nan_skip", 0)["summary"]["model_sha256"] == case(health, "nan_skip", 1)["summary"][
-        "model_sha256"]
+            two_ranks_run, "nan_skip", rank)
+    assert (case(two_ranks_run, "nan_skip", 0)["summary"]["model_sha256"]
+            == case(two_ranks_run, "nan_skip", 1)["summary"]["model_sha256"])
 
 
-def test_without_agreement_the_divergence_check_catches_the_split(health):
+def test_without_agreement_the_divergence_check_catches_the_split(two_ranks_run):
     for rank in (0, 1):
-        out = case(health, "nan_no_agreement", rank)
+        out = case(two_ranks_run, "nan_no_agreement", rank)
         assert "FatalError: ranks diverged by step 6" in out["error"], out
-    assert "skipped" in logs(health, "nan_no_agreement", 1)
-    assert "skipped" not in logs(health, "nan_no_agreement", 0)
-    marker = (health[0] / "nan_no_agreement" / "ck" / "FATAL").read_text()
+    assert "skipped" in logs(two_ranks_run, "nan_no_agreement", 1)
+    assert "skipped" not in logs(two_ranks_run, "nan_no_agreement", 0)
+    marker = (two_ranks_run[0] / "nan_no_agreement" / "ck" / "FATAL").read_text()
     assert "ranks diverged" in marker
 
 
-def test_one_ulp_on_one_rank_is_caught_within_the_interval(health):
+def test_one_ulp_on_one_rank_is_caught_within_the_interval(two_ranks_run):
     for rank in (0, 1):
-        out = case(health, "ulp", rank)
+        out = case(two_ranks_run, "ulp", rank)
         assert "ranks diverged by step 6: parameter 'tok_emb.weight' differs" in out["error"], out
 
 
-def test_naive_tiled_mlp_desync_is_caught(health):
+def test_naive_tiled_mlp_desync_is_caught(two_ranks_run):
     for rank in (0, 1):
-        out = case(health, "naive_tiled", rank)
+        out = case(two_ranks_run, "naive_tiled", rank)
         assert "ranks diverged by step 2" in out.get("error", ""), out
 
 
-def test_oom_in_a_no_sync_micro_step_halves_the_micro_batch_everywhere(health):
+def test_oom_in_a_no_sync_micro_step_halves_the_micro_batch_everywhere(two_ranks_run):
     for rank in (0, 1):
-        out = case(health, "oom_no_sync", rank)
+        out = case(two_ranks_run, "oom_no_sync", rank)
         assert "error" not in out, out.get("traceback")
         assert out["micro_batch"] == [2, 4]
-        assert "micro-batch 4 -> 2, gradient accumulation 2 -> 4" in logs(health, "oom_no_sync", rank)
-    got = torch.load(health[0] / "oom_no_sync" / "ck" / "final_model.pt", weights_only=True)
-    ref = torch.load(health[0] / "oom_no_sync_reference" / "ck" / "final_model.pt", weights_only=True)
+        assert "micro-batch 4 -> 2, gradient accumulation 2 -> 4" in logs(two_ranks_run, "oom_no_sync", rank)
+    got = torch.load(two_ranks_run[0] / "oom_no_sync" / "ck" / "final_model.pt", weights_only=True)
+    ref = torch.load(two_ranks_run[0] / "oom_no_sync_reference" / "ck" / "final_model.pt", weights_only=True)
     # Measured: 2.3e-7 without the attention key biases (1.7e-6 with them); see tests/equivalence.py.
     assert max_weight_diff(got, ref) <= 1e-5
 
 
-def test_killed_loader_worker_is_replaced_and_no_sample_is_lost(health):
-    out0 = case(health, "kill_worker", 0)
+def test_killed_loader_worker_is_replaced_and_no_sample_is_lost(two_ranks_run):
+    out0 = case(two_ranks_run, "kill_worker", 0)
     assert "error" not in out0, out0.get("traceback")
     assert out0["killed_worker_pids"] and out0["killed_alive"] == [False]
-    assert "rebuilding the DataLoader" in logs(health, "kill_worker", 0)
+    assert "rebuilding the DataLoader" in logs(two_ranks_run, "kill_worker", 0)
     per_epoch = out0["steps_per_epoch"]
     records = [json.loads(line) for rank in (0, 1) for line in
-               (health[0] / "kill_worker" / "logs" / f"samples_rank_{rank}.jsonl").read_text().splitlines()]
+               (two_ranks_run[0] / "kill_worker" / "logs" / f"samples_rank_{rank}.jsonl").read_text().splitlines()]
     sampler = ResumableDistributedSampler(BASE["dataset_size"], 2, 0, BASE["batch_size"], 1, BASE["train.seed"])
     epoch0 = sorted(i for r in records if r["epoch"] == 0 for i in r["indices"])
     n = min(per_epoch, BASE["train.max_steps"]) * 2 * BASE["batch_size"]
@@ -143,26 +139,26 @@ def test_hung_rank_holding_the_gil_is_killed_by_the_watchdog(tmp_path, restarts)
     assert not run.leftovers
 
 
-def test_datasets_of_different_lengths_stop_every_rank_with_one_error(health):
+def test_datasets_of_different_lengths_stop_every_rank_with_one_error(two_ranks_run):
     for rank in (0, 1):
-        out = case(health, "uneven_datasets", rank)
+        out = case(two_ranks_run, "uneven_datasets", rank)
         assert out["error"].startswith("FatalError: the ranks hold different datasets: train_dataset length ranges "
                                        "from 96 to 128"), out
-    assert "different datasets" in (health[0] / "uneven_datasets" / "ck" / "FATAL").read_text()
+    assert "different datasets" in (two_ranks_run[0] / "uneven_datasets" / "ck" / "FATAL").read_text()
 
 
-def test_oom_in_the_preflight_probe_halves_the_micro_batch_on_every_rank(health):
+def test_oom_in_the_preflight_probe_halves_the_micro_batch_on_every_rank(two_ranks_run):
     for rank in (0, 1):
-        out = case(health, "oom_in_preflight", rank)
+        out = case(two_ranks_run, "oom_in_preflight", rank)
         assert "error" not in out, out.get("traceback")
         assert out["micro_batch"] == [2, 2] and out["summary"]["steps"] == BASE["train.max_steps"]
         assert "out of memory in the DDP preflight probe at micro-batch 4: micro-batch 4 -> 2" in logs(
-            health, "oom_in_preflight", rank)
+            two_ranks_run, "oom_in_preflight", rank)
 
 
-def test_a_final_save_that_fails_on_rank_0_stops_every_rank(health):
+def test_a_final_save_that_fails_on_rank_0_stops_every_rank(two_ranks_run):
     """Otherwise rank 1 exits 0 and, on 2 nodes, the other agent's restart waits for it forever."""
-    assert case(health, "final_save_fails_on_rank_0", 0)["error"].startswith("FatalError: checkpoint.dir=")
-    assert "File too large" in case(health, "final_save_fails_on_rank_0", 0)["error"]
-    assert case(health, "final_save_fails_on_rank_0", 1)["error"] == (
+    assert case(two_ranks_run, "final_save_fails_on_rank_0", 0)["error"].startswith("FatalError: checkpoint.dir=")
+    assert "File too large" in case(two_ranks_run, "final_save_fails_on_rank_0", 0)["error"]
+    assert case(two_ranks_run, "final_save_fails_on_rank_0", 1)["error"] == (
         "FatalError: rank 0 could not write the final checkpoint of step 10; see its log")

@@ -16,8 +16,9 @@ from framework.resilience.faults import FaultPlan
 from framework.resilience.markers import FatalError
 from framework.observability.metrics import read_metrics
 from framework.resilience.spike_guard import SpikeGuard, loss_z
-from tests.dist_helper import launch_cases
 from tests.workers.spike import BASE
+
+WORKER = "tests/workers/spike.py"  # the conftest two_ranks_run fixture launches it
 
 
 def test_a_falling_noisy_loss_stays_within_a_few_deviations_and_a_jump_does_not():
@@ -134,64 +135,58 @@ def test_bad_spike_settings_are_one_line_errors(tmp_path, monkeypatch, over, pro
     assert any(p.startswith(problem) for p in err.value.problems), err.value.problems
 
 
-@pytest.fixture(scope="module")
-def spikes(tmp_path_factory):
-    out = tmp_path_factory.mktemp("spike")
-    return out, launch_cases("tests/workers/spike.py", out)
-
-
-def case(spikes, name, rank=0):
-    out = spikes[1][rank]["cases"][name]
+def case(run, name, rank=0):
+    out = run[1][rank]["cases"][name]
     assert "error" not in out or name == "too_many_rollbacks", out.get("traceback")
     return out
 
 
 @pytest.mark.dist
-def test_a_spike_is_rolled_back_and_the_run_equals_one_that_excluded_its_samples(spikes):
-    out_dir, _ = spikes
+def test_a_spike_is_rolled_back_and_the_run_equals_one_that_excluded_its_samples(two_ranks_run):
+    out_dir, _ = two_ranks_run
     for rank in (0, 1):
-        got = case(spikes, "rollback", rank)["summary"]
+        got = case(two_ranks_run, "rollback", rank)["summary"]
         assert (got["loss_spikes"], got["rollbacks"], got["excluded_samples"], got["steps"]) == (1, 1, 8, 50)
-        assert got["model_sha256"] == case(spikes, "reference", rank)["summary"]["model_sha256"]
-        assert case(spikes, "reference", rank)["summary"]["loss_spikes"] == 0
+        assert got["model_sha256"] == case(two_ranks_run, "reference", rank)["summary"]["model_sha256"]
+        assert case(two_ranks_run, "reference", rank)["summary"]["loss_spikes"] == 0
     log = (out_dir / "rollback" / "logs" / "rank_1.log").read_text()
     assert "loss spike at step 31" in log and "rolled back to the checkpoint of step 30" in log
     recorded = json.loads((out_dir / "rollback" / "ck" / exclusions.FILE).read_text())
     assert recorded["rollbacks"][0]["restored_step"] == 30 and len(recorded["samples"]) == 8
-    assert case(spikes, "rollback")["excluded"] == recorded["samples"]
+    assert case(two_ranks_run, "rollback")["excluded"] == recorded["samples"]
     rows = read_metrics(out_dir / "rollback" / "logs" / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(1, 51))  # step 31 logged again after the purge
-    assert rows[-1]["health/rollbacks"] == 1 and rows[-1]["train/loss"] == case(spikes, "rollback")["summary"][
+    assert rows[-1]["health/rollbacks"] == 1 and rows[-1]["train/loss"] == case(two_ranks_run, "rollback")["summary"][
         "final_train_loss"]
 
 
 @pytest.mark.dist
-def test_with_warn_the_spike_is_only_logged(spikes):
-    got = case(spikes, "warn")["summary"]
+def test_with_warn_the_spike_is_only_logged(two_ranks_run):
+    got = case(two_ranks_run, "warn")["summary"]
     assert (got["loss_spikes"], got["rollbacks"], got["excluded_samples"]) == (1, 0, 0)
     assert got["max_loss_z"] > BASE["spike.threshold"]
-    assert "spike.guard=warn: continuing" in (spikes[0] / "warn" / "logs" / "rank_0.log").read_text()
+    assert "spike.guard=warn: continuing" in (two_ranks_run[0] / "warn" / "logs" / "rank_0.log").read_text()
 
 
 @pytest.mark.dist
-def test_too_many_rollbacks_stop_every_rank_with_fatal(spikes):
+def test_too_many_rollbacks_stop_every_rank_with_fatal(two_ranks_run):
     for rank in (0, 1):
         assert "more than spike.max_rollbacks=0 loss-spike rollbacks: step 31 (samples [" in case(
-            spikes, "too_many_rollbacks", rank)["error"]
-    assert "spike.max_rollbacks=0" in (spikes[0] / "too_many_rollbacks" / "ck" / "FATAL").read_text()
+            two_ranks_run, "too_many_rollbacks", rank)["error"]
+    assert "spike.max_rollbacks=0" in (two_ranks_run[0] / "too_many_rollbacks" / "ck" / "FATAL").read_text()
 
 
 @pytest.mark.dist
-def test_the_cooldown_lowers_the_rate_after_the_rollback(spikes):
-    rows = {r["step"]: r for r in read_metrics(spikes[0] / "cooldown" / "logs" / "metrics.jsonl")}
-    plain = {r["step"]: r for r in read_metrics(spikes[0] / "rollback" / "logs" / "metrics.jsonl")}
+def test_the_cooldown_lowers_the_rate_after_the_rollback(two_ranks_run):
+    rows = {r["step"]: r for r in read_metrics(two_ranks_run[0] / "cooldown" / "logs" / "metrics.jsonl")}
+    plain = {r["step"]: r for r in read_metrics(two_ranks_run[0] / "rollback" / "logs" / "metrics.jsonl")}
     assert rows[31]["train/lr"] == pytest.approx(plain[31]["train/lr"] / 5)
     assert rows[35]["train/lr"] == plain[35]["train/lr"]
 
 
 @pytest.mark.dist
-def test_a_clean_run_has_no_false_positive(spikes):
-    got = case(spikes, "clean")["summary"]
+def test_a_clean_run_has_no_false_positive(two_ranks_run):
+    got = case(two_ranks_run, "clean")["summary"]
     assert got["loss_spikes"] == 0 and 0 < got["max_loss_z"] < BASE["spike.threshold"]  # judged, and below
 
 

@@ -11,6 +11,7 @@ from framework import DDPTrainer
 from framework.ddp.policy import DDPConfigurationError, diagnose
 from framework.model.loss_without_grad import LossWithoutGradError
 from framework.resilience.markers import FatalError
+from tests.dist_helper import one_process_group
 
 RAW_NO_GRAD = "element 0 of tensors does not require grad and does not have a grad_fn"
 
@@ -59,7 +60,7 @@ def trainer(tmp_path, model, **config):
 
 @pytest.fixture
 def one_rank_group():
-    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    one_process_group()
     yield
     dist.destroy_process_group()
 

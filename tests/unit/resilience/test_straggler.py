@@ -12,7 +12,8 @@ from framework.observability.metrics import read_metrics
 from framework.resilience.config import StragglerSection
 from framework.ddp.process_group import DistEnv
 from framework.resilience.straggler import SECTIONS, StragglerMonitor, scores, slow_sections, timed_step
-from tests.dist_helper import launch_cases
+
+WORKER = "tests/workers/straggler.py"  # the conftest two_ranks_run fixture launches it
 
 # Sections: data, forward_backward, synced_backward, optimizer (ms).
 FAST = [1.0, 30.0, 12.0, 3.0]
@@ -56,21 +57,15 @@ def test_slow_fault_spec_errors(spec, message):
         parse(spec)
 
 
-@pytest.fixture(scope="module")
-def stragglers(tmp_path_factory):
-    out = tmp_path_factory.mktemp("straggler")
-    return out, launch_cases("tests/workers/straggler.py", out)
-
-
-def case(stragglers, name, rank=0):
-    return stragglers[1][rank]["cases"][name]
+def case(run, name, rank=0):
+    return run[1][rank]["cases"][name]
 
 
 @pytest.mark.dist
-def test_a_slowed_rank_is_named_with_its_section_and_host_within_two_checks(stragglers):
-    out_dir, _ = stragglers
+def test_a_slowed_rank_is_named_with_its_section_and_host_within_two_checks(two_ranks_run):
+    out_dir, _ = two_ranks_run
     for rank in (0, 1):
-        assert "error" not in case(stragglers, "slow", rank), case(stragglers, "slow", rank).get("traceback")
+        assert "error" not in case(two_ranks_run, "slow", rank), case(two_ranks_run, "slow", rank).get("traceback")
         log = (out_dir / "slow" / "logs" / f"rank_{rank}.log").read_text()
         assert (f"straggler: rank 1 on host {socket.gethostname()} is" in log
                 and "the fastest rank in forward_backward" in log and "up to step 15" in log), log[-3000:]
@@ -81,24 +76,24 @@ def test_a_slowed_rank_is_named_with_its_section_and_host_within_two_checks(stra
 
 
 @pytest.mark.dist
-def test_straggler_action_fatal_stops_every_rank_naming_the_rank(stragglers):
+def test_straggler_action_fatal_stops_every_rank_naming_the_rank(two_ranks_run):
     for rank in (0, 1):
-        assert "FatalError: straggler: rank 1 on host" in case(stragglers, "fatal", rank)["error"]
-    assert "(straggler.action=fatal)" in (stragglers[0] / "fatal" / "ck" / "FATAL").read_text()
+        assert "FatalError: straggler: rank 1 on host" in case(two_ranks_run, "fatal", rank)["error"]
+    assert "(straggler.action=fatal)" in (two_ranks_run[0] / "fatal" / "ck" / "FATAL").read_text()
 
 
 @pytest.mark.dist
-def test_a_clean_run_names_nobody(stragglers):
-    assert case(stragglers, "clean")["summary"]["steps"] == 200
-    assert "step 200 straggler scores" in (stragglers[0] / "clean" / "logs" / "rank_0.log").read_text()  # scored
+def test_a_clean_run_names_nobody(two_ranks_run):
+    assert case(two_ranks_run, "clean")["summary"]["steps"] == 200
+    assert "step 200 straggler scores" in (two_ranks_run[0] / "clean" / "logs" / "rank_0.log").read_text()  # scored
     for rank in (0, 1):
-        assert "straggler: rank" not in (stragglers[0] / "clean" / "logs" / f"rank_{rank}.log").read_text()
+        assert "straggler: rank" not in (two_ranks_run[0] / "clean" / "logs" / f"rank_{rank}.log").read_text()
 
 
 @pytest.mark.dist
-def test_a_slowed_rank_is_named_when_ddp_broadcasts_buffers_in_the_forward(stragglers):
+def test_a_slowed_rank_is_named_when_ddp_broadcasts_buffers_in_the_forward(two_ranks_run):
     for rank in (0, 1):
-        log = (stragglers[0] / "slow_buffered" / "logs" / f"rank_{rank}.log").read_text()
+        log = (two_ranks_run[0] / "slow_buffered" / "logs" / f"rank_{rank}.log").read_text()
         assert "straggler: rank 1 on host" in log and "the fastest rank in forward_backward" in log, log[-3000:]
         assert "checks in a row, up to step 15" in log
 
@@ -124,7 +119,7 @@ def test_the_medians_are_gathered_from_the_rank_s_device(monkeypatch):
 
 
 @pytest.mark.dist
-def test_collectives_get_the_steady_timeout_after_the_first_step(stragglers):
-    assert case(stragglers, "steady_timeout")["summary"]["steps"] == 3
-    log = (stragglers[0] / "steady_timeout" / "logs" / "rank_1.log").read_text()
+def test_collectives_get_the_steady_timeout_after_the_first_step(two_ranks_run):
+    assert case(two_ranks_run, "steady_timeout")["summary"]["steps"] == 3
+    log = (two_ranks_run[0] / "steady_timeout" / "logs" / "rank_1.log").read_text()
     assert log.count("collective timeout after the first step: 30 s (init timeout 60 s)") == 1

@@ -5,12 +5,9 @@ import torch
 import torch.distributed as dist
 
 from framework.train.agreement import SLOTS, Agreement, agree, spread
+from tests.dist_helper import one_process_group
 
 FLAGS = SLOTS[1:]
-
-
-def one_process_group():
-    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
 
 
 def test_without_a_group_returns_the_loss_and_flags():
