@@ -9,7 +9,7 @@ test per kind checks them, failing with one "page:line: claim: why" line per wro
   `DDP_RECOVERY__FAULT_INJECT`, ``{"spike": {"threshold": 6}}``) exist, and their values are accepted;
 - flags of the launcher, of ``python ddp_training.py``, of torchrun and of a bench or example script
   are in that program's help or argparse;
-- repo paths exist; run outputs (checkpoint_dir/..., log_dir/..., summary.json) are names the code writes;
+- repo paths exist; run outputs (<checkpoint.dir>/..., <logging.dir>/..., summary.json) are names the code writes;
 - ``framework.x.y`` names and ``from framework.x import Y`` lines import;
 - exit codes the text names are codes the framework or the launcher exits with;
 - lines quoted from the example files (`#SBATCH --requeue`) are in them;
@@ -17,8 +17,10 @@ test per kind checks them, failing with one "page:line: claim: why" line per wro
   dist, as conftest.py requires), and every documented command line's or TOML block's configuration
   is valid as a whole.
 
-The flat keys of before sections are reported (a warning, and ``python tests/project/test_docs_claims.py``),
-not failed: the project is moving to the dotted spelling.
+The docs write every key dotted (``train.max_steps``, ``<logging.dir>/summary.json``): a deprecated flat key of
+before sections fails, except where a passage talks about the old spellings (FLAT_PASSAGE), a compact key of
+the original API (``batch_size``), or a name that is another thing's there (NOT_OUR_KEYS: a transformers or TRL
+argument on the Hugging Face page). ``python tests/project/test_docs_claims.py`` lists them.
 """
 
 from __future__ import annotations
@@ -58,10 +60,12 @@ OUTPUTS_OF_OTHERS = {
     "scaler.pt": "transformers.Trainer's GradScaler file in its checkpoint-N folder (not carried over)",
     "adapter_config.json": "written by PEFT's save_pretrained into the export",
 }
-# The directories a run writes into: a configured one (checkpoint_dir, log_dir, output_dir, <log_dir>),
-# its default (checkpoints, logs), or runs/ (--test, the examples).
-OUTPUT_ROOTS = ("runs", "checkpoints", "logs", "log_dir", "checkpoint_dir", "output_dir", "export_dir",
-                "logging.dir", "checkpoint.dir", "checkpoint.export_dir", "<log_dir>", "<checkpoint_dir>")
+# The directories a run writes into: a configured one, written as its dotted key (<checkpoint.dir>,
+# <logging.dir>, <checkpoint.export_dir>; output_dir is transformers' TrainingArguments.output_dir), its default
+# (checkpoints, logs), or runs/ (--test, the examples). A flat key's (log_dir/...) is no root: it fails
+# test_docs_use_dotted_keys.
+OUTPUT_ROOTS = ("runs", "checkpoints", "logs", "output_dir", "logging.dir", "checkpoint.dir", "checkpoint.export_dir",
+                "<logging.dir>", "<checkpoint.dir>", "<checkpoint.export_dir>")
 # Flags of other tools that the docs name on their own (not in a command line the test parses).
 OTHER_TOOLS_FLAGS = {
     "--gpus-per-node": "sbatch", "--cpus-per-task": "sbatch", "--ntasks-per-node": "sbatch", "--signal": "sbatch",
@@ -74,6 +78,23 @@ MACHINE_DEPENDENT = ("needs CUDA", "needs a C++ compiler", "file not found", "an
 # Passages that talk about the old spellings on purpose (flat keys there are not reported).
 FLAT_PASSAGE = re.compile(r"flat (?:key|name|alias|spelling)|old(?:er)? (?:spelling|name|key)|deprecat|compact key|"
                           r"original API", re.I)
+# Names spelled like a deprecated flat key that are not this framework's configuration key on that page:
+# (page, name) -> what the name is there. test_docs_use_dotted_keys leaves them alone.
+NOT_OUR_KEYS = {
+    # docs/huggingface.md maps transformers.TrainingArguments (and trl.SFTConfig, a subclass) onto the
+    # configuration: these are the arguments' own fields, which share a name with an old flat key.
+    ("docs/huggingface.md", "gradient_accumulation_steps"):
+        "TrainingArguments.gradient_accumulation_steps (the framework's data.gradient_accumulation_steps)",
+    ("docs/huggingface.md", "max_steps"): "TrainingArguments.max_steps (the framework's train.max_steps)",
+    ("docs/huggingface.md", "warmup_steps"): "TrainingArguments.warmup_steps (the framework's optim.warmup_steps)",
+    ("docs/huggingface.md", "gradient_checkpointing"):
+        "TrainingArguments.gradient_checkpointing (the framework's memory.activation_checkpointing)",
+    ("docs/huggingface.md", "eval_steps"): "TrainingArguments.eval_steps (the framework's eval.interval)",
+    ("docs/huggingface.md", "ddp_static_graph"):
+        "TrainingArguments.ddp_static_graph (the framework's ddp.static_graph)",
+    # Not a key at all: DDPTrainer's public attribute, listed with the trainer's other parts.
+    ("docs/python-api.md", "spike_guard"): "the attribute trainer.spike_guard (the guard; its key is spike.guard)",
+}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -912,13 +933,32 @@ def test_documented_command_lines_are_valid_configurations():
     report(bad, len(claims), "command line")
 
 
-def test_flat_keys_are_reported():
-    """The old flat spelling is not wrong (it still works), so it is reported, not failed."""
-    claims = flat_claims()
-    if claims:
-        warnings.warn(f"{len(claims)} flat (pre-section) keys in the docs:\n"
-                      + "\n".join(c.bad(f"flat key; now {config().ALIASES[c.detail[0]]}") for c in claims),
-                      stacklevel=1)
+def dotted_key_claims() -> list[Claim]:
+    """The deprecated flat keys the docs write (flat_claims, less the compact keys of the original API and
+    NOT_OUR_KEYS), and the run outputs written under a flat key's directory, even in a passage about the old
+    spellings: `log_dir/summary.json` or `<checkpoint_dir>/FATAL` for `<logging.dir>/summary.json` or
+    `<checkpoint.dir>/FATAL`."""
+    cfg = config()
+    out = [c for c in flat_claims()
+           if c.detail[0] not in cfg.COMPACT and (c.page, c.detail[0]) not in NOT_OUR_KEYS]
+    for page in PARSED:
+        for s in page.spans:
+            root = s.text.split("/")[0]
+            name = root.strip("<>")  # not data/, the repo's directory
+            if "/" in s.text and root not in REPO_DIRS and name in cfg.ALIASES and name not in cfg.COMPACT:
+                out.append(Claim(s.page, s.line, "flat", s.text, (name,)))
+    return out
+
+
+def test_docs_use_dotted_keys():
+    """A deprecated flat key still works, with a note; the docs teach the dotted key alone."""
+    fields = hf_argument_fields()  # empty without transformers and trl
+    if fields:
+        hf = {name for page, name in NOT_OUR_KEYS if page == "docs/huggingface.md"}
+        assert hf <= fields, f"NOT_OUR_KEYS names no TrainingArguments/SFTConfig field: {sorted(hf - fields)}"
+    aliases = config().ALIASES
+    bad = [c.bad(f"a deprecated flat key; write {aliases[c.detail[0]]}") for c in dotted_key_claims()]
+    assert not bad, f"{len(bad)} deprecated flat keys in the docs:\n" + "\n".join(bad)
 
 
 def test_the_extractors_see_every_kind_on_every_page_they_should():
@@ -937,8 +977,278 @@ if __name__ == "__main__":  # the counts, and the flat keys, for a report
     sys.path.insert(0, str(ROOT))
     kinds = {"configuration": config_claims(), "flag": flag_claims(), "path": path_claims(),
              "python": python_claims(), "exit": exit_claims(), "example": example_claims(), "run": run_claims(),
-             "flat": flat_claims()}
+             "flat": dotted_key_claims()}
     for kind, claims in kinds.items():
         print(f"{kind}: {len(claims)}")
     for c in kinds["flat"]:
-        print(c.bad(f"flat key; now {config().ALIASES[c.detail[0]]}"))
+        print(c.bad(f"a deprecated flat key; write {config().ALIASES[c.detail[0]]}"))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Quoted output: the lines the docs say a program prints are lines its code can print
+#
+# Which spans are quotes: a span in a table column headed "what you see" or "you see", or a span in a
+# sentence that says it is output ("What you see:", "prints", "logs", "says", "warns", "the line",
+# "message", ...), unless it reads as code (a command, a flag, a path, a key, Python). Each must be
+# printable by the code (framework/, ddp_training.py, launch_training.sh, bench/*.py, examples/): a
+# run of the code's strings (Python string literals and f-strings; the launcher's and the batch
+# script's lines), where a %s, {name} or $VAR holds a value. The page may write N, K, PATH, <...>, a
+# number or "..." for a value, and "..." for left-out text. Every string is used whole but the first
+# (the quote may start inside it) and the last (it may end inside it); a value holds at most
+# QUOTE_VALUE_WORDS words of the page's own (one at a string's end), or more of the code's strings
+# ("DDP policy: %s" holding a policy's reason). So a changed literal word fails, a changed value not.
+
+QUOTE_HOLE = "\x00"   # where the code fills in a value: %s, %(name)d, {name}, {x:.2f}, $VAR, $(...)
+QUOTE_VALUE = "\x01"  # a number, or a value the page writes as a placeholder (N, K, PATH, <job id>)
+QUOTE_VALUE_WORDS = 3
+QUOTE_VALUES = re.compile(r"<[^<>]*>|(?<![\w.])\d+(?:[.:]\d+)*(?:e-?\d+)?(?![\d.])|"
+                          r"(?<![A-Za-z])(?:[A-Z]|PATH|FILE|DIR|ID|HOST|PORT)(?![A-Za-z])")
+QUOTE_TRIGGER = re.compile(r"you see|\bprint(?:s|ed)?\b|\blog(?:s|ged)\b|\bsays?\b|\bwarns?\b|\b(?:the|a|one) line\b|"
+                           r"\bmessage\b|\breads\b|\bshows?\b|\bnames?\b|\bin rank \d's log", re.I)
+QUOTE_TOOLS = re.compile(r"(?:kill|pip|tensorboard|scontrol|scancel|mkdocs|ruff|git|bash|export|echo|cat|ls|grep|"
+                         r"sbatch|srun|curl)\b")
+# Quoted lines the code cannot show as it prints them, each with why.
+NOT_PRINTED_AS_QUOTED = {
+    "Timeout (0:01:00)!": "faulthandler.dump_traceback_later's own first line, as the hang watchdog arms it",
+    "Timeout (0:00:06)!": "faulthandler.dump_traceback_later's own first line, as the hang watchdog arms it",
+    "Rendezvous'ing worker group": "torchrun's elastic agent logs it",
+    "[i/N] FAULT@MOMENT CHOICES: ok (S s)": "bench/explore.py's progress line f\"[{i}/{n}] {trial}: {status} ({s} s)\" "
+                                            "is values alone, no word of its own to anchor it",
+    "... FAIL invariant: why": "bench/explore.py's status \"FAIL \" + \"; \".join(f\"{k}: {why}\"): values alone",
+    "error: command line: ddp.comm_hook='bogus': allowed: none, fp16, bf16, powersgd":
+        "framework/config/sources.py's f\"{source}: {key}={value!r}: {why}\" is values alone",
+}
+
+
+def quote_normalized(text: str) -> str:
+    return QUOTE_VALUES.sub(QUOTE_VALUE, re.sub(r"\s+", " ", text))
+
+
+@functools.cache
+def quote_templates() -> tuple[tuple[str, ...], ...]:
+    """Every string the code may print, as its literal pieces around the values it fills in: those with
+    a space and a word of 3 letters, and the punctuation that joins them (")", "; ")."""
+    found = set()
+    for path in CODE_FILES:
+        if not path.is_file():
+            continue
+        text = path.read_text(errors="replace")
+        if path.suffix == ".py":
+            for node in ast.walk(ast.parse(text)):
+                if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                    found.add(node.value)
+                elif isinstance(node, ast.JoinedStr):
+                    found.add("".join(v.value if isinstance(v, ast.Constant) else QUOTE_HOLE for v in node.values))
+        else:  # a shell script's lines, and its quoted strings (echo "a node was lost" inside $(...))
+            for line in text.splitlines():
+                found.update([line, *re.findall(r'"([^"$]*)"', line)])
+    holes = re.compile(r"%(?:\([^)]*\))?[-#0 +]*(?:\d+|\*)?(?:\.\d+)?[sdifgGeErxXc]|\{[^{}\s]*\}|"
+                       r"\$\{[^}]*\}|\$\([^)]*\)|\$\w+|\$[@*#?]")
+    out = set()
+    for s in found:
+        s = quote_normalized(holes.sub(QUOTE_HOLE, s).replace("%%", "%"))
+        words = " " in s and re.search(r"[A-Za-z]{3}", s)
+        if words or (s.strip() and not re.search(r"\w", s) and QUOTE_HOLE not in s):
+            out.add(tuple(re.sub(QUOTE_HOLE + "+", QUOTE_HOLE, s).split(QUOTE_HOLE)))
+    return tuple(sorted(out))
+
+
+@functools.cache
+def quote_template_index() -> tuple[dict[str, list[int]], frozenset[int]]:
+    """The templates by the words they hold, and those of punctuation alone."""
+    index, bare = {}, set()
+    for i, pieces in enumerate(quote_templates()):
+        words = set(re.findall(r"[a-z]{3,}", "".join(pieces).lower()))
+        if not words:
+            bare.add(i)
+        for w in words:
+            index.setdefault(w, []).append(i)
+    return index, frozenset(bare)
+
+
+def quote_words(text: str) -> int:
+    return len(text.replace(", ", ",").split())  # a list of values (none, fp16, bf16) is one
+
+
+def printed_by_the_code(D: str) -> bool:
+    """Whether the code can print D (normalized): see the comment above QUOTE_HOLE."""
+    L, T = len(D), quote_templates()
+    index, bare = quote_template_index()
+    cands = set(bare).union(*(index.get(w, ()) for w in set(re.findall(r"[a-z]{3,}", D.lower()))))
+
+    def found(piece: str) -> list[int]:
+        """Where piece is in D, and where D ends inside it."""
+        at, i = [], D.find(piece[0], max(0, L - len(piece) + 1))
+        while i >= 0:
+            if piece.startswith(D[i:]):
+                at.append(i)
+            i = D.find(piece[0], i + 1)
+        i = D.find(piece)
+        while i >= 0:
+            at.append(i)
+            i = D.find(piece, i + 1)
+        return at
+
+    starts, leads = {}, []  # templates by where their first piece is in D; those that start with a value
+    for c in cands:
+        first = T[c][0]
+        if first:
+            for i in found(first):
+                if i + len(first) <= L or re.search(r"[A-Za-z]{3}", D[i:]):  # D ends in it after a word
+                    starts.setdefault(i, []).append(c)
+        elif len(T[c]) > 1 and T[c][1] and found(T[c][1]):
+            leads.append(c)
+
+    @functools.cache
+    def own_words(p: int, most: int) -> frozenset[int]:
+        return frozenset(r for r in range(p, L + 1) if quote_words(D[p:r]) <= most)
+
+    @functools.cache
+    def value(p: int, head: bool, last: bool) -> frozenset[int]:
+        """The ends of a value that starts at p (last: nothing of its string follows it); with head, D
+        may end in it."""
+        ends = {r for r in own_words(p, 1 if last else QUOTE_VALUE_WORDS) if r < L} | messages(p, False)
+        if head and (quote_words(D[p:]) <= 1 or L in messages(p, True)):
+            ends.add(L)
+        return frozenset(ends)
+
+    @functools.cache
+    def render(c: int, k: int, off: int, p: int, head: bool, anchored: bool = False) -> frozenset[int]:
+        """The ends q where D[p:q] renders template c from offset off of its piece k to its end (with
+        head, D may end inside it), once a word of its own is in D (anchored)."""
+        pieces = T[c]
+        piece = pieces[k][off:]
+        if not D.startswith(piece, p):
+            cut = head and p < L and piece.startswith(D[p:]) and (anchored or re.search(r"[A-Za-z]{3}", D[p:]))
+            return frozenset({L} if cut else ())
+        anchored = anchored or c in bare or bool(re.search(r"[A-Za-z]{3}", piece))
+        q = p + len(piece)
+        if k == len(pieces) - 1:
+            return frozenset({q} if anchored else ())
+        out = set()
+        for r in value(q, head, k + 2 == len(pieces) and not pieces[-1]):
+            if r == L and head and anchored:
+                out.add(L)
+            out |= render(c, k + 1, 0, r, head, anchored)
+        return frozenset(out)
+
+    @functools.cache
+    def messages(p: int, head: bool, leads_ok: bool = True) -> frozenset[int]:
+        """The ends q > p where D[p:q] is one or more of the code's strings (with head, the last may be
+        cut short)."""
+        reach, todo = set(), [p]
+        while todo:
+            i = todo.pop()
+            ends = set()
+            for c in starts.get(i, ()):
+                ends |= render(c, 0, 0, i, head)
+            for c in leads if leads_ok else ():  # its first value: a number, N, ..., or the code's strings
+                for r in ({r for r in own_words(i, 1) if not re.search(r"[A-Za-z]{2}", D[i:r])}
+                          | messages(i, False, False)) - {i}:
+                    ends |= render(c, 1, 0, r, head)
+            for q in ends - reach:
+                if q > i:
+                    reach.add(q)
+                    todo.append(q)
+        return frozenset(reach)
+
+    def resumed(q: int) -> bool:
+        """Whether D[q:] goes on with the string the first one was a value of (`frozen, or cut off):
+        ending this restart ...`: the end of one message, then the rest of the one that holds it)."""
+        for c in cands:
+            for k in range(1, len(T[c])):
+                if T[c][k].strip() and D.startswith(T[c][k], q):
+                    ends = render(c, k, 0, q, True)
+                    if L in ends or any(L in messages(e, True) for e in ends if e > q):
+                        return True
+        return False
+
+    if L in messages(0, True):
+        return True
+    for c in cands:  # D starts inside one of the code's strings
+        for k, whole in enumerate(T[c]):
+            s = whole.find(D[0], 1 if k == 0 else 0)
+            while s >= 0:
+                if D.startswith(whole[s:]) or whole[s:].startswith(D):
+                    ends = render(c, k, s, 0, True)
+                    if L in ends or any(L in messages(q, True) or resumed(q) for q in ends):
+                        return True
+                s = whole.find(D[0], s + 1)
+    return False
+
+
+def quote_problem(text: str) -> str | None:
+    parts = re.split(r"\.\.\.|…", quote_normalized(text).strip())
+    for i, part in enumerate(parts):
+        # Next to "...", punctuation may be the left-out value's: `parameter '...' differs`.
+        part = re.sub(r"^[^\w\x01]+", "", part) if i else part
+        part = re.sub(r"[^\w\x01]+$", "", part) if i < len(parts) - 1 else part
+        part = part.strip()
+        if re.search(r"[A-Za-z]{3}", part) and not printed_by_the_code(part):
+            return f"no string of the code prints {part.replace(QUOTE_VALUE, '<value>')!r}"
+    return None
+
+
+def reads_as_code(text: str) -> bool:
+    """A command, a flag, a #SBATCH line, a single name or path, a signature, or Python with code in it."""
+    if is_command(text) or QUOTE_TOOLS.match(text) or text[0] in "-#" or " " not in re.sub(r"<[^>]*>", "", text):
+        return True
+    if re.fullmatch(r"[\w.\[\]]+ -> [\w.\[\]]+", text) or re.fullmatch(r"\S+\.py(?:::|: )\w+", text):
+        return True
+    try:
+        ast.parse(text)
+    except SyntaxError:
+        return False
+    return bool(re.search(r"[()\[\]{}=.:*+]", text))  # `configuration is valid` parses, and is no code
+
+
+def quote_sentences(span: Span) -> list[str]:
+    """The sentences (or list items) around each place the span is in its paragraph, spans masked."""
+    masked = re.sub(r"`[^`]*`", lambda m: "`" + "x" * (len(m.group(0)) - 2) + "`", span.context)
+    out = []
+    for m in re.finditer(re.escape(f"`{span.text}`"), span.context):
+        start = max(masked.rfind(". ", 0, m.start()), masked.rfind(" - ", 0, m.start()))
+        ends = [e for e in (masked.find(". ", m.end()), masked.find(" - ", m.end())) if e >= 0]
+        out.append(span.context[start + 1:min(ends, default=len(masked))])
+    return out
+
+
+def in_you_see_column(page: Page, span: Span) -> bool | None:
+    """For a span in a table row: whether its column is headed "what you see" (None: not in a table)."""
+    lines = page.text.splitlines()
+    if not lines[span.line - 1].lstrip().startswith("|"):
+        return None
+    top = span.line - 1
+    while top > 0 and lines[top - 1].lstrip().startswith("|"):
+        top -= 1
+    header = [c.strip().lower() for c in lines[top].strip().strip("|").split("|")]
+    cells = lines[span.line - 1].strip().strip("|").split("|")
+    column = next((n for n, c in enumerate(cells) if f"`{span.text}`" in " ".join(c.split())), None)
+    return column is not None and column < len(header) and "you see" in header[column]
+
+
+def quote_claims() -> list[Claim]:
+    """Spans the docs give as a program's output (see the comment above QUOTE_HOLE), and the lines of
+    ```console and ```log blocks (but a console's $ commands)."""
+    out = []
+    for page in PARSED:
+        for s in page.spans:
+            if reads_as_code(s.text) or (re.fullmatch(r"[A-Za-z]\w*: \S+", s.text)
+                                         and re.search(r"\.ya?ml\b", s.context)):  # an example's YAML line
+                continue
+            column = in_you_see_column(page, s)
+            if column or (column is None and any(QUOTE_TRIGGER.search(x) for x in quote_sentences(s))):
+                out.append(Claim(s.page, s.line, "quote", s.text))
+        for block in page.blocks:
+            if block.lang in ("console", "log"):
+                out += [Claim(page.name, n, "quote", " ".join(t.split())) for n, t in block.lines
+                        if t.strip() and not t.lstrip().startswith("$")]
+    return out
+
+
+def test_quoted_output_lines_are_printed_by_the_code():
+    claims = [c for c in quote_claims() if c.text not in NOT_PRINTED_AS_QUOTED]
+    bad = [c.bad(why) for c in claims if (why := quote_problem(c.text))]
+    # The check itself: the quote that once named spike_guard where the code prints spike.guard fails.
+    assert quote_problem("loss spike at step 31: ...; spike_guard=warn: continuing")
+    report(bad, len(claims), "quoted output")

@@ -351,8 +351,9 @@ def test_production_code_calls_the_seam_never_the_fault_plan():
                                for node in ast.walk(ast.parse(p.read_text()))))
     assert importers == ["trainer.py"]
     tree = ast.parse((framework / "trainer.py").read_text())
-    uses = [node for node in ast.walk(tree) if isinstance(node, ast.Name) and node.id == "FaultPlan"]
-    assert len(uses) == 1  # the one plan, built once as self.faults
+    built = [node for node in ast.walk(tree) if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+             and node.func.id == "FaultPlan"]
+    assert len(built) == 1  # the one plan, built once as self.faults (the class declares its type)
     # self.faults is read only to attach it to the bus: in the listeners attach() is called with,
     # or as the place another listener goes (attach(..., before=self.faults)).
     reads = [node for node in ast.walk(tree) if isinstance(node, ast.Attribute) and node.attr == "faults"
