@@ -22,9 +22,13 @@ usage: ./launch_training.sh [options] [-- ddp_training.py flags]
       --doctor              run only the DDP preflight on every rank and print its report
       --max-restarts N      restart the worker group up to N times after a failure (torchrun);
                             each restart resumes from the newest valid checkpoint
-      --heal                heal in place (recovery.heal=in_place, one node): each rank is a torchrun
-                            job of its own; when one dies, the others go on at once in their
-                            processes, and its restart (--max-restarts) rejoins them at a step's end
+      --heal                heal in place (recovery.heal=in_place): each rank is a torchrun job of
+                            its own; when one dies (or a whole node), the others go on at once in
+                            their processes, and its restart (--max-restarts) rejoins them at a
+                            step's end. On N nodes: --nnodes N --node-rank R --rdzv-endpoint H:P,
+                            where node 0 (host H) serves the run's store on port P
+      --node-rank R         with --heal on N nodes: this node's place, 0 to N-1 (node 0 hosts the
+                            run's store; its loss ends the run, a restart resumes from the checkpoint)
       --spares K            with --heal: K of the processes (--nproc, or --gpus: the last K ids) wait,
                             model and datasets built, and step in at once for a lost rank (default 0)
       --nnodes N|MIN:MAX    number of nodes (multi-node, with --rdzv-endpoint and --rdzv-id); a range
@@ -70,7 +74,7 @@ gpu_count() { "$python" -c 'import torch; print(torch.cuda.device_count())' 2>/d
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 python="${PYTHON:-python3}"
-gpus="" cpu=0 nproc="" test_mode=0 debug=0 heal=0 spares=0
+gpus="" cpu=0 nproc="" test_mode=0 debug=0 heal=0 spares=0 node_rank=""
 max_restarts="" nnodes="" rdzv_endpoint="" rdzv_id="" rdzv_backend=c10d join_timeout=60 last_call=5 rejoin_timeout=15
 train_args=()
 
@@ -91,6 +95,7 @@ while [[ $# -gt 0 ]]; do
     --max-restarts) need_value "$@"; max_restarts="$2"; shift 2 ;;
     --heal) heal=1; shift ;;
     --spares) need_value "$@"; spares="$2"; shift 2 ;;
+    --node-rank) need_value "$@"; node_rank="$2"; shift 2 ;;
     --nnodes) need_value "$@"; nnodes="$2"; shift 2 ;;
     --rdzv-endpoint) need_value "$@"; rdzv_endpoint="$2"; shift 2 ;;
     --rdzv-id) need_value "$@"; rdzv_id="$2"; shift 2 ;;
@@ -156,8 +161,19 @@ min_nodes=${nnodes%%:*} max_nodes=${nnodes##*:}
   die "--rdzv-rejoin-timeout '$rejoin_timeout': must be a positive integer"
 [[ "$spares" =~ ^[0-9]+$ ]] || die "--spares '$spares': must be a non-negative integer"
 [[ $spares -eq 0 || $heal -eq 1 ]] || die "--spares: only with --heal (a spare steps in for a rank lost in place)"
-[[ $heal -eq 0 || ( $max_nodes -eq 1 && $platform == host ) ]] ||
-  die "--heal: one node, outside SLURM and Kubeflow for now (docs/fault-tolerance.md, Heal in place)"
+[[ $heal -eq 0 || $platform == host ]] ||
+  die "--heal: outside SLURM and Kubeflow for now (docs/fault-tolerance.md, Heal in place)"
+[[ $heal -eq 0 || $min_nodes -eq $max_nodes ]] ||
+  die "--heal --nnodes $nnodes: a fixed node count (the lost capacity rejoins in place, not through a range)"
+if [[ $heal -eq 1 && $max_nodes -gt 1 ]]; then
+  [[ "$node_rank" =~ ^[0-9]+$ && $node_rank -lt $max_nodes ]] ||
+    die "--heal --nnodes $nnodes needs --node-rank R, R from 0 to $(( max_nodes - 1 )) (node 0 hosts the run's store)"
+  [[ $spares -eq 0 ]] || die "--spares: one node for now (with --heal --nnodes $nnodes, every process trains)"
+else
+  [[ -z "$node_rank" || "$node_rank" == 0 ]] ||
+    die "--node-rank $node_rank: only with --heal on several nodes (torchrun's c10d rendezvous ignores it)"
+  node_rank=0
+fi
 if [[ $max_nodes -gt 1 && $platform != kubernetes ]]; then
   [[ "$rdzv_endpoint" =~ ^[A-Za-z0-9._-]+:[0-9]+$ ]] || die "--nnodes $nnodes needs --rdzv-endpoint HOST:PORT"
   [[ "$rdzv_id" =~ ^[A-Za-z0-9._-]+$ ]] || die "--nnodes $nnodes needs --rdzv-id ID (letters, digits, . _ -)"
@@ -314,21 +330,28 @@ else
   # Healing in place: the run's store in a process of its own (framework/ddp/run_store.py), then one
   # torchrun job per rank, each restarting only its own worker (torchrun restarts every worker of
   # a job when one fails, which is why torchft too runs each replica group as a job of its own).
-  port_file=$(mktemp)
-  rm -f "$port_file"
-  (cd "$here" && detached "$python" -m framework.ddp.run_store "$port_file") &
-  store_pid=$!
-  for _ in $(seq 600); do [[ -s "$port_file" ]] && break; kill -0 "$store_pid" 2>/dev/null || break; sleep 0.05; done
-  [[ -s "$port_file" ]] || die "--heal: the run's store did not start"
-  HEAL_STORE="127.0.0.1:$(cat "$port_file")"
-  export HEAL_STORE HEAL_REPLICAS="$nproc" HEAL_SPARES="$spares"
-  rm -f "$port_file"
+  # On N nodes, node 0 serves it on --rdzv-endpoint's port and the others reach it there; its
+  # replicas are node_rank x nproc + 0..nproc-1.
+  if [[ $max_nodes -eq 1 || $node_rank -eq 0 ]]; then
+    port_file=$(mktemp)
+    rm -f "$port_file"
+    store_port=0
+    [[ $max_nodes -eq 1 ]] || store_port=${rdzv_endpoint##*:}
+    (cd "$here" && detached "$python" -m framework.ddp.run_store "$port_file" "$store_port") &
+    store_pid=$!
+    for _ in $(seq 600); do [[ -s "$port_file" ]] && break; kill -0 "$store_pid" 2>/dev/null || break; sleep 0.05; done
+    [[ -s "$port_file" ]] || die "--heal: the run's store did not start (port $store_port taken?)"
+    HEAL_STORE="127.0.0.1:$(cat "$port_file")"
+    rm -f "$port_file"
+  fi
+  [[ $max_nodes -eq 1 ]] || HEAL_STORE=$rdzv_endpoint
+  export HEAL_STORE HEAL_REPLICAS=$(( nproc * max_nodes )) HEAL_SPARES="$spares"
   [[ $cpu -eq 1 ]] || IFS=, read -r -a gpu_list <<< "${CUDA_VISIBLE_DEVICES:-$(seq -s, 0 $(( nproc - 1 )))}"
-  for (( replica = 0; replica < nproc; replica++ )); do
+  for (( local_rank = 0; local_rank < nproc; local_rank++ )); do
     port=$("$python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
     gpu_env=()
-    [[ $cpu -eq 1 ]] || gpu_env=(CUDA_VISIBLE_DEVICES="${gpu_list[$replica]}")
-    HEAL_REPLICA=$replica detached env "${gpu_env[@]}" "$python" -m torch.distributed.run --nnodes 1 \
+    [[ $cpu -eq 1 ]] || gpu_env=(CUDA_VISIBLE_DEVICES="${gpu_list[$local_rank]}")
+    HEAL_REPLICA=$(( node_rank * nproc + local_rank )) detached env "${gpu_env[@]}" "$python" -m torch.distributed.run --nnodes 1 \
       --rdzv-backend c10d --rdzv-endpoint "127.0.0.1:$port" --local-addr 127.0.0.1 --nproc-per-node 1 \
       "${max_restarts_flag[@]}" "$here/ddp_training.py" "${train_args[@]}" &
     children+=($!)
@@ -381,8 +404,10 @@ if [[ $heal -eq 1 ]]; then
   if [[ $any_ok -eq 1 && -f "$final" && "$final" -nt "$stamp" ]]; then
     status=0
   fi
-  kill -s TERM "$store_pid" 2>/dev/null || true
-  wait "$store_pid" || true
+  if [[ -n "$store_pid" ]]; then
+    kill -s TERM "$store_pid" 2>/dev/null || true
+    wait "$store_pid" || true
+  fi
 fi
 if [[ $gave_up -eq 1 ]]; then
   echo "launch_training.sh: a node of this fixed-size run (--nnodes $nnodes) was lost and did not rejoin within" \

@@ -130,6 +130,12 @@ def test_bad_config_exits_2_before_torchrun(tmp_path):
     (["--cpu", "--nproc", "two"], "--nproc 'two': must be a positive integer"),
     (["--cpu", "--gpus", "0"], "--gpus and --cpu exclude each other"),
     (["--batch-size"], "--batch-size needs a value"),
+    (["--cpu", "--heal", "--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:29500", "--rdzv-id", "x"],
+     "--heal --nnodes 2 needs --node-rank R, R from 0 to 1 (node 0 hosts the run's store)"),
+    (["--cpu", "--heal", "--nnodes", "1:2", "--node-rank", "0", "--rdzv-endpoint", "127.0.0.1:29500", "--rdzv-id",
+      "x"], "--heal --nnodes 1:2: a fixed node count"),
+    (["--cpu", "--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", "127.0.0.1:29500", "--rdzv-id", "x"],
+     "--node-rank 1: only with --heal on several nodes"),
 ])
 def test_bad_launcher_options_exit_2(args, needle):
     proc = run_script(args, timeout=30)
