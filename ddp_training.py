@@ -2,7 +2,7 @@
 """Entry point: ``python ddp_training.py [--config FILE] [--key value ...]``, alone or under torchrun.
 
 Exit codes: 0 done (or preempted and saved), 2 bad configuration (before any process group starts)
-or a checkpoint_dir that another run is using, 75 a node of the run is lost (a torchrun agent died,
+or a checkpoint.dir that another run is using, 75 a node of the run is lost (a torchrun agent died,
 or a peer process went away in a collective; a restart or relaunch continues from the newest
 checkpoint), 1 anything else (a FATAL marker says when a restart cannot help).
 """
