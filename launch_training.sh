@@ -169,6 +169,8 @@ if [[ $heal -eq 1 && $max_nodes -gt 1 ]]; then
   [[ "$node_rank" =~ ^[0-9]+$ && $node_rank -lt $max_nodes ]] ||
     die "--heal --nnodes $nnodes needs --node-rank R, R from 0 to $(( max_nodes - 1 )) (node 0 hosts the run's store)"
   [[ $spares -eq 0 ]] || die "--spares: one node for now (with --heal --nnodes $nnodes, every process trains)"
+  [[ "${rdzv_endpoint##*:}" =~ ^[1-9][0-9]*$ ]] ||
+    die "--heal --nnodes $nnodes: --rdzv-endpoint '$rdzv_endpoint' needs a port (node 0 serves the run's store there)"
 else
   [[ -z "$node_rank" || "$node_rank" == 0 ]] ||
     die "--node-rank $node_rank: only with --heal on several nodes (torchrun's c10d rendezvous ignores it)"

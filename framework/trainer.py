@@ -454,10 +454,13 @@ class DDPTrainer:
         cfg, env = self.config, self.env
         if not self._heals:
             self._say_where_the_run_starts(resumed=self._resumed)
-        # A relaunch of a finished run whose checkpoint holds its last step's evaluation: that
-        # checkpoint is the final save, not written again (the export is: it may have been cut short).
+        # A relaunch of a finished run whose checkpoint in checkpoint.dir holds its last step's
+        # evaluation: that checkpoint is the final save, not written again (the export is: it may
+        # have been cut short). One read from elsewhere (resume=PATH) is written here.
+        loaded = self.checkpointer.loaded_from
         self._final_on_disk = (self._resumed and not self._heals and not self._stopped_here() and self._finished()
-                               and self._evaluated_step == self.step)
+                               and self._evaluated_step == self.step and loaded is not None
+                               and loaded.resolve().parent == Path(self.config.checkpoint.dir).resolve())
         self.checkpointer.start_clock()
         step_log = StepLog.open(cfg, env, total_steps=self._total_steps, initial_step=self.step, health=lambda: {
             **self.spike_guard.scalars(), **self.stragglers.scalars(), "health/skipped_steps": self.skips.total})

@@ -252,13 +252,15 @@ class ResumableDistributedSampler(torch.utils.data.Sampler[list[int]]):
         configured = tuple(int(x) for x in state.get("configured", (b, a)))
         same_config = configured == self.configured or (
             "configured" not in state and b * a == self.configured[0] * self.configured[1])
+        saved = int(state.get("global_batch", world * b * a))  # an uneven split's is not world x b x a
         if world == self.world_size:
-            if same_config and int(state.get("global_batch", world * b * a)) != world * b * a:  # an uneven resize's
-                self.batch_size, self.accumulation = self._uneven(int(state["global_batch"]), b, "")
+            if same_config and saved != world * b * a:
+                self.batch_size, self.accumulation = self._uneven(saved, b, "")
             elif same_config:
                 self.batch_size, self.accumulation = b, a
         elif same_config and self.keep_global_batch:
-            self.resize(world * b * a, saved=f"{world} ranks x micro-batch {b} x accumulation {a}")
+            self.resize(saved, saved=f"{world} ranks x micro-batch {b} x accumulation {a}" if saved == world * b * a
+                        else f"{world} ranks with uneven shares, micro-batches of up to {b} x accumulation {a}")
 
     def _named_split(self, max_micro_batch: int) -> tuple[int, int]:
         """data.global_batch_size split over this world size (unevenly where it does not divide)."""

@@ -26,7 +26,9 @@ launcher stops it once its own ranks ended, and another node's ranks may still b
 
 def clients(port: int) -> int:
     """This process's open connections accepted on ``port``."""
-    return sum(1 for c in psutil.Process().net_connections(kind="tcp")
+    process = psutil.Process()
+    connections = getattr(process, "net_connections", None) or process.connections  # psutil < 6: connections
+    return sum(1 for c in connections(kind="tcp")
                if c.laddr and c.laddr.port == port and c.status == psutil.CONN_ESTABLISHED)
 
 

@@ -120,6 +120,8 @@ def config_changes(saved: dict, cfg: TrainConfig, *, builtin_data: bool,
 
 def _saved_global_batch(state: dict) -> int:
     sampler = state["sampler"]
+    if "global_batch" in sampler:  # an uneven split's is not world x micro-batch x accumulation
+        return int(sampler["global_batch"])
     return int(sampler.get("world_size", state["world_size"])) * int(sampler.get("batch_size", 0)) * int(
         sampler.get("accumulation", 1))
 
@@ -268,6 +270,7 @@ class Checkpointer:
         # A generation healed in place resumed from the checkpoint (take_over): like a restart, it
         # continues the launch's own lineage whatever checkpoint.resume chose at the launch's start.
         self.healed_from_disk = False
+        self.loaded_from: Path | None = None  # the file the last load() read (every rank knows it)
         self.resumed_lineage: str | None = None  # rank 0: that file's lineage
         self._last_save = time.monotonic()  # checkpoint.every_minutes counts from here
 
@@ -415,6 +418,7 @@ class Checkpointer:
             dist.broadcast_object_list(choice, src=0)
         if choice[1] is not None:
             raise _unreadable(choice[1], self.env) if choice[2] else CheckpointError(choice[1])
+        self.loaded_from = None if choice[0] is None else Path(choice[0])
         if choice[0] is None:
             return None
         return upgrade(state if state is not None else checkpoint_files.load_file(Path(choice[0])))

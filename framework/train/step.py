@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..data.batches import batch_loss, label_count, to_device
+from ..data.sampler import GlobalBatchUnsplittable
 from ..ddp import policy
 from ..ddp.compile import is_ddp, uncompiled
 from ..model.hf_checkpointing import divides_by_num_items, loss_shifts_labels
@@ -48,7 +49,11 @@ def halve_micro_batch(sampler, reason: str) -> tuple[int, int]:
         raise FatalError(f"{reason} at micro-batch {b}: cannot halve it further without changing the "
                          f"effective batch; lower model.seq_len or the model size, or set "
                          f"memory.activation_checkpointing")
-    sampler.set_micro_batch((b + 1) // 2 if uneven else b // 2, a * 2)
+    try:
+        sampler.set_micro_batch((b + 1) // 2 if uneven else b // 2, a * 2)
+    except GlobalBatchUnsplittable as err:  # an uneven split's smallest share holds fewer samples than that
+        raise FatalError(f"{reason} at micro-batch {b}: cannot halve it further ({err}); lower model.seq_len or "
+                         f"the model size, or set memory.activation_checkpointing") from None
     log.warning("%s: micro-batch %d -> %d, gradient accumulation %d -> %d (the effective batch stays %d)",
                 reason, b, sampler.batch_size, a, sampler.accumulation, sampler.global_batch)
     return sampler.batch_size, sampler.accumulation
@@ -81,6 +86,11 @@ def apply_recorded_micro_batch(sampler, checkpoint_dir) -> None:
     if rec is None:
         return
     b, a = int(rec["micro_batch_size"]), int(rec["accumulation_steps"])
+    if getattr(sampler, "uneven", None) is not None:  # cut again in micro-batches of up to b
+        sampler.set_micro_batch(b, a)
+        log.warning("micro-batch up to %d x %d accumulation steps, recorded after: %s", sampler.batch_size,
+                    sampler.accumulation, rec["reason"])
+        return
     if b * a != sampler.batch_size * sampler.accumulation:
         log.warning("ignoring %s (%d x %d): this run's per-rank batch is %d", markers.MICRO_BATCH, b, a,
                     sampler.batch_size * sampler.accumulation)

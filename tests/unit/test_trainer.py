@@ -63,6 +63,19 @@ def test_resume_auto_says_what_it_found(tmp_path, caplog):
             if p.name != "final_model.pt"} == {k: v for k, v in written.items() if k != "final_model.pt"}
 
 
+def test_a_finished_run_resumed_into_another_directory_writes_its_final_checkpoint_there(tmp_path):
+    """checkpoint.resume=PATH, a finished run's last checkpoint kept elsewhere, into an empty
+    checkpoint.dir: nothing to train, but the new directory gets the run's final checkpoint (a later
+    resume=auto there would otherwise start again at step 0)."""
+    keys = {"train.max_steps": 4, "checkpoint.every_steps": 2}
+    DDPTrainer(tiny_config(tmp_path / "first", **keys)).train()
+    last = max((tmp_path / "first" / "ck").glob("step_*.pt"))
+    summary = DDPTrainer(tiny_config(tmp_path / "second", **keys, **{"checkpoint.resume": str(last)})).train()
+    assert summary["steps"] == 4
+    assert [p.name.split("-")[0].split(".")[0] for p in (tmp_path / "second" / "ck").glob("step_*.pt")] == [
+        "step_00000004"]
+
+
 def test_a_run_stopped_by_target_loss_and_preempted_before_its_end_ends_there_on_resume(tmp_path, caplog):
     """train.target_loss (100: met by the first step's loss) stops the run at step 1 of 8, and a
     preemption request comes before its final save: the preemption's checkpoint records the stop,

@@ -338,3 +338,39 @@ def test_an_uneven_split_halved_by_an_out_of_memory_error_keeps_its_global_batch
     even = ResumableDistributedSampler(96, 4, 0, 4, 1, seed=7, global_batch=16)
     even.load_state_dict(ranks[0].state_dict())
     assert even.uneven is None and (even.batch_size, even.accumulation) == (2, 2)
+
+
+def test_a_checkpoint_of_an_uneven_split_keeps_its_global_batch_at_any_later_world_size():
+    """4 ranks x 4 x 2 = 32 samples a step, no data.global_batch_size; 3 ranks resume (a heal):
+    11, 11 and 10 samples in 3 micro-batches of up to 4. Their checkpoint, resumed on 4 or 2
+    ranks, still trains 32 samples a step (it was re-split as 3 x 4 x 3 = 36)."""
+    four = ResumableDistributedSampler(96, 4, 0, 4, 2, seed=7).state_dict()
+    _, three = step_samples(3, 4, 2, four)
+    assert three[0].global_batch == 32 and [s.rank_batch for s in three] == [11, 11, 10]
+    for world in (4, 2):
+        _, again = step_samples(world, 4, 2, three[0].state_dict())
+        assert again[0].global_batch == 32, world
+
+
+def test_an_uneven_split_takes_the_halving_an_out_of_memory_error_recorded_and_stops_where_it_cannot_halve(
+        tmp_path):
+    """g=9 on 2 ranks in micro-batches of up to 5: 5 + 4 samples, one micro-batch each. An out-of-memory
+    error in a synced backward halves it to micro-batches of up to 3 and records that for the
+    restart, which takes it (it ignored it: 3 x 2 is not 5 x 1). Halving on to 1 leaves a share of 4
+    samples fewer than the 5 micro-batches of the other: a FATAL stop (no restart can do better),
+    not a stop that waits for another world size."""
+    from framework.resilience import markers
+    from framework.resilience.markers import WorldSizeMismatch
+    from framework.train.step import apply_recorded_micro_batch, halve_micro_batch
+
+    sampler = ResumableDistributedSampler(96, 2, 0, 5, 1, seed=7, global_batch=9)
+    assert (sampler.batch_size, sampler.accumulation) == (5, 1)
+    b, a = halve_micro_batch(sampler, "out of memory in the synced backward")
+    markers.record_micro_batch(tmp_path, b, a, "out of memory in the synced backward")
+    restarted = ResumableDistributedSampler(96, 2, 1, 5, 1, seed=7, global_batch=9)
+    apply_recorded_micro_batch(restarted, tmp_path)
+    assert (restarted.batch_size, restarted.accumulation) == (3, 2) == (b, a)
+    halve_micro_batch(sampler, "out of memory")
+    with pytest.raises(FatalError, match="cannot halve it further") as stop:
+        halve_micro_batch(sampler, "out of memory")
+    assert not isinstance(stop.value, WorldSizeMismatch)
