@@ -31,7 +31,7 @@ user or a scheduler would; at the other world size of a world_change), and check
 - accounting: read_metrics steps strictly increasing, its last loss equal to summary.json's; with
   record_samples, no sample twice in an epoch, and each completed epoch's samples equal the
   reference's;
-- in_place: healing in place, a worker killed or stopped inside a step (HEALS_IN_PLACE) is healed
+- in_place: healing in place, a worker killed or stopped, or its node lost, inside a step (HEALS_IN_PLACE) is healed
   in place: the survivors go on in their processes (a heal in rank 0's log), and no rank restarts
   from the checkpoint.
 
@@ -254,18 +254,20 @@ HF_FIXED = {"foreign": False, "resume": "none", "layout": "nested", "data": "map
 HF_SHARE = 0.07
 HF_FAULTS = ("none", "kill9_worker", "kill9_agent", "kill9_node", "sigterm_worker")
 HF_MOMENTS = ("startup", "mid_step", "epoch_boundary", "eval", "ckpt_write", "final_save", "export")
-# A trial healing in place: one node of 2 processes under launch_training.sh --heal. Its faults: the
-# others are a torchrun agent's or a second node's (kill9_agent, kill9_node: each rank's agent is one
-# of the launcher's jobs, not drawn yet), the survivor checkpoint's (kill9_slow_save: a survivor heals
-# instead of saving alone) or a restart loop's (crash_one_rank: once healed, the restarted rank
-# rejoins past the step that crashed it).
+# A trial healing in place: one node of 2 processes under launch_training.sh --heal, or 2 nodes of 1
+# (a launcher each, --node-rank; node 0 serves the run's store). Its faults: and on 2 nodes the loss
+# of node 1 (kill9_node: its launcher, torchrun job and worker), which heals in place and, with
+# restarts left, rejoins; not drawn: kill9_agent (each rank's agent is one of the launcher's jobs),
+# the survivor checkpoint's (kill9_slow_save: a survivor heals instead of saving alone) or a restart
+# loop's (crash_one_rank: once healed, the restarted rank rejoins past the step that crashed it).
 HEAL_SHARE = 0.5
 HEAL_FAULTS = ("none", "kill9_worker", "sigterm_worker", "sigterm_launcher", "hang", "nan", "bad_data",
                "kill_dl_worker", "corrupt_newest", "unreadable_newest", "sigstop_worker", "second_launch",
                "user_error", "full_disk")
 # What must heal in place (no restart from the checkpoint): a worker killed inside a step; one
 # stopped there, named by the peer monitor (on, at 10 s) and killed by its watcher.
-HEALS_IN_PLACE = {"kill9_worker": ("mid_step", "epoch_boundary"), "sigstop_worker": ("mid_step", "epoch_boundary")}
+HEALS_IN_PLACE = {"kill9_worker": ("mid_step", "epoch_boundary"), "sigstop_worker": ("mid_step", "epoch_boundary"),
+                  "kill9_node": ("mid_step", "epoch_boundary")}
 
 
 def total_steps(cfg: dict) -> int:
@@ -391,16 +393,16 @@ def heal_applicable(cfg: dict, fault: str) -> str | None:
     """The rules of issue 31's heal dimension."""
     if not heals(cfg):
         return None
-    if cfg["topology"] != "1x2":
-        return "--heal: one node of 2 processes here (launch_training.sh --heal is one node)"
+    if cfg["topology"] == "1":
+        return "--heal: 2 processes here (one node of 2, or 2 nodes of 1: launch_training.sh --heal --node-rank)"
     if cfg["data"] == "stream":
         return "a stream whose dataset has a state of each rank's cannot heal: refused by design"
     if cfg["comm_hook"] == "powersgd":
         return "PowerSGD's error feedback is each rank's: --heal refuses it at --check-config"
     if cfg.get("world_change", "none") != "none" or cfg.get("nnodes", "fixed") != "fixed" or hf(cfg):
         return "heal in place: one launch of ddp_training.py on one fixed node"
-    if fault not in HEAL_FAULTS:
-        return f"{fault} is not drawn with heal in place (HEAL_FAULTS)"
+    if fault not in HEAL_FAULTS and not (fault == "kill9_node" and cfg["topology"] == "2x1"):
+        return f"{fault} is not drawn with heal in place (HEAL_FAULTS; kill9_node on 2 nodes)"
     return None
 
 
@@ -549,8 +551,10 @@ def injected(trial: dict) -> str:
 def rejoins(trial: dict) -> bool:
     """A node range whose last node is lost and that is left to train on: the explorer starts the
     node again once the survivor trains alone (a scheduler's replacement node)."""
-    return (trial["config"].get("nnodes") == "range" and trial["fault"] in ("kill9_node", "kill9_agent")
-            and trial["config"]["max_restarts"] > 0)
+    cfg = trial["config"]
+    return cfg["max_restarts"] > 0 and (
+        (cfg.get("nnodes") == "range" and trial["fault"] in ("kill9_node", "kill9_agent"))
+        or (heals(cfg) and cfg["topology"] == "2x1" and trial["fault"] == "kill9_node"))
 
 
 def grows_back(trial: dict) -> bool:
@@ -578,7 +582,13 @@ class Job:
         port = free_port()
         self.env = worker_env()
         self.out, self.tag, self.script = out, tag, script
-        if fault in ("sigterm_launcher", "crash_one_rank") or heals(cfg):
+        if heals(cfg) and cfg["topology"] == "2x1":
+            self.cmds = [[str(ROOT / "launch_training.sh"), "--cpu", "--nproc", "1", "--max-restarts", restarts,
+                          "--heal", "--nnodes", "2", "--node-rank", str(node), "--rdzv-endpoint",
+                          f"127.0.0.1:{port}", "--rdzv-id", f"ex-{port}", "--", *argv] for node in range(2)]
+            self.env = {k: v for k, v in self.env.items() if k != "PYTHONPATH"} | {
+                "PYTHON": sys.executable, "GLOO_SOCKET_IFNAME": "lo"}
+        elif fault in ("sigterm_launcher", "crash_one_rank") or heals(cfg):
             if fault == "crash_one_rank":
                 restarts = str(RESTARTS_ONE_RANK_ERROR)
             self.cmds = [[str(ROOT / "launch_training.sh"), "--cpu", "--nproc", str(w), "--max-restarts", restarts,
@@ -601,8 +611,8 @@ class Job:
             self.cmds = [torchrun_cmd(script, argv, nproc=w, port=port, extra=["--max-restarts", restarts])]
         self.procs, self.errs = [], []
         for node, cmd in enumerate(self.cmds):
-            if node and cfg.get("nnodes") == "range":
-                time.sleep(0.5)  # node 0 first: it hosts the c10d store
+            if node and (cfg.get("nnodes") == "range" or heals(cfg)):
+                time.sleep(0.5)  # node 0 first: it hosts the c10d store, or the run's store
             self.start(cmd, node)
 
     def start(self, cmd: list[str], node: int) -> subprocess.Popen:
@@ -1072,7 +1082,8 @@ def run_job(trial, job: Job, lay: Layout, foreign: set[str], marker: str, res: d
                 res["fault_at_s"] = round(time.monotonic() - start, 1)
                 if res["hit"] and rejoins(trial):
                     rejoin_at = time.monotonic() + REJOIN_AFTER_S
-        if rejoin_at is not None and (time.monotonic() >= rejoin_at or log_has(lay, " x 1 ranks x ")):
+        if rejoin_at is not None and (time.monotonic() >= rejoin_at or log_has(lay, " x 1 ranks x ")
+                                      or log_has(lay, "goes on with 1 of 2 ranks")):
             rejoin_at = None
             job.rejoin()
             res["rejoined_at_s"] = round(time.monotonic() - start, 1)

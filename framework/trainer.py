@@ -322,6 +322,14 @@ class DDPTrainer:
             log.info("the run in %s finished at step %d: nothing to do (raise train.max_steps or train.num_epochs "
                      "to go on, or set checkpoint.resume=none to start afresh)", ckpt.dir, self.step)
 
+    def _global_tokens(self, mine: int) -> int:
+        """The step's tokens on every rank, from this rank's: times the world size, or for an uneven
+        split (a rank holds more or fewer samples than others) scaled by the global batch's samples."""
+        rank_batch = getattr(self.sampler, "rank_batch", None)
+        if not rank_batch or getattr(self.sampler, "uneven", None) is None:
+            return mine * self.env.world_size
+        return round(mine * self.sampler.global_batch / rank_batch)
+
     def _finished(self) -> bool:
         """The run has trained all its steps (not an early stop: see _stopped_here)."""
         return self.step >= self._total_steps or self.sampler.epoch >= self.config.train.num_epochs
@@ -568,7 +576,7 @@ class DDPTrainer:
                                          self.config.ddp.timeout_s)
         indices = self.sampler.advance()
         self.step += 1
-        tokens = sum(num_tokens(b) for b in micro) * self.env.world_size
+        tokens = self._global_tokens(sum(num_tokens(b) for b in micro))
         self._tokens_total += tokens
         result = StepResult(self.step, self.sampler.epoch, agreed, lr, grad_norm, tokens, indices)
         self.events.step_end(result, self.raw_model)

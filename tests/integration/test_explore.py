@@ -196,10 +196,24 @@ def test_issue_31s_heal_dimension_is_drawn_judged_and_launched_under_the_launche
     fixed = [explore.draw(random.Random(31000 + i), {"heal": "in_place"}) for i in range(100)]
     assert all(t["config"]["heal"] == "in_place" and explore.applicable(t) is None for t in fixed)
     assert {"kill9_worker", "sigstop_worker"} <= {t["fault"] for t in fixed}
-    assert {t["config"]["topology"] for t in fixed} == {"1x2"} and "stream" not in {t["config"]["data"] for t in fixed}
+    assert {t["config"]["topology"] for t in fixed} == {"1x2", "2x1"} and "stream" not in {t["config"]["data"]
+                                                                                             for t in fixed}
     healing = {"config": {**SIMPLEST, "topology": "1x2", "heal": "in_place"}, "fault": "kill9_worker",
                "moment": "mid_step"}
     assert explore.applicable({**healing, "fault": "kill9_agent"}) is not None
+    # on 2 nodes of 1 process: a launcher each (node 0 serves the run's store), and node 1's loss is
+    # drawn (on one node it is not: there is no second node); with restarts left node 1 comes back
+    nodes = {"config": {**healing["config"], "topology": "2x1", "max_restarts": 2}, "fault": "kill9_node",
+             "moment": "mid_step"}
+    assert explore.applicable(nodes) is None and explore.applicable({**healing, "fault": "kill9_node"}) is not None
+    assert explore.rejoins(nodes) and not explore.rejoins({**nodes, "config": {**nodes["config"], "max_restarts": 0}})
+    class Built(explore.Job):
+        def start(self, cmd, node):  # built, not started
+            return None
+
+    job = Built(nodes, {"train.max_steps": 1}, Path("."), "t")
+    assert [cmd[cmd.index("--node-rank") + 1] for cmd in job.cmds] == ["0", "1"]
+    assert all("--heal" in cmd and cmd[cmd.index("--nnodes") + 1] == "2" for cmd in job.cmds)
     assert explore.applicable({**healing, "config": {**healing["config"], "comm_hook": "powersgd"}}) is not None
     # launched as a user would: launch_training.sh --heal; a SIGSTOP inside a step from fault_inject
     lay = explore.Layout(Path("w"), Path("ck"), Path("logs"), None)
