@@ -325,10 +325,9 @@ class DDPTrainer:
     def _global_tokens(self, mine: int) -> int:
         """The step's tokens on every rank, from this rank's: times the world size, or for an uneven
         split (a rank holds more or fewer samples than others) scaled by the global batch's samples."""
-        rank_batch = getattr(self.sampler, "rank_batch", None)
-        if not rank_batch or getattr(self.sampler, "uneven", None) is None:
+        if self.sampler.uneven is None:
             return mine * self.env.world_size
-        return round(mine * self.sampler.global_batch / rank_batch)
+        return round(mine * self.sampler.global_batch / self.sampler.rank_batch)
 
     def _finished(self) -> bool:
         """The run has trained all its steps (not an early stop: see _stopped_here)."""
@@ -693,7 +692,7 @@ class DDPTrainer:
         self._heals += 1
         self.checkpointer.take_over(self.env, resuming=state is None)
         self._build_training(given=state, rebuilt=True)
-        if getattr(self.sampler, "uneven", None):
+        if self.sampler.uneven is not None:
             log.info("the global batch of %d samples splits unevenly: %s", self.sampler.global_batch,
                      self.sampler.describe())
         return source

@@ -38,6 +38,7 @@ class StreamPosition:
 
     num_samples = None
     steps_per_epoch = 0
+    uneven = None  # a stream's split is always even (see ResumableDistributedSampler.uneven)
 
     def __init__(self, world_size: int, batch_size: int, accumulation: int):
         self.world_size, self.batch_size, self.accumulation = world_size, batch_size, accumulation
@@ -57,7 +58,6 @@ class StreamPosition:
         return float(self.epoch)
 
     def micro_weights(self) -> None:
-        """A stream's split is always even (see ResumableDistributedSampler.micro_weights)."""
         return None
 
     def last_step(self, step: int, cfg) -> int:

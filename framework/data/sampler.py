@@ -208,7 +208,8 @@ class ResumableDistributedSampler(torch.utils.data.Sampler[list[int]]):
         """Change how a step's samples are split (the global batch must stay the same). An uneven
         split is cut again into micro-batches of at most ``batch_size`` (its accumulation follows)."""
         if self.uneven:
-            self.batch_size, self.accumulation = self._uneven(self.uneven.global_batch, batch_size, "")
+            self.batch_size, self.accumulation = self._split(self.uneven.global_batch, batch_size,
+                                                             "an out-of-memory halving")
         else:
             assert batch_size * accumulation == self.batch_size * self.accumulation, (batch_size, accumulation)
             self.batch_size, self.accumulation = batch_size, accumulation
@@ -255,7 +256,7 @@ class ResumableDistributedSampler(torch.utils.data.Sampler[list[int]]):
         saved = int(state.get("global_batch", world * b * a))  # an uneven split's is not world x b x a
         if world == self.world_size:
             if same_config and saved != world * b * a:
-                self.batch_size, self.accumulation = self._uneven(saved, b, "")
+                self.batch_size, self.accumulation = self._split(saved, b, "the checkpoint's split")
             elif same_config:
                 self.batch_size, self.accumulation = b, a
         elif same_config and self.keep_global_batch:
@@ -264,14 +265,16 @@ class ResumableDistributedSampler(torch.utils.data.Sampler[list[int]]):
 
     def _named_split(self, max_micro_batch: int) -> tuple[int, int]:
         """data.global_batch_size split over this world size (unevenly where it does not divide)."""
-        why = f"data.global_batch_size={self.global_batch_size}"
-        if self.global_batch_size % self.world_size:
-            return self._uneven(self.global_batch_size, max_micro_batch, why)
-        self.uneven = None
-        return split_global_batch(self.global_batch_size, self.world_size, max_micro_batch, why=why)
+        return self._split(self.global_batch_size, max_micro_batch,
+                           f"data.global_batch_size={self.global_batch_size}")
 
-    def _uneven(self, global_batch: int, max_micro_batch: int, why: str) -> tuple[int, int]:
-        """An UnevenSplit of ``global_batch``; returns (its largest micro-batch, its accumulation)."""
+    def _split(self, global_batch: int, max_micro_batch: int, why: str) -> tuple[int, int]:
+        """``(micro-batch, accumulation)`` of ``global_batch`` over this world size: even
+        (``split_global_batch``) where it divides, else an UnevenSplit (kept in ``uneven``; its
+        micro-batch is the largest of any rank's)."""
+        if global_batch % self.world_size == 0:
+            self.uneven = None
+            return split_global_batch(global_batch, self.world_size, max_micro_batch, why=why)
         self.uneven = UnevenSplit(global_batch, self.world_size, self.rank, max_micro_batch, why=why)
         return self.uneven.micro_batch, self.uneven.accumulation
 
@@ -283,11 +286,7 @@ class ResumableDistributedSampler(torch.utils.data.Sampler[list[int]]):
                f"data.world_size_change=scale_global_batch to train on with {self.world_size} x "
                f"{self.configured[0]} x {self.configured[1]} samples a step, a run that differs from an "
                f"uninterrupted one)")
-        if global_batch % self.world_size:
-            micro, self.accumulation = self._uneven(global_batch, limit, why)
-        else:
-            self.uneven = None
-            micro, self.accumulation = split_global_batch(global_batch, self.world_size, limit, why=why)
+        micro, self.accumulation = self._split(global_batch, limit, why)
         self.batch_size = micro
         log.warning("world size changed (checkpoint: %s = %d samples a step): %s keep the global batch, so the "
                     "steps, their samples and the schedule are the uninterrupted run's", saved, global_batch,

@@ -417,7 +417,7 @@ def log_run_start(cfg, env, sampler, *, model: torch.nn.Module, amp: bool, total
                  Path(cfg.logging.dir) / "config.json")
     log.info("model: %s, %.2fM parameters, amp=%s", type(model).__name__,
              sum(p.numel() for p in model.parameters()) / 1e6, f"on ({cfg.precision.dtype})" if amp else "off (fp32)")
-    if getattr(s, "uneven", None):
+    if s.uneven is not None:
         log.info("effective batch: %s = %d samples per step", s.describe(), s.global_batch)
     else:
         log.info("effective batch: %d per rank x %d ranks x %d accumulation = %d samples per step",

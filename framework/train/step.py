@@ -44,7 +44,7 @@ class SyncedBackwardOOM(RuntimeError):
 def halve_micro_batch(sampler, reason: str) -> tuple[int, int]:
     """Half the micro-batch, twice the accumulation; the same global batch per step."""
     b, a = sampler.batch_size, sampler.accumulation
-    uneven = getattr(sampler, "uneven", None) is not None  # any cap splits it: up to half, rounded up
+    uneven = sampler.uneven is not None  # any cap splits it: up to half, rounded up
     if b == 1 or (b % 2 and not uneven):
         raise FatalError(f"{reason} at micro-batch {b}: cannot halve it further without changing the "
                          f"effective batch; lower model.seq_len or the model size, or set "
@@ -86,7 +86,7 @@ def apply_recorded_micro_batch(sampler, checkpoint_dir) -> None:
     if rec is None:
         return
     b, a = int(rec["micro_batch_size"]), int(rec["accumulation_steps"])
-    if getattr(sampler, "uneven", None) is not None:  # cut again in micro-batches of up to b
+    if sampler.uneven is not None:  # cut again in micro-batches of up to b
         sampler.set_micro_batch(b, a)
         log.warning("micro-batch up to %d x %d accumulation steps, recorded after: %s", sampler.batch_size,
                     sampler.accumulation, rec["reason"])
