@@ -21,7 +21,7 @@ from .data.batches import num_tokens
 from .data.datasets import builtin_datasets, check_same_datasets
 from .data.iterable_stream import IterableStream, StreamPosition
 from .data.sampler import ResumableDistributedSampler
-from .ddp import policy, process_group
+from .ddp import collectives, policy, process_group
 from .ddp.comm_hooks import CommHook
 from .ddp.compile import compile_model
 from .ddp.heal import Growing, Healing, NothingToHealFrom, newest_state
@@ -377,7 +377,8 @@ class DDPTrainer:
         self.faults = FaultPlan(cfg.recovery.fault_inject, env.rank,
                                 process_group.group_restarts() + self._heals + self._joined)
         self.peers = PeerMonitor(cfg.recovery, env=env, store=process_group.STORE, checkpoint_dir=cfg.checkpoint.dir,
-                                 on_silent=process_group.stop_silent_peer if process_group.MEMBERSHIP else None)
+                                 on_silent=process_group.stop_silent_peer if process_group.MEMBERSHIP else None,
+                                 breaker=collectives.BREAKER)
         for listener in (self.peers, self.step_start_buffers, self.watchdog, self.stragglers, self.spike_guard,
                          self.faults, self.callbacks, self._startup, self.consistency):
             self.events.attach(listener)
@@ -641,8 +642,16 @@ class DDPTrainer:
         self._drop_ddp_wrapper()
         process_group.drop_broken_group()  # first: a survivor blocked on this one is released at once
         self.optimizer.zero_grad(set_to_none=True)  # the lost step's partial gradients
+        named = collectives.BREAKER.lost() if collectives.BREAKER is not None else []  # silent on another host
         generation = process_group.MEMBERSHIP.after_loss(process_group.GENERATION,
-                                                         wait_s=self.config.recovery.peer_timeout_s or 10.0)
+                                                         wait_s=self.config.recovery.peer_timeout_s or 10.0,
+                                                         lost=[process_group.GENERATION.members[r] for r in named])
+        replica = process_group.MEMBERSHIP.replica
+        if replica not in generation.members:  # e.g. frozen on another host, and continued since
+            raise process_group.PeerLost(
+                f"replica {replica} was left out of generation {generation.number} ({list(generation.members)}): its "
+                "peers named it lost (frozen, cut off, or too late to say it was alive) and heal in place without it; "
+                f"exiting with {process_group.EXIT_PEER_LOST} so that its torchrun starts it again to rejoin")
         self._regrouped = "healed in place at"
         source = self._regroup(generation, healing.state, healing.step)
         formed = self._formed_at

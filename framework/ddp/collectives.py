@@ -10,7 +10,12 @@ tells dead from slow from a thread of its own; a breaker carries its verdict int
 
 A collective that was broken never completes: its work and group are parked (kept referenced for
 the life of the process, since freeing them joins gloo threads that may never return), and the
-survivors form a new group."""
+survivors form a new group.
+
+Wired for a run that heals in place: ``process_group.form`` arms this process's ``BREAKER`` for each
+generation; the step's agreement (framework/train/agreement.py) and DDP's gradient all-reduce (the
+comm hook, framework/ddp/comm_hooks.py) wait through it; the peer monitor names a silent peer in
+it (framework/resilience/peers.py). Elsewhere ``BREAKER`` is None and every call is the plain one."""
 
 from __future__ import annotations
 
@@ -20,6 +25,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+BREAKER: Breaker | None = None
+"""This process's breaker while it heals in place (``arm``), else None."""
 PARKED: list[Any] = []
 """Broken collectives' works and their groups, never freed (see the module's docstring). A work
 alone does not keep its group: freeing a ``ProcessGroupGloo`` joins its threads, one of which may
@@ -102,11 +109,13 @@ class Breaker:
         with self._lock:
             self._cancels.pop(key, None)
 
-    def wait(self, work: dist.Work, what: str = "a collective", *, group=None, timeout_s: float | None = None) -> None:
-        """Wait for ``work`` (of ``group``, None: the default group); raise PeerLostError as soon as
-        a peer is named lost (at once if one already is), or TimeoutError after ``timeout_s``. A
-        work given up is parked with its group."""
-        event, done = threading.Event(), work.get_future()
+    def wait(self, work: dist.Work | torch.futures.Future, what: str = "a collective", *, group=None,
+             timeout_s: float | None = None) -> None:
+        """Wait for ``work`` (a collective's work or future, of ``group``, None: the default group);
+        raise PeerLostError as soon as a peer is named lost (at once if one already is), or
+        TimeoutError after ``timeout_s``. A work given up is parked with its group."""
+        event = threading.Event()
+        done = work if isinstance(work, torch.futures.Future) else work.get_future()
         done.then(lambda _: event.set())  # also when the work fails (gloo's timeout, a closed connection)
         key = self._watch(lambda _lost: event.set())
         try:
@@ -162,9 +171,24 @@ class Breaker:
         return out.then(lambda f: f.value())
 
 
+def arm(generation: int) -> Breaker:
+    """The breaker of ``generation``'s group, this process's ``BREAKER`` from now on: nobody lost."""
+    global BREAKER
+    if BREAKER is None:
+        BREAKER = Breaker(generation)
+    else:
+        BREAKER.reset(generation)
+    return BREAKER
+
+
+def disarm() -> None:
+    global BREAKER
+    BREAKER = None
+
+
 def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, *, breaker: Breaker | None, group=None,
                what: str = "an all-reduce") -> None:
-    """``dist.all_reduce``, broken by ``breaker`` (None: the plain blocking call)."""
+    """``dist.all_reduce``, broken by ``breaker`` (None: the plain blocking call; pass ``BREAKER``)."""
     if breaker is None:
         dist.all_reduce(tensor, op, group=group)
         return

@@ -14,6 +14,10 @@ complete, so with two buckets or more the ranks can issue them in different orde
 2.13 hangs (or fails with "Received data size doesn't match") at the first compressed step. There
 each bucket's PowerSGD is waited for before backward goes on; on NCCL the chain is issued at once,
 in order, and nothing waits.
+
+Healing in place, every hook (``none`` too: torch's own all-reduce hook) is ``breakable``: its
+future fails as soon as the peer monitor names a peer lost (framework/ddp/collectives.py), so a
+backward waiting for a frozen or cut-off peer ends in seconds, not after ``ddp.timeout_s``.
 """
 
 from __future__ import annotations
@@ -23,8 +27,10 @@ import logging
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
 
+from . import collectives
 from .config import DDPSection
 
 log = logging.getLogger(__name__)
@@ -50,6 +56,19 @@ def compress_hook(dtype: torch.dtype):
 
 
 _COMPRESS = {"fp16": compress_hook(torch.float16), "bf16": compress_hook(torch.bfloat16)}
+
+
+def breakable(hook):
+    """``hook``, whose future fails with ``collectives.PeerLostError`` when a peer is named lost in
+    this process's breaker before the bucket's all-reduce completes (the breaker read at each call:
+    None, the future as it is)."""
+    def guarded(state, bucket):  # unannotated, as above
+        fut = hook(state, bucket)
+        breaker = collectives.BREAKER
+        return fut if breaker is None else breaker.future(fut, "the gradient all-reduce")
+
+    guarded.__name__ = f"breakable_{getattr(hook, '__name__', 'hook')}"
+    return guarded
 
 
 def capture_powersgd(state: PowerSGDState) -> dict:
@@ -102,11 +121,17 @@ class CommHook:
         return (2 if static_graph else 1) if self.name == "powersgd" else 0
 
     def register(self, ddp_model) -> None:
+        """Register the hook on ``ddp_model``; healing in place (a breaker armed), ``breakable``."""
+        guarded = collectives.BREAKER is not None
+        wrap = breakable if guarded else (lambda hook: hook)
         if self.name == "none":
-            log.info("DDP communication hook: none (fp32 all-reduce)")
+            if guarded:
+                ddp_model.register_comm_hook(None, wrap(allreduce_hook))
+            log.info("DDP communication hook: none (fp32 all-reduce%s)",
+                     ", ended at once when a peer is named lost" if guarded else "")
             return
         if self.name in _COMPRESS:
-            ddp_model.register_comm_hook(None, _COMPRESS[self.name])
+            ddp_model.register_comm_hook(None, wrap(_COMPRESS[self.name]))
             log.info("DDP communication hook: %s (gradients all-reduced in %s, averaged, then cast back)",
                      self.name, self.name)
             return
@@ -114,7 +139,7 @@ class CommHook:
         if self._saved is not None:
             restore_powersgd(self.state, self._saved, self.env.device)
         self._wait = not (dist.is_initialized() and dist.get_backend() == "nccl")
-        ddp_model.register_comm_hook(self.state, self._powersgd)
+        ddp_model.register_comm_hook(self.state, wrap(self._powersgd))
         log.info("DDP communication hook: powersgd (rank %d, error feedback, warm start; plain all-reduce until "
                  "iteration %d, now at %d)", self.ddp.powersgd_rank, self.ddp.powersgd_start_iter, self.state.iter)
 
@@ -132,7 +157,11 @@ class CommHook:
             self._forget(state, index)
         fut = powerSGD_hook(state, bucket).then(lambda fut: self._keep_finite(state, index, fut.value()))
         if self._wait:
-            fut.wait()
+            breaker = collectives.BREAKER
+            if breaker is None:
+                fut.wait()
+            else:
+                breaker.wait(fut, "PowerSGD's all-reduce")
         return fut
 
     def _keep_finite(self, state: PowerSGDState, index: int, reduced: torch.Tensor) -> torch.Tensor:

@@ -277,16 +277,17 @@ class Membership:
             kill(where, f"replica {replica} is stopped")
         return state in (None, "Z", "X", "T")
 
-    def after_loss(self, generation: Generation, wait_s: float) -> Generation:
+    def after_loss(self, generation: Generation, wait_s: float, lost=()) -> Generation:
         """The generation after ``generation`` lost a member: this replica says it is alive, waits
         until each other member has said so too or is known gone (``gone``), for at most
         ``wait_s``, and proposes those alive, then as many replicas that wait to join (spares, or
         lost ones started again) as keep the group its size. The first proposal wins; a replica
-        left out of it is not a member (``form`` refuses it)."""
+        left out of it is not a member (``form`` refuses it). Replicas in ``lost`` (named lost by
+        the peer monitor: silent on another host) are not waited for."""
         number = generation.number + 1
         self.store.set(f"alive/{number}/{self.replica}", "1")
         deadline = time.monotonic() + wait_s
-        others = [m for m in generation.members if m != self.replica]
+        others = [m for m in generation.members if m != self.replica and m not in lost]
         while not self.store.check([f"members/{number}"]):
             said = {m for m in others if self.store.check([f"alive/{number}/{m}"])}
             if all(m in said or self.gone(m, generation) for m in others) or time.monotonic() > deadline:

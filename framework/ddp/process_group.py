@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from . import collectives
 from .heal import NothingToHealFrom, newest_state
 from .membership import Membership, Slot, process_state
 
@@ -268,10 +269,6 @@ def drop_broken_group(wait_s: float = 5.0) -> bool:
     (measured on 4 ranks: 0.02 s instead of until this process exits). The destruction runs in a
     thread waited for ``wait_s``: should a gloo thread of the group stay blocked, the group is
     parked instead and the heal goes on. Returns whether it was destroyed."""
-    import threading
-
-    from .collectives import park
-
     group = dist.group.WORLD
     release_ddp_holders(group)
     done = threading.Event()
@@ -284,7 +281,7 @@ def drop_broken_group(wait_s: float = 5.0) -> bool:
     if done.wait(wait_s):
         return True
     log.warning("the broken process group did not free within %.0f s: parked", wait_s)
-    park(group)
+    collectives.park(group)
     return False
 
 
@@ -358,6 +355,7 @@ def form(generation, backend: str, timeout_s: float, *, broken: bool = True, ste
         release_ddp_holders(dist.group.WORLD)
         dist.destroy_process_group()
     rank = MEMBERSHIP.form(generation, chosen, timeout_s)
+    collectives.arm(generation.number)  # the step's collectives end when a member is named lost
     if steady_s is not None and steady_s != timeout_s:
         from torch.distributed.distributed_c10d import _set_pg_timeout
         _set_pg_timeout(datetime.timedelta(seconds=steady_s), None)
@@ -566,6 +564,7 @@ def teardown() -> None:
     STORE = STORE_GENERATION = None  # release the store client here, not during interpreter shutdown
     global MEMBERSHIP, GENERATION
     MEMBERSHIP = GENERATION = None
+    collectives.disarm()
 
 
 def release_ddp_holders(group) -> int:

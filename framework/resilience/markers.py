@@ -78,7 +78,8 @@ def write_fatal(directory: str | Path, rank: int, err: BaseException) -> None:
 
 
 # What a rank sees when a peer died: the peer's own error is the cause worth naming.
-_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "remote process exited")
+_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "remote process exited",
+              "given up: peer rank(s)")  # the last: a breaker's PeerLostError, as DDP's backward passes it on
 
 
 def _recorded_by_this_restart(path: Path) -> bool:
@@ -103,7 +104,8 @@ def clear_if_earlier(directory: str | Path, name: str) -> None:
 def peer_lost(err: BaseException) -> bool:
     """Whether ``err`` is what a rank sees when a peer process went away (gloo's "Connection closed
     by peer", NCCL's DistBackendError): a consequence, whose cause is on the peer's side."""
-    return type(err).__name__ in ("DistBackendError", "PeerLostSilently") or any(s in str(err) for s in _PEER_LOST)
+    return (type(err).__name__ in ("DistBackendError", "PeerLostSilently", "PeerLostError")
+            or any(s in str(err) for s in _PEER_LOST))
 
 
 def timed_out(err: BaseException) -> bool:

@@ -1,7 +1,10 @@
 """A silent peer named in seconds: every rank beats in the run's store from a thread of its own,
 and a rank whose watched peer stops beating (a frozen process or host, a cut link: nothing tells
 the collectives, which wait for ``ddp.timeout_s``) names it and ends the restart with
-EXIT_PEER_LOST, so that torchrun restarts the group, or the launcher ends the run, at once."""
+EXIT_PEER_LOST, so that torchrun restarts the group, or the launcher ends the run, at once.
+Healing in place, the silent peer is killed when it runs on this host, and otherwise named lost in
+every rank's breaker (framework/ddp/collectives.py): the step's collectives with it end, and the
+others heal in place without it."""
 
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ import torch.distributed as dist
 
 from .config import RecoverySection
 from ..ddp import process_group
+from ..ddp.collectives import Breaker
 from ..train.events import Listener
 from . import markers
 
@@ -60,6 +64,14 @@ class PeerMonitor(Listener):
     training ended, or failed on its own) says so first, and is not missed: a process that exits
     closes its connections, which its peers' collectives see at once.
 
+    Healing in place: ``on_silent`` kills a silent peer on this host (its connections close, and
+    the collectives with it fail). One on another host is named lost in ``breaker`` instead, and
+    the announcement names its rank, so that every rank names it in its own breaker: their
+    step's collectives with it end, and they heal in place. The rank named reads itself in the
+    announcement, should it ever run again, and exits. A heal stops this monitor; one that has not
+    come within ``peer_timeout_s`` (the main thread in a collective no breaker ends, e.g. an
+    evaluation's) ends the rank as above.
+
     On the event bus: beats from the start of training to its end. Only with a store (under
     torchrun, or a default group on a TCPStore) and more than one rank; ``peer_timeout_s=0`` is
     off. A group the user built on torchrun's agent store (no key prefix per restart) is not
@@ -68,7 +80,8 @@ class PeerMonitor(Listener):
     Config = RecoverySection
 
     def __init__(self, section, *, env, store: dist.Store | None, checkpoint_dir: str,
-                 on_lost: Callable[[str], None] | None = None, on_silent: Callable[[int], bool] | None = None):
+                 on_lost: Callable[[str], None] | None = None, on_silent: Callable[[int], bool] | None = None,
+                 breaker: Breaker | None = None):
         self.timeout_s = section.peer_timeout_s
         self.rank, self.world_size = env.rank, env.world_size
         # A group the user built on torchrun's agent store (which outlives restarts) has no key prefix
@@ -82,6 +95,9 @@ class PeerMonitor(Listener):
         self.on_lost = on_lost or self._exit
         # Called with a silent rank (healing in place: kill it); True: it was, and the group heals.
         self.on_silent = on_silent
+        # Healing in place: where a silent peer is named lost (its generation's: a verdict reaching
+        # a later generation's breaker is ignored).
+        self.breaker, self._generation = breaker, breaker.generation if breaker is not None else None
         self.watched = (self.rank + 1) % self.world_size
         self.lost: str | None = None
         self._stop = threading.Event()
@@ -153,15 +169,25 @@ class PeerMonitor(Listener):
                 self._seen, self._changed_at = value, now  # its first beat is the collective timeout's
 
     def _judge(self) -> None:
-        killed_at = None
+        killed_at, gone = None, ""  # when the group began to heal without a peer, and which one (how)
+        named: str | None = None  # the announcement this rank named lost in its breaker
         self._judged_at = time.monotonic()
         while not self._stop.wait(self._period()):
             now = time.monotonic()
             if now - self._judged_at > self.timeout_s:  # this process did not run (suspended, then
                 self._ok_at = self._changed_at = now    # continued): neither the store nor the peer is late
             self._judged_at = now
-            if self._announced:
-                return self._lose(self._announced)
+            if self._announced and self._announced != named:
+                ranks, what = _parse(self._announced)
+                if self.rank in ranks:
+                    return self._lose(f"this rank was named lost by its peers ({what})")
+                if self.breaker is None or not ranks:
+                    return self._lose(what)
+                named, killed_at, gone = self._announced, killed_at or now, f"rank(s) {ranks} were named lost"
+                log.warning("%s: named lost by a peer; this rank gives up the step's collectives with rank(s) %s "
+                            "and heals in place without them", what, ranks)
+                self.breaker.name(ranks, self._generation)
+                continue
             if self._seen == LEFT:
                 continue  # nothing left to watch: the collectives tell of this rank's own peers
             if now - self._ok_at > self.timeout_s:
@@ -171,20 +197,29 @@ class PeerMonitor(Listener):
             # Judged on the reads that happened: a beat thread stuck in the store is the rule above's.
             if killed_at is not None:
                 if now - killed_at > self.timeout_s:  # the heal stops this monitor: it did not come
-                    return self._lose(f"rank {self.watched} went silent and was killed, but the group did not heal "
-                                      f"within {self.timeout_s:g} s (recovery.peer_timeout_s)", announce=True)
+                    return self._lose(f"{gone}, but the group did not heal within {self.timeout_s:g} s "
+                                      "(recovery.peer_timeout_s)", announce=True)
                 continue
             if self._ok_at - self._changed_at > self.timeout_s:
+                silent = (f"rank {self.watched} went silent: no heartbeat for {now - self._changed_at:.1f} s "
+                          f"(recovery.peer_timeout_s={self.timeout_s:g}; frozen, or cut off)")
                 if self.on_silent is not None and self.on_silent(self.watched):
                     # Killed: its connections close, the collective waiting for it fails on the
                     # survivors, and they heal in place as after a kill -9.
                     log.warning("rank %d went silent: no heartbeat for %.1f s (recovery.peer_timeout_s=%g); killed, "
                                 "so that the group heals in place", self.watched, now - self._changed_at,
                                 self.timeout_s)
-                    killed_at = now
+                    killed_at, gone = now, f"rank {self.watched} went silent and was killed"
                     continue
-                return self._lose(f"rank {self.watched} went silent: no heartbeat for {now - self._changed_at:.1f} s "
-                                  f"(recovery.peer_timeout_s={self.timeout_s:g}; frozen, or cut off)", announce=True)
+                if self.breaker is not None:  # on another host: every rank names it lost in its breaker
+                    named, killed_at = _announcement([self.watched], silent), now
+                    gone = f"rank {self.watched} went silent and was named lost"
+                    self._call(lambda said=named: self.store.set("lost", said), wait_s=BEAT_S)
+                    log.warning("%s; on another host: named lost, so that every rank gives up the step's collectives "
+                                "with it and heals in place without it", silent)
+                    self.breaker.name([self.watched], self._generation)
+                    continue
+                return self._lose(silent, announce=True)
 
     def _period(self) -> float:
         return min(BEAT_S, self.timeout_s / 4)
@@ -208,7 +243,7 @@ class PeerMonitor(Listener):
             log.warning("%s; this rank is already handling a peer's loss, and ends the restart when done", what)
             return
         if announce:
-            self._call(lambda: self.store.set("lost", what), wait_s=BEAT_S)
+            self._call(lambda: self.store.set("lost", _announcement([], what)), wait_s=BEAT_S)
             if self._held.is_set() or self._stop.is_set():  # a survivor checkpoint, or the end, came meanwhile
                 return
         self.on_lost(what)
@@ -222,6 +257,20 @@ class PeerMonitor(Listener):
         log.error("%s: ending this restart with exit %d so that torchrun restarts the group (or the launcher "
                   "ends the run) now, not after ddp.timeout_s", what, process_group.EXIT_PEER_LOST)
         markers.record_error(self.checkpoint_dir, self.rank, PeerLostSilently(what))
+        try:  # for launch_training.sh, which exits 75 naming it once its torchrun has no restart left
+            markers.write(self.checkpoint_dir, markers.NODE_LOST, what)
+        except OSError:
+            pass
         for handler in logging.getLogger().handlers:
             handler.flush()
         os._exit(process_group.EXIT_PEER_LOST)
+
+
+def _announcement(ranks: list[int], what: str) -> str:
+    """The store's ``lost`` value: the ranks named lost (none: every rank ends its restart) and why."""
+    return f"{','.join(str(r) for r in ranks)}\t{what}"
+
+
+def _parse(announced: str) -> tuple[list[int], str]:
+    ranks, _, what = announced.partition("\t")
+    return [int(r) for r in ranks.split(",") if r], what

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..ddp import collectives
+
 SLOTS = ("loss_sum", "stop", "nonfinite", "oom", "preempt", "agent_lost", "save_due", "grow")
 
 
@@ -36,7 +38,8 @@ def spread(values: dict[str, float]) -> dict[str, tuple[float, float]]:
 
 def agree(*, loss: torch.Tensor, world_size: int, distributed: bool, **flags: bool | torch.Tensor) -> Agreement:
     """All-reduce this rank's loss and flags (unknown flag names are an error) in one call.
-    ``loss`` may be a device tensor: nothing is synchronised before the collective."""
+    ``loss`` may be a device tensor: nothing is synchronised before the collective. Healing in
+    place, a peer named lost ends the wait (``collectives.PeerLostError``)."""
     unknown = set(flags) - set(SLOTS[1:])
     assert not unknown, f"unknown control flags {unknown}"
     values = [loss.detach().to(torch.float64).reshape(())]
@@ -47,6 +50,6 @@ def agree(*, loss: torch.Tensor, world_size: int, distributed: bool, **flags: bo
                       else torch.tensor(float(flag), dtype=torch.float64, device=loss.device))
     buf = torch.stack(values)
     if distributed:
-        dist.all_reduce(buf)
+        collectives.all_reduce(buf, breaker=collectives.BREAKER, what="the agreement")
     out = buf.tolist()
     return Agreement(out[0] / world_size, *(v > 0 for v in out[1:]))

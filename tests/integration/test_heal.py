@@ -9,6 +9,8 @@ from __future__ import annotations
 import collections
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
 import time
@@ -18,6 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from framework.ddp.membership import process_state
 from framework.observability.metrics import read_samples
 from tests.tiny import tiny
 
@@ -26,11 +29,13 @@ REPLICAS = 3
 STEPS = 12
 
 
-def heal_run(run_dir: Path, fault: str = "", *, steps: int = STEPS, spares: int = 0, changes: dict | None = None
-             ) -> dict:
+def heal_run(run_dir: Path, fault: str = "", *, steps: int = STEPS, spares: int = 0, changes: dict | None = None,
+             other_host: int | None = None) -> dict:
     """Three ddp_training.py processes on a run store of the test's, as launch_training.sh starts
     them (without torchrun), the last ``spares`` of them spares, the configuration with ``changes``;
-    returns their exit codes and the time the run took."""
+    returns their exit codes and the time the run took. Replica ``other_host`` runs under a host
+    name of its own (a UTS namespace: ``unshare --uts``): the others cannot kill it, as on another
+    host. A replica still stopped when the others have ended is continued (SIGCONT)."""
     run_dir.mkdir(parents=True)
     config = tiny(run_dir, {"train.max_steps": steps, "recovery.heal": "in_place", "recovery.fault_inject": fault,
                             "logging.record_samples": True, "checkpoint.every_steps": 4, "data.batch_size": 4,
@@ -43,13 +48,23 @@ def heal_run(run_dir: Path, fault: str = "", *, steps: int = STEPS, spares: int 
 
     def start(replica: int) -> subprocess.Popen:
         command = [sys.executable, str(ROOT / "ddp_training.py"), "--config", str(run_dir / "config.json")]
+        if replica == other_host:  # exec: the pid is the trainer's
+            command = ["unshare", "--uts", "sh", "-c", 'hostname "other-host-$$" && exec "$0" "$@"', *command]
         with open(run_dir / f"out_{replica}.txt", "wb") as out:
             return subprocess.Popen(command, env={**env, "HEAL_REPLICA": str(replica)}, stdout=out,
                                     stderr=subprocess.STDOUT, cwd=ROOT)
 
     procs = [start(r) for r in range(REPLICAS)]
     try:
-        codes = [p.wait(timeout=240) for p in procs]
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            running = [p for p in procs if p.poll() is None]
+            if not running:
+                break
+            if len(running) == 1 and process_state(running[0].pid) == "T":
+                os.kill(running[0].pid, signal.SIGCONT)  # the others are done: it may go on
+            time.sleep(0.1)
+        codes = [p.wait(timeout=30) for p in procs]
     finally:
         for p in procs:
             p.kill()
@@ -187,6 +202,37 @@ def test_a_frozen_rank_is_killed_by_its_watcher_and_the_others_heal_in_place(tmp
         weights = final_weights(run_dir)
         assert max((weights[k].float() - reference[k].float()).abs().max().item() for k in reference) < 1e-5
         assert samples_per_epoch(run_dir) == expected
+
+
+@pytest.mark.dist
+def test_a_rank_frozen_on_another_host_is_named_lost_and_the_others_heal_in_place(tmp_path, whole):
+    """Replica 2 runs under a host name of its own, so that nobody can kill it (as on another host),
+    and is stopped (SIGSTOP) at step 5's start: it sends no reset. Its watcher, rank 1, names it
+    after recovery.peer_timeout_s and announces it; every survivor names it lost in its breaker, so
+    that step 5's collectives with it end at once instead of after ddp.timeout_s, and ranks 0 and 1
+    heal in place without it, from the state they hold. Continued once they are done, it reads that
+    it was named lost and exits by itself."""
+    if subprocess.run(["unshare", "--uts", "true"], capture_output=True).returncode != 0:
+        pytest.skip("another host name needs a UTS namespace (unshare --uts, as root): refused here")
+    run_dir = tmp_path / "frozen-elsewhere"
+    run = heal_run(run_dir, "sigstop@step=5,rank=2", changes={"recovery.peer_timeout_s": 2, "ddp.timeout_s": 300},
+                   other_host=2)
+    assert run["codes"][:2] == [0, 0] and run["codes"][2] == 75, run
+    text = logs(run_dir)
+    assert "rank 2 went silent: no heartbeat for" in text and "on another host: named lost" in text, text[-3000:]
+    assert "named lost by a peer; this rank gives up the step's collectives with rank(s) [2]" in text, text[-3000:]
+    assert "killed" not in text and "resumed from" not in text, text[-3000:]
+    assert text.count("healed in place at step 5 (epoch 1, sample 0 of the epoch)") == 2, text[-3000:]
+    assert run["s"] < 120, run  # not ddp.timeout_s (300 s)
+    # Its monitor reads the announcement, or its main thread the generation it was left out of.
+    said = (run_dir / "out_2.txt").read_text()
+    assert re.search(r"this rank was named lost by its peers|was left out of generation 2 \(\[0, 1\]\): its peers "
+                     r"named it lost", said), said[-2000:]
+    summary = json.loads((run_dir / "logs" / "summary.json").read_text())
+    assert (summary["steps"], summary["world_size"], summary["restarts"]) == (STEPS, 2, 0)
+    assert weight_diff(whole, run_dir) < 1e-5
+    assert samples_per_epoch(run_dir) == samples_per_epoch(whole)
+    assert left_running(run_dir) == ""
 
 
 @pytest.mark.dist

@@ -220,3 +220,39 @@ def test_a_rank_whose_own_process_did_not_run_does_not_take_its_peer_for_silent(
     finally:
         for m in made:
             m.close()
+
+
+@pytest.mark.slow
+def test_healing_in_place_a_peer_silent_on_another_host_is_named_lost_in_every_ranks_breaker(store, tmp_path):
+    """Rank 2 goes silent and its watcher cannot kill it (another host: on_silent False). Rank 1
+    names it lost in its breaker and announces it; rank 0 reads the announcement and names it in
+    its own: the collectives with it end, and nobody ends its process, unless the heal (which
+    closes the monitors) has not come within another timeout. A process of rank 2 that runs
+    again reads that it was named lost, and ends."""
+    from framework.ddp.collectives import Breaker
+    heard = {r: [] for r in range(3)}
+    breakers = [Breaker(1) for _ in range(3)]
+    made = [PeerMonitor(RecoverySection(peer_timeout_s=TIMEOUT_S),
+                        env=SimpleNamespace(rank=r, world_size=3, distributed=True), store=store,
+                        checkpoint_dir=str(tmp_path), on_lost=heard[r].append, on_silent=lambda rank: False,
+                        breaker=breakers[r]) for r in range(3)]
+    for m in made:
+        m.train_start()
+    again = None
+    try:
+        freeze(made[2])
+        assert holds_within(lambda: breakers[0].lost() and breakers[1].lost(), TIMEOUT_S + 3)
+        assert breakers[0].lost() == breakers[1].lost() == [2] and not heard[0] and not heard[1]
+        # Rank 2's process runs again (SIGCONT): it reads that it was named lost, and ends.
+        again = PeerMonitor(RecoverySection(peer_timeout_s=TIMEOUT_S),
+                            env=SimpleNamespace(rank=2, world_size=3, distributed=True), store=store,
+                            checkpoint_dir=str(tmp_path), on_lost=heard[2].append, breaker=Breaker(1))
+        again.train_start()
+        assert holds_within(lambda: heard[2], 3)
+        assert heard[2][0].startswith("this rank was named lost by its peers (rank 2 went silent: no heartbeat")
+        # No heal came (the monitors were not closed): the loss ends the ranks as without a breaker.
+        assert holds_within(lambda: heard[0] and heard[1], TIMEOUT_S + 3)
+        assert heard[1][0].startswith("rank 2 went silent and was named lost, but the group did not heal within")
+    finally:
+        for m in (*made, *([again] if again else [])):
+            m.close()
