@@ -95,6 +95,11 @@ REJOIN_SLOW = "slow@step=0,ms=600,restart=*"
 # the uninterrupted run's (tests/integration/test_elastic.py's bound; the attention key biases left out).
 WORLD_CHANGE_TOLERANCE = 1e-5
 SLOW_SAVE_S = 6.0  # kill9_slow_save: how long the survivor is frozen holding the lock for its survivor checkpoint
+# Healing on 2 nodes, node 1 runs under a host name of its own (a UTS namespace; root), so that node
+# 0 finds a lost member as on another host: a stopped worker is named lost (not killed), a dead one
+# known by its heartbeat's silence (not its pid). exec: the launcher keeps the pid the explorer holds.
+OTHER_HOST = ["unshare", "--uts", "sh", "-c", 'hostname "explore-node1-$$" && exec "$0" "$@"']
+OTHER_HOST_OK = subprocess.run([*OTHER_HOST[:2], "true"], capture_output=True).returncode == 0
 REJOIN_AFTER_S = 20.0  # the lost node's agent starts again once the survivor trains alone, or this long after
 RESTARTS_ONE_RANK_ERROR = 3  # crash_one_rank: launch_training.sh --max-restarts
 FOREIGN_LR, FOREIGN_STEPS = 5e-3, 4  # the other run whose checkpoints a checkpoint_dir may hold
@@ -588,6 +593,8 @@ class Job:
                           f"127.0.0.1:{port}", "--rdzv-id", f"ex-{port}", "--", *argv] for node in range(2)]
             self.env = {k: v for k, v in self.env.items() if k != "PYTHONPATH"} | {
                 "PYTHON": sys.executable, "GLOO_SOCKET_IFNAME": "lo"}
+            if OTHER_HOST_OK:  # node 1 as on another host: node 0 can neither see nor kill its processes
+                self.cmds[1] = [*OTHER_HOST, *self.cmds[1]]
         elif fault in ("sigterm_launcher", "crash_one_rank") or heals(cfg):
             if fault == "crash_one_rank":
                 restarts = str(RESTARTS_ONE_RANK_ERROR)
@@ -1051,12 +1058,16 @@ def run_job(trial, job: Job, lay: Layout, foreign: set[str], marker: str, res: d
     orphan_agent = external and trial["config"]["topology"] == "2x1"
     no_workers_since, next_look = None, 0.0
     while not job.done():
-        if orphan_agent and res.get("hit") and time.monotonic() >= next_look:
+        if orphan_agent and (res.get("hit") or heals(trial["config"])) and time.monotonic() >= next_look:
             next_look = time.monotonic() + 1.0
             workers = job.workers().values()
             # A stopped worker with restarts left: its agent ends it (SIGTERM, SIGKILL 30 s later)
             # before it joins the restart's round; the bound ends the launch if it never does.
-            if any(running(proc) for proc in workers) or (workers and trial["config"]["max_restarts"]):
+            # Healing, node 1's torchrun is a job of its own, which nothing tells once node 0 ended:
+            # its stopped worker (on "another host") is ended as a scheduler would reclaim the host.
+            healed_alone = heals(trial["config"]) and job.procs[0].poll() is not None
+            if any(running(proc) for proc in workers) or (workers and trial["config"]["max_restarts"]
+                                                          and not healed_alone):
                 no_workers_since = None
             elif no_workers_since is None:
                 no_workers_since = time.monotonic()

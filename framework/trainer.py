@@ -645,10 +645,11 @@ class DDPTrainer:
         named = collectives.BREAKER.lost() if collectives.BREAKER is not None else []  # silent on another host
         generation = process_group.MEMBERSHIP.after_loss(process_group.GENERATION,
                                                          wait_s=self.config.recovery.peer_timeout_s or 10.0,
-                                                         lost=[process_group.GENERATION.members[r] for r in named])
+                                                         lost=[process_group.GENERATION.members[r] for r in named],
+                                                         silent_s=self.peers.dead_after_s)
         replica = process_group.MEMBERSHIP.replica
         if replica not in generation.members:  # e.g. frozen on another host, and continued since
-            raise process_group.PeerLost(
+            self._end_restart(
                 f"replica {replica} was left out of generation {generation.number} ({list(generation.members)}): its "
                 "peers named it lost (frozen, cut off, or too late to say it was alive) and heal in place without it; "
                 f"exiting with {process_group.EXIT_PEER_LOST} so that its torchrun starts it again to rejoin")
@@ -699,12 +700,26 @@ class DDPTrainer:
                         generation.number)
             state, source = None, -1
         self._heals += 1
-        self.checkpointer.take_over(self.env, resuming=state is None)
+        try:
+            self.checkpointer.take_over(self.env, resuming=state is None)
+        except CheckpointDirLocked as err:  # rank 0 named lost, frozen or cut off, still holds it
+            self._end_restart(f"rank 0 was lost, and its process still holds checkpoint.dir's lock ({err}): frozen or "
+                              "cut off, it may yet write there, so this generation cannot save; exiting with "
+                              f"{process_group.EXIT_PEER_LOST} so that the run restarts once that process is gone")
         self._build_training(given=state, rebuilt=True)
         if self.sampler.uneven is not None:
             log.info("the global batch of %d samples splits unevenly: %s", self.sampler.global_batch,
                      self.sampler.describe())
         return source
+
+    def _end_restart(self, message: str) -> None:
+        """End this process with EXIT_PEER_LOST (``PeerLost``), NODE_LOST saying why: the
+        launcher exits 75 naming it."""
+        try:
+            markers.write(self.config.checkpoint.dir, markers.NODE_LOST, message)
+        except OSError as err:
+            log.error("could not write %s: %s", markers.NODE_LOST, err)
+        raise process_group.PeerLost(message)
 
     def _stop_run_health(self) -> None:
         """Detach and stop what surrounds a step (``_build_run_health`` builds it anew)."""

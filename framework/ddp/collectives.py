@@ -91,8 +91,8 @@ class Breaker:
 
     def reset(self, generation: int) -> None:
         """``generation``'s group was formed: nobody in it is lost."""
-        with self._lock:
-            self.generation, self._lost = generation, []
+        with self._lock:  # an older generation's watches (works never completed) are not this one's
+            self.generation, self._lost, self._cancels = generation, [], {}
 
     def _watch(self, cancel: Callable[[list[int]], None]) -> int:
         """Register ``cancel`` (called at once if a peer is already lost); returns its key."""

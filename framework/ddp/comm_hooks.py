@@ -15,9 +15,10 @@ complete, so with two buckets or more the ranks can issue them in different orde
 each bucket's PowerSGD is waited for before backward goes on; on NCCL the chain is issued at once,
 in order, and nothing waits.
 
-Healing in place, every hook (``none`` too: torch's own all-reduce hook) is ``breakable``: its
-future fails as soon as the peer monitor names a peer lost (framework/ddp/collectives.py), so a
-backward waiting for a frozen or cut-off peer ends in seconds, not after ``ddp.timeout_s``.
+Healing in place on gloo (CPU), every hook (``none`` too: ``allreduce_hook``, DDP's own arithmetic)
+is ``breakable``: its future fails as soon as the peer monitor names a peer lost
+(framework/ddp/collectives.py), so a backward waiting for a frozen or cut-off peer ends in seconds,
+not after ``ddp.timeout_s``.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ import logging
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
 
 from . import collectives
@@ -58,14 +58,25 @@ def compress_hook(dtype: torch.dtype):
 _COMPRESS = {"fp16": compress_hook(torch.float16), "bf16": compress_hook(torch.bfloat16)}
 
 
+def allreduce_hook(process_group, bucket):  # unannotated, as above
+    """DDP's own averaging all-reduce as a hook: the bucket multiplied by 1/W, as the reducer does
+    (torch's ``default_hooks.allreduce_hook`` divides, which differs from it by an ulp at a world
+    size that is not a power of two), then summed."""
+    group = process_group if process_group is not None else dist.group.WORLD
+    buffer = bucket.buffer().mul_(1.0 / group.size())
+    return dist.all_reduce(buffer, group=group, async_op=True).get_future().then(lambda fut: fut.value()[0])
+
+
 def breakable(hook):
     """``hook``, whose future fails with ``collectives.PeerLostError`` when a peer is named lost in
     this process's breaker before the bucket's all-reduce completes (the breaker read at each call:
-    None, the future as it is)."""
+    None, the future as it is). Gloo on CPU buckets only: the breaker's future is a CPU future,
+    which would lose a CUDA bucket's stream order (and NCCL's future completes when the work is
+    queued, so there is nothing to break)."""
     def guarded(state, bucket):  # unannotated, as above
         fut = hook(state, bucket)
         breaker = collectives.BREAKER
-        return fut if breaker is None else breaker.future(fut, "the gradient all-reduce")
+        return fut if breaker is None or bucket.buffer().is_cuda else breaker.future(fut, "the gradient all-reduce")
 
     guarded.__name__ = f"breakable_{getattr(hook, '__name__', 'hook')}"
     return guarded
@@ -122,7 +133,8 @@ class CommHook:
 
     def register(self, ddp_model) -> None:
         """Register the hook on ``ddp_model``; healing in place (a breaker armed), ``breakable``."""
-        guarded = collectives.BREAKER is not None
+        guarded = (collectives.BREAKER is not None and self.env.device.type == "cpu"
+                   and dist.is_initialized() and dist.get_backend() == "gloo")
         wrap = breakable if guarded else (lambda hook: hook)
         if self.name == "none":
             if guarded:

@@ -33,6 +33,13 @@ ORPHAN_CHECK_S = 0.5
 RESTART_SETTLE_S = 2.0
 """When every member is dead, how long the replicas that ask to join wait for the others to ask
 too before they form the next generation among themselves (and resume from the checkpoint)."""
+REMOTE_SILENT_S = 10.0
+"""How long the heartbeat of a member on another host (its peer monitor's counter, beaten every
+second at most: framework/resilience/peers.py) must stand still, as seen from here, before the
+member is known gone: frozen, cut off or dead with its host. A member that never beat (the monitor
+off) is never known gone this way."""
+HEARTBEATS = "ddp_framework/peers/heal/"
+"""Where the peer monitors of a run that heals in place beat: ``heal<generation>/alive/<rank>``."""
 SLOT_ENV = ("HEAL_STORE", "HEAL_REPLICA", "HEAL_REPLICAS", "HEAL_SPARES")
 """Where a process of a run that heals in place learns its place: the run's store (HOST:PORT, a
 TCPStore that outlives every training process), its replica (0..N-1), the number of replicas, and
@@ -151,6 +158,7 @@ class Membership:
         self.replica = replica
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.formed_s: float | None = None
+        self._beats: dict[tuple[int, int], tuple[int, float]] = {}  # (generation, replica) -> (beat, seen since)
         self.replicas = self.size = 0  # the slot's replicas, and the group's size (``start``)
 
     def start(self, replicas: int, spares: int = 0) -> tuple[Generation | None, bool]:
@@ -262,35 +270,60 @@ class Membership:
         host, pid, *start = self.store.get(key).decode().split(" ")
         return host, int(pid), int(start[0]) if start and start[0].isdigit() else None
 
-    def gone(self, replica: int, generation: Generation | None = None) -> bool:
+    def gone(self, replica: int, generation: Generation | None = None, *, silent_s: float | None = None) -> bool:
         """Whether ``replica``'s process (see ``process_of``) is known dead: it ran on this host and
         its pid is gone (or names another process since: another start time), a zombie, or stopped
         (SIGSTOP). A stopped one is killed here: it takes part in nothing, and its torchrun (which
         waits for it) and the launcher (which waits for every rank's job) would never end; killed,
-        its torchrun starts it again or ends. A replica on another host is never known gone: it is
-        waited for."""
+        its torchrun starts it again or ends. A member of ``generation`` on another host is known
+        gone once its heartbeat has stood still for ``silent_s`` (default ``REMOTE_SILENT_S``:
+        ``silent``); otherwise it is waited for."""
         where = self.process_of(replica, generation)
-        if where is None or where[0] != socket.gethostname():
+        if where is None:
             return False
+        if where[0] != socket.gethostname():
+            return generation is not None and self.silent(replica, generation, silent_s)
         state = process_state(where[1]) if where[2] in (None, process_start(where[1])) else None
         if state == "T":
             kill(where, f"replica {replica} is stopped")
         return state in (None, "Z", "X", "T")
 
-    def after_loss(self, generation: Generation, wait_s: float, lost=()) -> Generation:
+    def silent(self, replica: int, generation: Generation, for_s: float | None = None) -> bool:
+        """Whether ``replica``'s heartbeat in ``generation`` has stood still for ``for_s`` (default
+        ``REMOTE_SILENT_S``) since this process first saw its value (each call looks once). One that
+        never beat, or that stopped beating on purpose (-1: its training ended, or it is healing),
+        is not."""
+        rank = generation.rank(replica)
+        if rank is None:
+            return False
+        beats = dist.PrefixStore(f"{HEARTBEATS}heal{generation.number}/", self.store.underlying_store)
+        key = f"alive/{rank}"
+        beat = int(beats.get(key)) if beats.check([key]) else 0
+        if beat <= 0:
+            return False
+        now, seen = time.monotonic(), self._beats.get((generation.number, replica))
+        if seen is None or seen[0] != beat:
+            self._beats[(generation.number, replica)] = (beat, now)
+            return False
+        return now - seen[1] >= (REMOTE_SILENT_S if for_s is None else for_s)
+
+    def after_loss(self, generation: Generation, wait_s: float, lost=(), silent_s: float | None = None) -> Generation:
         """The generation after ``generation`` lost a member: this replica says it is alive, waits
         until each other member has said so too or is known gone (``gone``), for at most
         ``wait_s``, and proposes those alive, then as many replicas that wait to join (spares, or
         lost ones started again) as keep the group its size. The first proposal wins; a replica
         left out of it is not a member (``form`` refuses it). Replicas in ``lost`` (named lost by
-        the peer monitor: silent on another host) are not waited for."""
+        the peer monitor: silent on another host) are not waited for, nor, with ``silent_s``, one on
+        another host whose heartbeat has stood still that long: a survivor stops beating on purpose
+        (-1) before it gets here, a member still in its step beats on, a dead or frozen one neither."""
         number = generation.number + 1
         self.store.set(f"alive/{number}/{self.replica}", "1")
         deadline = time.monotonic() + wait_s
         others = [m for m in generation.members if m != self.replica and m not in lost]
         while not self.store.check([f"members/{number}"]):
             said = {m for m in others if self.store.check([f"alive/{number}/{m}"])}
-            if all(m in said or self.gone(m, generation) for m in others) or time.monotonic() > deadline:
+            if all(m in said or self.gone(m, generation, silent_s=silent_s) for m in others) or \
+                    time.monotonic() > deadline:
                 alive = [m for m in generation.members if m == self.replica or m in said]
                 stand_ins = self.joiners(Generation(number, tuple(alive)))[:max(0, self.size - len(alive))]
                 proposed = self.propose(number, [*alive, *stand_ins])

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from .config import RecoverySection
 from ..ddp import process_group
 from ..ddp.collectives import Breaker
+from ..ddp.membership import HEARTBEATS
 from ..train.events import Listener
 from . import markers
 
@@ -47,7 +48,9 @@ def heartbeat_store(store: dist.Store | None, timeout_s: float) -> dist.Store | 
     if not isinstance(store, dist.TCPStore):
         return None
     client = dist.TCPStore(store.host, store.port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
-    run = "heal" if process_group.GENERATION is not None else os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    if process_group.GENERATION is not None:  # where the membership reads a member's beats
+        return dist.PrefixStore(f"{HEARTBEATS}heal{process_group.GENERATION.number}/", client)
+    run = os.environ.get("TORCHELASTIC_RUN_ID", "none")
     return dist.PrefixStore(f"ddp_framework/peers/{run}/{process_group.generation_key()}/", client)
 
 
@@ -69,8 +72,8 @@ class PeerMonitor(Listener):
     the announcement names its rank, so that every rank names it in its own breaker: their
     step's collectives with it end, and they heal in place. The rank named reads itself in the
     announcement, should it ever run again, and exits. A heal stops this monitor; one that has not
-    come within ``peer_timeout_s`` (the main thread in a collective no breaker ends, e.g. an
-    evaluation's) ends the rank as above.
+    come within ``peer_timeout_s`` (the main thread in a collective no breaker ends: DDP's buffer
+    broadcast, a checkpoint's) ends the rank as above.
 
     On the event bus: beats from the start of training to its end. Only with a store (under
     torchrun, or a default group on a TCPStore) and more than one rank; ``peer_timeout_s=0`` is
@@ -224,6 +227,12 @@ class PeerMonitor(Listener):
     def _period(self) -> float:
         return min(BEAT_S, self.timeout_s / 4)
 
+    @property
+    def dead_after_s(self) -> float | None:
+        """How long a peer's beat may stand still before a rank that already knows of a loss (one
+        healing in place) takes it for dead, not slow: three beats. None with the monitor off."""
+        return 3 * self._period() if self.timeout_s else None
+
     def _call(self, action: Callable[[], object], *, wait_s: float) -> None:
         """``action`` (a store call) from a thread of its own, waited for ``wait_s`` at most."""
         def attempt():
@@ -257,10 +266,11 @@ class PeerMonitor(Listener):
         log.error("%s: ending this restart with exit %d so that torchrun restarts the group (or the launcher "
                   "ends the run) now, not after ddp.timeout_s", what, process_group.EXIT_PEER_LOST)
         markers.record_error(self.checkpoint_dir, self.rank, PeerLostSilently(what))
-        try:  # for launch_training.sh, which exits 75 naming it once its torchrun has no restart left
-            markers.write(self.checkpoint_dir, markers.NODE_LOST, what)
-        except OSError:
-            pass
+        if self.breaker is not None:  # healing: launch_training.sh exits 75 naming it (a fixed-size
+            try:                        # run's launcher would take it for a node that did not rejoin)
+                markers.write(self.checkpoint_dir, markers.NODE_LOST, what)
+            except OSError:
+                pass
         for handler in logging.getLogger().handlers:
             handler.flush()
         os._exit(process_group.EXIT_PEER_LOST)

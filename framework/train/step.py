@@ -15,11 +15,10 @@ import logging
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 
 from ..data.batches import batch_loss, label_count, to_device
 from ..data.sampler import GlobalBatchUnsplittable
-from ..ddp import policy
+from ..ddp import collectives, policy
 from ..ddp.compile import is_ddp, uncompiled
 from ..model.hf_checkpointing import divides_by_num_items, loss_shifts_labels
 from ..model.loss_without_grad import diagnose_loss_without_grad
@@ -214,7 +213,7 @@ class TrainStep:
         total = torch.stack(counts).sum()
         world = 1
         if self.loss_average == "tokens" and self.env.distributed:
-            dist.all_reduce(total)
+            collectives.all_reduce(total, breaker=collectives.BREAKER, what="the token count")
             world = self.env.world_size
         elif shares := self.sampler.micro_weights():  # rank_tokens, uneven: a rank weighs by its samples
             world = sum(shares)

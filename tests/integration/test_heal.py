@@ -234,6 +234,16 @@ def test_a_rank_frozen_on_another_host_is_named_lost_and_the_others_heal_in_plac
     assert samples_per_epoch(run_dir) == samples_per_epoch(whole)
     assert left_running(run_dir) == ""
 
+    # Rank 0 frozen there: its process still holds checkpoint.dir's lock, which the new rank 0
+    # cannot take, so the generation could not save. Every rank ends with 75, the new rank 0 saying
+    # why (before, it exited 2, "in use by another run", as if another run held checkpoint.dir).
+    run_dir = tmp_path / "writer-frozen-elsewhere"
+    run = heal_run(run_dir, "sigstop@step=5,rank=0", changes={"recovery.peer_timeout_s": 2, "ddp.timeout_s": 300},
+                   other_host=0)
+    assert run["codes"] == [75, 75, 75] and run["s"] < 120, run
+    said = (run_dir / "out_1.txt").read_text()
+    assert "error: rank 0 was lost, and its process still holds checkpoint.dir's lock" in said, said[-2000:]
+
 
 @pytest.mark.dist
 def test_under_the_launcher_a_killed_rank_restarted_by_its_torchrun_rejoins_and_the_run_is_unchanged(tmp_path):

@@ -336,3 +336,36 @@ def test_a_stopped_member_counts_as_gone_and_is_killed_so_that_its_job_ends():
         members[0].store.set("where/1", f"{socket.gethostname()} {frozen.pid} {process_start(frozen.pid)}")
         assert members[0].gone(1)
         assert frozen.wait(10) == -signal.SIGKILL
+
+
+def test_a_member_on_another_host_is_gone_once_its_heartbeat_stood_still():
+    """No pid can be read on another host: there a member is known gone once its peer monitor's
+    heartbeat (framework/resilience/peers.py) has stood still for REMOTE_SILENT_S, as seen from
+    here. A member that never beat (the monitor off), or that stopped beating on purpose (-1: its
+    training ended, or it heals), is not; one that beats again is not."""
+    import os
+
+    from framework.ddp import membership as module
+
+    store = dist.HashStore()
+    members = [Membership(store, r) for r in range(2)]
+    for m in members:
+        m.start(2)
+    gen1 = members[0].newest()
+    members[0].store.set("formed/1/1", f"elsewhere-{os.getpid()} 1")
+    beats = dist.PrefixStore(f"{module.HEARTBEATS}heal1/", store)
+    assert not members[0].gone(1, gen1, silent_s=0.3)  # no beat yet
+    for beat in ("-1", "0"):
+        beats.set("alive/1", beat)
+        assert not members[0].gone(1, gen1, silent_s=0.3)
+        time.sleep(0.4)
+        assert not members[0].gone(1, gen1, silent_s=0.3)
+    beats.set("alive/1", "7")
+    assert not members[0].gone(1, gen1, silent_s=0.3)  # first seen now
+    time.sleep(0.4)
+    beats.add("alive/1", 1)  # it beat again: alive
+    assert not members[0].gone(1, gen1, silent_s=0.3)
+    time.sleep(0.4)
+    assert members[0].gone(1, gen1, silent_s=0.3)  # 0.4 s without a beat
+    assert not members[0].gone(1, gen1) and module.REMOTE_SILENT_S == 10  # by default: 10 s
+    assert not members[0].gone(1)  # without a generation: no heartbeat to read, waited for
