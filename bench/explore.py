@@ -100,6 +100,47 @@ SLOW_SAVE_S = 6.0  # kill9_slow_save: how long the survivor is frozen holding th
 # known by its heartbeat's silence (not its pid). exec: the launcher keeps the pid the explorer holds.
 OTHER_HOST = ["unshare", "--uts", "sh", "-c", 'hostname "explore-node1-$$" && exec "$0" "$@"']
 OTHER_HOST_OK = subprocess.run([*OTHER_HOST[:2], "true"], capture_output=True).returncode == 0
+PARTITIONS_OK = OTHER_HOST_OK and shutil.which("ip") is not None
+
+
+class TwoHosts:
+    """Two network namespaces joined by a veth pair, for one trial (cut_link): node N runs in
+    ``netns[N]`` at ``addresses[N]``; tests/integration/test_partition.py's, named after the trial."""
+
+    def __init__(self, work: Path):
+        tag = hashlib.sha256(str(work).encode()).hexdigest()[:6]
+        subnet = 1 + int(tag, 16) % 250
+        self.netns = (f"exA{tag}", f"exB{tag}")
+        self.links = (f"xA{tag}", f"xB{tag}")
+        self.addresses = (f"10.202.{subnet}.1", f"10.202.{subnet}.2")
+        self.up = False
+
+    def make(self) -> None:
+        if self.up:
+            return self.link(True)
+        self.remove()
+        ip = lambda *a: subprocess.run(["ip", *a], check=True, capture_output=True, timeout=30)  # noqa: E731
+        ip("link", "add", self.links[0], "type", "veth", "peer", "name", self.links[1])
+        for ns, link, address in zip(self.netns, self.links, self.addresses, strict=True):
+            ip("netns", "add", ns)
+            ip("link", "set", link, "netns", ns)
+            ip("-n", ns, "addr", "add", f"{address}/24", "dev", link)
+            ip("-n", ns, "link", "set", link, "up")
+            ip("-n", ns, "link", "set", "lo", "up")
+        self.up = True
+
+    def link(self, up: bool) -> None:
+        subprocess.run(["ip", "-n", self.netns[1], "link", "set", self.links[1], "up" if up else "down"],
+                       check=True, capture_output=True, timeout=30)
+
+    def remove(self) -> None:
+        for ns in self.netns:  # the veth pair goes with its namespaces
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+        subprocess.run(["ip", "link", "del", self.links[0]], capture_output=True, timeout=30)
+        self.up = False
+
+
+_hosts: dict[str, TwoHosts] = {}  # a trial's namespaces, by its directory
 REJOIN_AFTER_S = 20.0  # the lost node's agent starts again once the survivor trains alone, or this long after
 RESTARTS_ONE_RANK_ERROR = 3  # crash_one_rank: launch_training.sh --max-restarts
 FOREIGN_LR, FOREIGN_STEPS = 5e-3, 4  # the other run whose checkpoints a checkpoint_dir may hold
@@ -189,6 +230,10 @@ FAULTS = {
                             "(peer_timeout_s 10, unless off), hang watchdog or collective timeout must end the group "
                             "(step_timeout_s=3, factor 2, timeout_s=20)",
                             ("startup", "mid_step", "epoch_boundary", "eval", "ckpt_write", "final_save")),
+    "cut_link": Fault("the link between 2 healing nodes cut (each a network namespace, node 1 under a host name "
+                      "of its own; ip link set ... down, no reset): node 0 names rank 1 lost and heals in place, or "
+                      "restarts from the checkpoint without it; node 1, cut off from the run's store, ends",
+                      ("startup", "mid_step", "epoch_boundary", "eval", "ckpt_write", "final_save")),
     "crash_one_rank": Fault("a deterministic error on rank 1 in every restart (crash@step=K,rank=1,restart=*) "
                             "under ./launch_training.sh --max-restarts 3, max_no_progress_restarts 1: exit 1 with "
                             "a FATAL, no NODE_LOST, no 75", ("mid_step", "epoch_boundary"),
@@ -266,6 +311,11 @@ HF_MOMENTS = ("startup", "mid_step", "epoch_boundary", "eval", "ckpt_write", "fi
 # the survivor checkpoint's (kill9_slow_save: a survivor heals instead of saving alone) or a restart
 # loop's (crash_one_rank: once healed, the restarted rank rejoins past the step that crashed it).
 HEAL_SHARE = 0.5
+# A partition: where a healing 2-node trial stops node 1's worker (sigstop_worker), half the time the
+# link between the two nodes is cut instead (cut_link). Drawn last, so that earlier seeds' trials
+# keep their other choices; root only (network namespaces).
+CUT_LINK_SHARE = 0.5
+DRAWN_LAST = ("cut_link",)
 HEAL_FAULTS = ("none", "kill9_worker", "sigterm_worker", "sigterm_launcher", "hang", "nan", "bad_data",
                "kill_dl_worker", "corrupt_newest", "unreadable_newest", "sigstop_worker", "second_launch",
                "user_error", "full_disk")
@@ -372,6 +422,11 @@ def issue33_applicable(cfg: dict, fault: str, moment: str) -> str | None:
             return "a node range needs 2 nodes (topology 2x1)"
         if cfg["data"] == "stream":
             return "a stream's position is each rank's: a re-split stops by design (WorldSizeMismatch)"
+    if fault == "cut_link" and not (heals(cfg) and cfg["topology"] == "2x1" and PARTITIONS_OK):
+        return "cut_link: 2 healing nodes in network namespaces of their own (root)"
+    if (fault in ("cut_link", "sigstop_worker") and heals(cfg) and cfg["topology"] == "2x1" and OTHER_HOST_OK
+            and not cfg.get("peer_timeout")):
+        return "a member silent on another host with the peer monitor off: nothing can name it (by design)"
     if fault == "sigstop_worker" and cfg["topology"] == "1":
         return "SIGSTOP of the only process: nothing is left to notice (the watchdog is stopped with it)"
     if fault == "kill9_slow_save":
@@ -406,8 +461,8 @@ def heal_applicable(cfg: dict, fault: str) -> str | None:
         return "PowerSGD's error feedback is each rank's: --heal refuses it at --check-config"
     if cfg.get("world_change", "none") != "none" or cfg.get("nnodes", "fixed") != "fixed" or hf(cfg):
         return "heal in place: one launch of ddp_training.py on one fixed node"
-    if fault not in HEAL_FAULTS and not (fault == "kill9_node" and cfg["topology"] == "2x1"):
-        return f"{fault} is not drawn with heal in place (HEAL_FAULTS; kill9_node on 2 nodes)"
+    if fault not in HEAL_FAULTS and not (fault in ("kill9_node", "cut_link") and cfg["topology"] == "2x1"):
+        return f"{fault} is not drawn with heal in place (HEAL_FAULTS; kill9_node and cut_link on 2 nodes)"
     return None
 
 
@@ -434,7 +489,7 @@ def draw(rng: random.Random, fixed: dict | None = None) -> dict:
             if rng.random() >= HF_SHARE:
                 continue  # an HF trial fits most draws (its fixed choices): kept at about 1 in 8
             cfg |= HF_FIXED | ({"act_ckpt": "non_reentrant"} if cfg["act_ckpt"] == "offload" else {})
-        fault = rng.choice(list(FAULTS))
+        fault = rng.choice([f for f in FAULTS if f not in DRAWN_LAST])
         moment = rng.choice(FAULTS[fault].moments)
         trial = {"config": cfg, "fault": fault, "moment": moment}
         if applicable(trial) is not None:
@@ -442,10 +497,14 @@ def draw(rng: random.Random, fixed: dict | None = None) -> dict:
         if rng.random() < HEAL_SHARE:
             healing = {**trial, "config": {**cfg, "heal": "in_place"}}
             trial = healing if applicable(healing) is None else trial
-        if fixed and applicable(fixed_trial := {**trial, "config": {**trial["config"], **fixed}}) is None:
-            return fixed_trial
-        if not fixed:
-            return trial
+        if fixed:
+            if applicable(fixed_trial := {**trial, "config": {**trial["config"], **fixed}}) is not None:
+                continue
+            trial = fixed_trial
+        cut = {**trial, "fault": "cut_link"}  # drawn last, as the heal dimension
+        if trial["fault"] == "sigstop_worker" and applicable(cut) is None and rng.random() < CUT_LINK_SHARE:
+            trial = cut
+        return trial
 
 
 # --- where a trial's files go -------------------------------------------------------------------
@@ -519,7 +578,7 @@ def config_args(trial: dict, lay: Layout, *, resume: str | None = None, foreign_
         args["recovery.fault_inject"] = spec
     if fault == "hang" or (fault == "sigstop_worker" and not heals(cfg)):  # healing, the peer monitor names it
         args.update(HANG_TIMEOUTS)
-    if fault == "sigstop_worker":  # a peer stopped before the first step is ended by the collective timeout
+    if fault in ("sigstop_worker", "cut_link"):  # a peer stopped before the first step: the collective timeout
         args["ddp.timeout_s"] = STOPPED_PEER_TIMEOUT_S
     if fault == "second_launch":  # slow steps (a sleep, the same model), so that the two launches overlap
         args["recovery.fault_inject"] = "slow@step=0,ms=600,restart=*"
@@ -595,6 +654,13 @@ class Job:
                 "PYTHON": sys.executable, "GLOO_SOCKET_IFNAME": "lo"}
             if OTHER_HOST_OK:  # node 1 as on another host: node 0 can neither see nor kill its processes
                 self.cmds[1] = [*OTHER_HOST, *self.cmds[1]]
+            if fault == "cut_link":  # each node in a namespace of its own, node 0's address the endpoint
+                hosts = _hosts.setdefault(str(out), TwoHosts(out))
+                hosts.make()
+                endpoint = f"{hosts.addresses[0]}:{port}"
+                self.cmds = [["ip", "netns", "exec", ns, "env", f"GLOO_SOCKET_IFNAME={link}",
+                              *[endpoint if part == f"127.0.0.1:{port}" else part for part in cmd]]
+                             for ns, link, cmd in zip(hosts.netns, hosts.links, self.cmds, strict=True)]
         elif fault in ("sigterm_launcher", "crash_one_rank") or heals(cfg):
             if fault == "crash_one_rank":
                 restarts = str(RESTARTS_ONE_RANK_ERROR)
@@ -761,6 +827,8 @@ def deliver(trial: dict, job: Job, lay: Layout, foreign: set[str], res: dict) ->
             if job.procs[0].poll() is not None:
                 return False
             job.procs[0].send_signal(signal.SIGTERM)
+        elif fault == "cut_link":
+            _hosts[str(Path(res["dir"]))].link(False)
         elif fault == "sigstop_worker":
             if last not in workers:
                 return False
@@ -783,7 +851,7 @@ def bound_s(trial: dict) -> float:
         per_restart += 0.6 * total_steps(cfg)
     restarts = RESTARTS_ONE_RANK_ERROR if fault == "crash_one_rank" else cfg["max_restarts"]
     # A stopped worker ignores torchrun's SIGTERM: its agent sends SIGKILL 30 s later.
-    extra = {"hang": 20.0, "sigstop_worker": 20.0 + STOPPED_PEER_TIMEOUT_S + 30.0,
+    extra = {"hang": 20.0, "sigstop_worker": 20.0 + STOPPED_PEER_TIMEOUT_S + 30.0, "cut_link": 60.0,
              "kill9_slow_save": SLOW_SAVE_S}.get(fault, 0.0)
     return per_restart * (1 + restarts) + extra
 
@@ -941,6 +1009,9 @@ def run_trial(trial: dict, workdir: Path, *, reference: bool = False) -> dict:
             res["relaunched"] = True
     finally:
         kill_matching(marker)
+        hosts = _hosts.pop(str(work), None)
+        if hosts is not None:
+            hosts.remove()
         if injected(trial) and res["hit"] is None:
             # The trial's own faults, not the slowing of every step (REJOIN_SLOW) beside them.
             kinds = [part.split("@")[0].strip() for part in injected(trial).split(";")]
@@ -1041,7 +1112,7 @@ def run_job(trial, job: Job, lay: Layout, foreign: set[str], marker: str, res: d
     start, bound = time.monotonic(), bound_s(trial)
     needs_signal = external and fault in ("kill9_worker", "kill9_agent", "kill9_node", "sigterm_worker",
                                           "sigterm_launcher", "corrupt_newest", "unreadable_newest",
-                                          "second_launch", "sigstop_worker") and not injected_fully(trial)
+                                          "second_launch", "sigstop_worker", "cut_link") and not injected_fully(trial)
     condition = moment_reached(trial, lay) if needs_signal else None
     second, second_ended = None, None
     timed_out = False
@@ -1065,16 +1136,18 @@ def run_job(trial, job: Job, lay: Layout, foreign: set[str], marker: str, res: d
             # before it joins the restart's round; the bound ends the launch if it never does.
             # Healing, node 1's torchrun is a job of its own, which nothing tells once node 0 ended:
             # its stopped worker (on "another host") is ended as a scheduler would reclaim the host.
+            # Cut off (cut_link), it may wait for the run's store for ddp.timeout_s: 10 s, then ended too.
             healed_alone = heals(trial["config"]) and job.procs[0].poll() is not None
-            if any(running(proc) for proc in workers) or (workers and trial["config"]["max_restarts"]
-                                                          and not healed_alone):
+            if not healed_alone and (any(running(proc) for proc in workers)
+                                     or (workers and trial["config"]["max_restarts"])):
                 no_workers_since = None
             elif no_workers_since is None:
                 no_workers_since = time.monotonic()
             elif time.monotonic() - no_workers_since > 10.0:  # past a restart's re-rendezvous
                 stopped = list(job.workers().values())
-                res["notes"].append("the job ended by the explorer: only torchrun's agent was left"
-                                    + (" (and a stopped worker)" if stopped else ""))
+                res["notes"].append("node 1 ended by the explorer 10 s after node 0's launcher (a host reclaimed)"
+                                    if healed_alone else "the job ended by the explorer: only torchrun's agent was "
+                                    "left" + (" (and a stopped worker)" if stopped else ""))
                 for proc in stopped:
                     with contextlib.suppress(psutil.NoSuchProcess):
                         proc.kill()

@@ -207,7 +207,7 @@ class Membership:
                 raise RunFinished(f"replica {self.replica}: stopped (a signal) while waiting to join the run")
             if now < next_orphan_check:
                 pass
-            elif not all(self.gone(m, newest) for m in newest.members if m != self.replica):
+            elif not all([self.gone(m, newest) for m in newest.members if m != self.replica]):  # each looked at
                 orphaned_at, next_orphan_check = None, now + ORPHAN_CHECK_S
             else:
                 orphaned_at = orphaned_at or now
@@ -322,7 +322,8 @@ class Membership:
         others = [m for m in generation.members if m != self.replica and m not in lost]
         while not self.store.check([f"members/{number}"]):
             said = {m for m in others if self.store.check([f"alive/{number}/{m}"])}
-            if all(m in said or self.gone(m, generation, silent_s=silent_s) for m in others) or \
+            # A list, not all()'s short cut: each member's heartbeat is looked at on every round.
+            if all([m in said or self.gone(m, generation, silent_s=silent_s) for m in others]) or \
                     time.monotonic() > deadline:
                 alive = [m for m in generation.members if m == self.replica or m in said]
                 stand_ins = self.joiners(Generation(number, tuple(alive)))[:max(0, self.size - len(alive))]

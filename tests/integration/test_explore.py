@@ -214,6 +214,18 @@ def test_issue_31s_heal_dimension_is_drawn_judged_and_launched_under_the_launche
     job = Built(nodes, {"train.max_steps": 1}, Path("."), "t")
     assert [cmd[cmd.index("--node-rank") + 1] for cmd in job.cmds] == ["0", "1"]
     assert all("--heal" in cmd and cmd[cmd.index("--nnodes") + 1] == "2" for cmd in job.cmds)
+    # node 1 as on another host where allowed (root): a UTS namespace of its own
+    assert (job.cmds[1][:2] == ["unshare", "--uts"]) == explore.OTHER_HOST_OK and job.cmds[0][0] != "unshare"
+    # a partition: drawn last in place of node 1's SIGSTOP (half the time), never elsewhere, never with
+    # the peer monitor off (nothing could name a member silent on another host)
+    cut = {**nodes, "fault": "cut_link", "moment": "eval", "config": {**nodes["config"], "peer_timeout": 10}}
+    assert (explore.applicable(cut) is None) == explore.PARTITIONS_OK
+    assert explore.applicable({**cut, "config": {**cut["config"], "peer_timeout": 0}}) is not None
+    assert explore.applicable({**cut, "config": {**cut["config"], "topology": "1x2"}}) is not None
+    assert explore.applicable({**cut, "config": {**cut["config"], "heal": "restart"}}) is not None
+    drawn_faults = {t["fault"] for t in fixed}
+    assert ("cut_link" in drawn_faults) == explore.PARTITIONS_OK, drawn_faults
+    assert "cut_link" not in {t["fault"] for t in drawn if t["config"]["heal"] == "restart"}
     assert explore.applicable({**healing, "config": {**healing["config"], "comm_hook": "powersgd"}}) is not None
     # launched as a user would: launch_training.sh --heal; a SIGSTOP inside a step from fault_inject
     lay = explore.Layout(Path("w"), Path("ck"), Path("logs"), None)

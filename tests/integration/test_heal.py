@@ -27,6 +27,13 @@ from tests.tiny import tiny
 ROOT = Path(__file__).resolve().parents[2]
 REPLICAS = 3
 STEPS = 12
+# A process under a host name of its own (a UTS namespace; exec keeps its pid): as on another host,
+# the others can neither read its fate from its pid nor kill it.
+OTHER_HOST = ["unshare", "--uts", "sh", "-c", 'hostname "other-host-$$" && exec "$0" "$@"']
+
+
+def other_host_allowed() -> bool:
+    return subprocess.run([*OTHER_HOST[:2], "true"], capture_output=True).returncode == 0
 
 
 def heal_run(run_dir: Path, fault: str = "", *, steps: int = STEPS, spares: int = 0, changes: dict | None = None,
@@ -49,7 +56,7 @@ def heal_run(run_dir: Path, fault: str = "", *, steps: int = STEPS, spares: int 
     def start(replica: int) -> subprocess.Popen:
         command = [sys.executable, str(ROOT / "ddp_training.py"), "--config", str(run_dir / "config.json")]
         if replica == other_host:  # exec: the pid is the trainer's
-            command = ["unshare", "--uts", "sh", "-c", 'hostname "other-host-$$" && exec "$0" "$@"', *command]
+            command = [*OTHER_HOST, *command]
         with open(run_dir / f"out_{replica}.txt", "wb") as out:
             return subprocess.Popen(command, env={**env, "HEAL_REPLICA": str(replica)}, stdout=out,
                                     stderr=subprocess.STDOUT, cwd=ROOT)
@@ -212,7 +219,7 @@ def test_a_rank_frozen_on_another_host_is_named_lost_and_the_others_heal_in_plac
     that step 5's collectives with it end at once instead of after ddp.timeout_s, and ranks 0 and 1
     heal in place without it, from the state they hold. Continued once they are done, it reads that
     it was named lost and exits by itself."""
-    if subprocess.run(["unshare", "--uts", "true"], capture_output=True).returncode != 0:
+    if not other_host_allowed():
         pytest.skip("another host name needs a UTS namespace (unshare --uts, as root): refused here")
     run_dir = tmp_path / "frozen-elsewhere"
     run = heal_run(run_dir, "sigstop@step=5,rank=2", changes={"recovery.peer_timeout_s": 2, "ddp.timeout_s": 300},
@@ -321,10 +328,14 @@ def test_survivors_that_do_not_divide_the_global_batch_split_it_unevenly_and_fin
 
 def launch_node(run_dir: Path, node: int, endpoint: str, *, log: str) -> subprocess.Popen:
     """launch_training.sh --heal on "node" ``node`` of 2 (2 CPU processes each, on loopback): node 0
-    serves the run's store on ``endpoint``'s port; the configuration is ``run_dir``'s."""
+    serves the run's store on ``endpoint``'s port; the configuration is ``run_dir``'s. Node 1 runs
+    under a host name of its own where allowed (a UTS namespace), so that node 0 cannot tell its
+    processes' fate from their pids, as on another host."""
     command = [str(ROOT / "launch_training.sh"), "--cpu", "--nproc", "2", "--heal", "--nnodes", "2", "--node-rank",
                str(node), "--rdzv-endpoint", endpoint, "--rdzv-id", "heal2", "--",
                "--config", str(run_dir / "config.json")]
+    if node == 1 and other_host_allowed():
+        command = [*OTHER_HOST, *command]
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("HEAL_")}, "GLOO_SOCKET_IFNAME": "lo"}
     with open(run_dir / log, "wb") as out:
         return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=run_dir, env=env)
@@ -355,8 +366,10 @@ def two_nodes(run_dir: Path, steps: int, fault: str = "", rejoin: bool = False) 
 @pytest.mark.dist
 def test_on_two_nodes_the_survivors_of_a_lost_node_heal_in_place_and_it_grows_back(tmp_path):
     """2 nodes x 2 processes (two launch_training.sh --heal on loopback; node 0 serves the run's
-    store). Both processes of node 1 are killed -9 at step 5: node 0's two ranks heal in place at
-    once (no restart, no checkpoint read), and node 1, launched again, rejoins them at a step's end
+    store; node 1 under a host name of its own where allowed). Both processes of node 1 are killed
+    -9 at step 5: node 0's two ranks heal in place once their heartbeats have stood still for three
+    beats (3.1 s; 0.4 s where node 0 reads their pids), with no restart and no checkpoint read, and
+    node 1, launched again, rejoins them at a step's end
     (every step from 6 on slowed by 300 ms, so that the run outlasts its start): the group grows
     back to 4 ranks. The final weights are the uninterrupted run's to fp32 noise, and every
     sample is trained once per epoch. Nothing is left running."""

@@ -369,3 +369,26 @@ def test_a_member_on_another_host_is_gone_once_its_heartbeat_stood_still():
     assert members[0].gone(1, gen1, silent_s=0.3)  # 0.4 s without a beat
     assert not members[0].gone(1, gen1) and module.REMOTE_SILENT_S == 10  # by default: 10 s
     assert not members[0].gone(1)  # without a generation: no heartbeat to read, waited for
+
+
+def test_after_a_loss_two_silent_members_on_another_host_are_looked_at_together():
+    """Both processes of a lost node on another host: each one's heartbeat is watched from the
+    first round, so the survivor proposes itself once both have stood still for silent_s, not
+    after twice that (all()'s short cut looked at the second only once the first was gone: 6.3 s
+    instead of 3 s on 2 nodes of 2)."""
+    import os
+
+    from framework.ddp import membership as module
+
+    store = dist.HashStore()
+    members = [Membership(store, r) for r in range(3)]
+    for m in members:
+        m.start(3)
+    gen1 = members[0].newest()
+    beats = dist.PrefixStore(f"{module.HEARTBEATS}heal1/", store)
+    for replica in (1, 2):
+        members[0].store.set(f"formed/1/{replica}", f"elsewhere-{os.getpid()} {replica}")
+        beats.set(f"alive/{replica}", "5")
+    started = time.monotonic()
+    assert members[0].after_loss(gen1, wait_s=60, silent_s=1.0) == Generation(2, (0,))
+    assert time.monotonic() - started < 1.7  # one silent_s (1.0 s), with a margin; two would be 2.0 s
