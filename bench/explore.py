@@ -1143,7 +1143,8 @@ def run_job(trial, job: Job, lay: Layout, foreign: set[str], marker: str, res: d
                 no_workers_since = None
             elif no_workers_since is None:
                 no_workers_since = time.monotonic()
-            elif time.monotonic() - no_workers_since > 10.0:  # past a restart's re-rendezvous
+            # past a restart's re-rendezvous; healing, past node 0's run store's linger for node 1's clients
+            elif time.monotonic() - no_workers_since > (15.0 if heals(trial["config"]) else 10.0):
                 stopped = list(job.workers().values())
                 res["notes"].append("node 1 ended by the explorer 10 s after node 0's launcher (a host reclaimed)"
                                     if healed_alone else "the job ended by the explorer: only torchrun's agent was "
