@@ -182,7 +182,13 @@ DIMS = {
     # size, and the worker started again rejoins. Drawn last, after the trial (HEAL_SHARE of those
     # it fits), so that the trials of every earlier seed stay as they were drawn.
     "heal": ["restart", "in_place"],
+    # Issue 31's uneven split: a global batch one sample larger than an even one (9 on 2 ranks: 5 and
+    # 4), so that every world size the run takes splits it unevenly, each micro-batch's loss weighted
+    # by its samples. Where the global batch is named (a run whose world size may change). Drawn
+    # last, after the heal dimension (UNEVEN_SHARE of the trials it fits).
+    "split": ["even", "uneven"],
 }
+DRAWN_AFTER = ("heal", "split")  # not in the first draw of a trial's configuration
 LAYOUTS = {
     "apart": "checkpoint_dir, log_dir and export_dir side by side",
     "default_export": "export_dir left to its default (checkpoint_dir/export)",
@@ -315,6 +321,7 @@ HEAL_SHARE = 0.5
 # link between the two nodes is cut instead (cut_link). Drawn last, so that earlier seeds' trials
 # keep their other choices; root only (network namespaces).
 CUT_LINK_SHARE = 0.5
+UNEVEN_SHARE = 0.3
 DRAWN_LAST = ("cut_link",)
 HEAL_FAULTS = ("none", "kill9_worker", "sigterm_worker", "sigterm_launcher", "hang", "nan", "bad_data",
                "kill_dl_worker", "corrupt_newest", "unreadable_newest", "sigstop_worker", "second_launch",
@@ -402,6 +409,9 @@ def applicable(trial: dict) -> str | None:
         return "a rollback excludes samples by index: refused for a stream by design (spike.py)"
     if moment == "rollback" and fault in ("nan", "bad_data", "kill_dl_worker"):
         return "the rollback moment is a process fault after a bad_data spike"
+    if cfg.get("split", "even") == "uneven" and (not elastic(cfg) or cfg["data"] == "stream" or hf(cfg)):
+        return ("an uneven split: where the global batch is named (elastic), not a stream (its split must be "
+                "even: WorldSizeMismatch), the built-in trainer")
     return issue33_applicable(cfg, fault, moment)
 
 
@@ -484,7 +494,8 @@ RECIPES = [recipe | {"loss_average": r.choice(DIMS["loss_average"])} for r in [r
 def draw(rng: random.Random, fixed: dict | None = None) -> dict:
     """A trial from ``rng``; with ``fixed``, one whose configuration holds those choices."""
     while True:
-        cfg = {k: rng.choice(v) for k, v in DIMS.items() if k != "heal"} | rng.choice(RECIPES) | {"heal": "restart"}
+        cfg = ({k: rng.choice(v) for k, v in DIMS.items() if k not in DRAWN_AFTER} | rng.choice(RECIPES)
+               | {"heal": "restart", "split": "even"})
         if hf(cfg):
             if rng.random() >= HF_SHARE:
                 continue  # an HF trial fits most draws (its fixed choices): kept at about 1 in 8
@@ -504,6 +515,9 @@ def draw(rng: random.Random, fixed: dict | None = None) -> dict:
         cut = {**trial, "fault": "cut_link"}  # drawn last, as the heal dimension
         if trial["fault"] == "sigstop_worker" and applicable(cut) is None and rng.random() < CUT_LINK_SHARE:
             trial = cut
+        uneven = {**trial, "config": {**trial["config"], "split": "uneven"}}
+        if "split" not in (fixed or {}) and applicable(uneven) is None and rng.random() < UNEVEN_SHARE:
+            trial = uneven
         return trial
 
 
@@ -563,6 +577,9 @@ def config_args(trial: dict, lay: Layout, *, resume: str | None = None, foreign_
         # The global batch named, as a user whose run may change its world size names it: a launch
         # at another size with no checkpoint to take it from (a fresh start) keeps it too.
         args.update({"dropout": 0.0, "data.global_batch_size": BATCH * w * accum})
+        if cfg.get("split", "even") == "uneven":  # one sample more: every world size splits it unevenly
+            global_batch = BATCH * w * accum + 1
+            args.update({"data.global_batch_size": global_batch, "dataset_size": STEPS_PER_EPOCH * global_batch})
     if cfg["comm_hook"] == "powersgd":
         args["ddp.powersgd_start_iter"] = 2
     if lay.export is not None:
@@ -1620,6 +1637,7 @@ def ref_key(trial: dict) -> str:
         keys += ["save_every_steps", "keep_last"]  # the script's command line (not its model)
     return json.dumps({"world": world(cfg), "start": start_step(cfg), "spike": trial["moment"] == "rollback",
                        "elastic": elastic(cfg), "trainer": cfg.get("trainer", "builtin"),
+                       "split": cfg.get("split", "even"),
                        **{k: cfg.get(k, DIMS[k][0]) for k in keys}}, sort_keys=True)
 
 

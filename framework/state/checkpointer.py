@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import errno
 import logging
 import time
 from pathlib import Path
@@ -26,7 +25,7 @@ from ..ddp.policy import unwrap
 from ..resilience import markers
 from ..resilience.markers import FatalError
 from ..train.events import Listener
-from . import checkpoint_files, rng
+from . import checkpoint_files, export, rng
 from .checkpoint_files import CheckpointDirLocked, CheckpointError, CheckpointStore, CheckpointUnreadable
 
 log = logging.getLogger(__name__)
@@ -330,7 +329,7 @@ class Checkpointer:
         try:
             yield
         except OSError as err:
-            if err.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG):
+            if err.errno not in export.DISK_FULL:
                 raise
             raise FatalError(f"checkpoint.dir={self.cfg.checkpoint.dir!r}: {err.strerror} while writing a "
                              f"checkpoint; free space or use another checkpoint.dir, then resume") from err

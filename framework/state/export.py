@@ -48,6 +48,7 @@ from .. import __version__
 from ..config import EXPORT_RECORD, export_path, export_record
 from ..ddp.policy import unwrap
 from ..model.gpt import GPT, GPTConfig
+from ..resilience.markers import FatalError
 from . import atomic
 from .checkpoint_files import to_cpu
 
@@ -66,8 +67,34 @@ def safetensors_available() -> bool:
     return importlib.util.find_spec("safetensors") is not None
 
 
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG)
+"""A full, over-quota or read-only directory (or a file-size limit): a restart fails the same way."""
+
+
+def disk_full(err: BaseException) -> str | None:
+    """What ``err`` says when it is a full (over-quota, read-only) disk, else None; safetensors'
+    own error names the OS error only in its message."""
+    if isinstance(err, OSError) and err.errno in DISK_FULL:
+        return err.strerror or os.strerror(err.errno)
+    return "No space left on device" if "No space left on device" in str(err) else None
+
+
 def save_final_weights(model: torch.nn.Module, cfg) -> None:
-    """Rank 0, at the end of a finished run: ``checkpoint_dir/final_model.pt``, then the export."""
+    """Rank 0, at the end of a finished run: ``checkpoint_dir/final_model.pt``, then the export. A
+    full disk is a FatalError naming the directories: a restart would fail the same way, and once
+    there is room a relaunch of the finished run exports again."""
+    try:
+        _save_final_weights(model, cfg)
+    except Exception as err:
+        why = disk_full(err)
+        if why is None:
+            raise
+        raise FatalError(f"checkpoint.dir={cfg.checkpoint.dir!r}, checkpoint.export_dir={cfg.checkpoint.export_dir!r}: "
+                         f"{why} while writing the final weights; free space or use other directories, then launch "
+                         "again: the finished run writes them again") from err
+
+
+def _save_final_weights(model: torch.nn.Module, cfg) -> None:
     state = to_cpu(model.state_dict())
     atomic.torch_save(state, Path(cfg.checkpoint.dir) / FINAL_MODEL)
     export_dir = export_path(cfg)

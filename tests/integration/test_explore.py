@@ -282,6 +282,26 @@ def test_a_failing_trial_is_shrunk_to_the_choice_that_fails_and_replayed_from_on
     assert len(runs) <= 40
 
 
+def test_the_uneven_split_is_drawn_last_where_the_global_batch_is_named():
+    """Issue 31's uneven split: a global batch one sample larger than an even one, so that every
+    world size the run takes splits it unevenly; drawn after the rest (earlier seeds' trials keep
+    their other choices), only where the global batch is named, never for a stream."""
+    drawn = [explore.draw(random.Random(5000 + i)) for i in range(300)]
+    uneven = [t for t in drawn if t["config"]["split"] == "uneven"]
+    assert uneven and all(explore.elastic(t["config"]) and t["config"]["data"] != "stream" for t in uneven)
+    assert all(explore.applicable(t) is None for t in uneven)
+    fixed = [explore.draw(random.Random(35000 + i), {"split": "uneven"}) for i in range(40)]
+    assert {t["config"]["heal"] for t in fixed} == {"restart", "in_place"}
+    trial = {"config": {**SIMPLEST, "topology": "1x2", "split": "uneven", "world_change": "2to1"},
+             "fault": "kill9_worker", "moment": "mid_step"}
+    assert explore.applicable(trial) is None
+    args = explore.config_args(trial, explore.Layout(Path("w"), Path("ck"), Path("logs"), None))
+    # 9 samples on 2 ranks (5 and 4), 6 steps an epoch as an even trial's
+    assert (args["data.global_batch_size"], args["dataset_size"]) == (9, 9 * explore.STEPS_PER_EPOCH)
+    assert explore.applicable({**trial, "config": {**trial["config"], "world_change": "none"}}) is not None
+    assert explore.ref_key(trial) != explore.ref_key({**trial, "config": {**trial["config"], "split": "even"}})
+
+
 def test_draws_are_seeded_and_applicable():
     a = [explore.draw(random.Random(7 + i)) for i in range(50)]
     assert a == [explore.draw(random.Random(7 + i)) for i in range(50)]

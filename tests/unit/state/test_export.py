@@ -2,6 +2,7 @@
 GPT, any module with tied weights; written at the end of a finished run and not after a preemption;
 atomic; safetensors optional; and the LoRA fine-tuning example at world size 1."""
 
+import errno
 import importlib.util
 import json
 import logging
@@ -274,3 +275,26 @@ def test_a_full_transformers_model_exports_through_save_pretrained(example, tmp_
     assert loaded.lm_head.weight.data_ptr() == loaded.model.embed_tokens.weight.data_ptr()
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
     assert (logits_of(loaded, ids) - logits_of(model, ids)).abs().max().item() <= 1e-6
+
+
+@pytest.mark.parametrize("error", [OSError(errno.ENOSPC, "No space left on device"),
+                                   RuntimeError("Error while serializing: I/O error: No space left on device "
+                                                "(os error 28)")])  # safetensors' own
+def test_a_full_disk_at_the_final_weights_is_a_fatal_error_naming_the_directories(tmp_path, monkeypatch, error):
+    """A full disk while writing final_model.pt or the export fails the same way after a restart:
+    a FatalError naming the directories (an explorer trial, full_disk at the export, ended with a
+    bare traceback after every restart once the final checkpoint was no longer written again)."""
+    from types import SimpleNamespace
+
+    from framework.resilience.markers import FatalError
+    from framework.state import export
+
+    def full(*args, **kwargs):
+        raise error
+    monkeypatch.setattr(export.atomic, "torch_save", full)
+    cfg = SimpleNamespace(checkpoint=SimpleNamespace(dir=str(tmp_path), export_dir=""))
+    with pytest.raises(FatalError, match=r"checkpoint.dir=.*No space left on device while writing the final weights"):
+        export.save_final_weights(torch.nn.Linear(2, 2), cfg)
+    monkeypatch.setattr(export.atomic, "torch_save", lambda *a, **k: (_ for _ in ()).throw(OSError(errno.EIO, "x")))
+    with pytest.raises(OSError):  # another error is passed on as it is
+        export.save_final_weights(torch.nn.Linear(2, 2), cfg)
