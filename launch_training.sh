@@ -395,7 +395,8 @@ done
 wait "$child" && status=0 || status=$?
 if [[ $heal -eq 1 ]]; then
   # The run finished when a rank's job ended 0 and the final model was written by this launch (a
-  # replica stopped while it waited to join ends 0 too); else the first failure stands.
+  # replica stopped while it waited to join ends 0 too), and no rank stopped with a FATAL since (the
+  # export after final_model.pt, on a full disk); else the first failure stands.
   any_ok=$(( status == 0 ))
   for other in "${children[@]:1}"; do
     while kill -0 "$other" 2>/dev/null; do wait "$other" || true; done
@@ -403,7 +404,7 @@ if [[ $heal -eq 1 ]]; then
     [[ $other_status -ne 0 ]] || any_ok=1
     [[ $status -ne 0 || $other_status -eq 0 ]] || status=$other_status
   done
-  if [[ $any_ok -eq 1 && -f "$final" && "$final" -nt "$stamp" ]]; then
+  if [[ $any_ok -eq 1 && -f "$final" && "$final" -nt "$stamp" ]] && ! [[ -f "$fatal" && "$fatal" -nt "$stamp" ]]; then
     status=0
   fi
   if [[ -n "$store_pid" ]]; then

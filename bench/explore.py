@@ -933,16 +933,20 @@ def foreign_template(cfg: dict, workdir: Path) -> Path:
     rate, stopped after FOREIGN_STEPS steps with a checkpoint every 2. Made once per world size,
     accumulation and data kind, and copied into every trial that needs one."""
     w, accum, stream = world(cfg), cfg["accum"], cfg["data"] == "stream"
+    uneven = cfg.get("split", "even") == "uneven"
     with _foreign_lock:
-        key = (w, accum, stream)
+        key = (w, accum, stream, uneven)
         if key in _foreign_cache:
             return _foreign_cache[key]
-        out = workdir / f"foreign-{w}-{accum}-{int(stream)}"
+        out = workdir / f"foreign-{w}-{accum}-{int(stream)}{'-uneven' if uneven else ''}"
         shutil.rmtree(out, ignore_errors=True)
         args = {**BASE, "learning_rate": FOREIGN_LR, "dataset_size": BATCH * STEPS_PER_EPOCH * w * accum,
                 "data.gradient_accumulation_steps": accum, "num_workers": 0, "train.max_steps": FOREIGN_STEPS,
                 "checkpoint.every_steps": 2, "checkpoint.keep_last": 3, "checkpoint.export_dir": "none",
                 "checkpoint.dir": str(out / "ck"), "logging.dir": str(out / "logs"), "checkpoint.resume": "none"}
+        if uneven:  # the same data and global batch as the trial's (config_args)
+            global_batch = BATCH * w * accum + 1
+            args.update({"data.global_batch_size": global_batch, "dataset_size": STEPS_PER_EPOCH * global_batch})
         out.mkdir(parents=True)
         launch = run_forked({"config": cfg, "fault": "none", "moment": "startup"}, args, out)
         if launch["codes"] != [0] * w:
@@ -1327,7 +1331,8 @@ def verdict_inputs(trial: dict, lay: Layout, sentinels: dict, foreign_files: dic
     # fresh start at another (no checkpoint yet) with the same global batch.
     # The first launch's size leads: a launch killed before it logged one (kill -9 at start-up)
     # left the relaunch's as the only line, which hid its change of size.
-    sizes = [world(cfg)] + [int(n) for n in re.findall(r"effective batch: \d+ per rank x (\d+) ranks", log0)]
+    sizes = [world(cfg)] + [int(even or uneven) for even, uneven in re.findall(
+        r"effective batch: (?:\d+ per rank x (\d+) ranks|(\d+) ranks with)", log0)]  # an even split, or not
     # Healing in place: each heal and each growth, in rank 0's log (replica 0: the explorer's faults
     # hit the last rank); a restart from the checkpoint through the run's store, on any rank's.
     regrouped = [(int(old), int(new)) for new, old in re.findall(r"goes on with (\d+) of (\d+) ranks", log0)]
