@@ -71,3 +71,27 @@ def error_record(err: BaseException, iteration: int, chars: int = 2000) -> dict:
     text = str(err)
     return {"iteration": iteration, "type": type(err).__name__,
             "message": text.splitlines()[0] if text else type(err).__name__, "full": text[:chars]}
+
+
+def final_weights(run_dir: Path) -> dict:
+    """The final weights a run in ``run_dir`` wrote (``ck/final_model.pt``)."""
+    import torch
+    return torch.load(run_dir / "ck" / "final_model.pt", weights_only=True)
+
+
+def weight_diff(reference_dir: Path, run_dir: Path) -> float:
+    """The largest difference between two runs' final weights."""
+    reference, weights = final_weights(reference_dir), final_weights(run_dir)
+    return max((weights[k].float() - reference[k].float()).abs().max().item() for k in reference)
+
+
+def samples_per_epoch(run_dir: Path):
+    """How many times each (epoch, sample) was trained, from the run's samples audit trail."""
+    import collections
+
+    from framework.observability.metrics import read_samples
+    seen = collections.Counter()
+    for path in (run_dir / "logs").glob("samples_rank_*.jsonl"):
+        for record in read_samples(path):
+            seen.update((record["epoch"], i) for i in record["indices"])
+    return seen

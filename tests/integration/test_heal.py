@@ -6,7 +6,6 @@ a kill of rank 0 (the checkpoint writer: a survivor takes over its lock and line
 
 from __future__ import annotations
 
-import collections
 import json
 import os
 import re
@@ -17,11 +16,10 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 import torch.distributed as dist
 
 from framework.ddp.membership import process_state
-from framework.observability.metrics import read_samples
+from tests.dist_helper import final_weights, samples_per_epoch, weight_diff
 from tests.tiny import tiny
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -103,27 +101,9 @@ def launch_heal(like: Path, run_dir: Path, changes: dict) -> subprocess.Complete
                           env={k: v for k, v in os.environ.items() if not k.startswith("HEAL_")})
 
 
-def final_weights(run_dir: Path) -> dict:
-    return torch.load(run_dir / "ck" / "final_model.pt", weights_only=True)
-
-
-def weight_diff(reference_dir: Path, run_dir: Path) -> float:
-    """The largest difference between two runs' final weights."""
-    reference, weights = final_weights(reference_dir), final_weights(run_dir)
-    return max((weights[k].float() - reference[k].float()).abs().max().item() for k in reference)
-
-
 def left_running(run_dir: Path) -> str:
     """The processes of the run in ``run_dir`` still running (its config.json on their command line)."""
     return subprocess.run(["pgrep", "-f", str(run_dir / "config.json")], capture_output=True, text=True).stdout
-
-
-def samples_per_epoch(run_dir: Path) -> collections.Counter:
-    seen = collections.Counter()
-    for path in (run_dir / "logs").glob("samples_rank_*.jsonl"):
-        for record in read_samples(path):
-            seen.update((record["epoch"], i) for i in record["indices"])
-    return seen
 
 
 def logs(run_dir: Path) -> str:
