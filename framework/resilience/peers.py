@@ -217,12 +217,24 @@ class PeerMonitor(Listener):
                 if self.breaker is not None:  # on another host: every rank names it lost in its breaker
                     named, killed_at = _announcement([self.watched], silent), now
                     gone = f"rank {self.watched} went silent and was named lost"
-                    self._call(lambda said=named: self.store.set("lost", said), wait_s=BEAT_S)
+                    self._call(lambda why=silent: self._announce_named([self.watched], why), wait_s=BEAT_S)
                     log.warning("%s; on another host: named lost, so that every rank gives up the step's collectives "
                                 "with it and heals in place without it", silent)
                     self.breaker.name([self.watched], self._generation)
                     continue
                 return self._lose(silent, announce=True)
+
+    def _announce_named(self, ranks: list[int], what: str) -> None:
+        """Add ``ranks`` to the ranks the store's announcement names (compare-and-set: two watchers
+        that name different ranks at once both stand, where a plain set would keep only the last)."""
+        old = self.store.get("lost").decode() if self.store.check(["lost"]) else ""
+        for _ in range(20):
+            prior = _parse(old)[0] if old else []
+            new = _announcement(sorted(set(prior) | set(ranks)), what)
+            now = self.store.compare_set("lost", old, new).decode()
+            if now == new:
+                return
+            old = now
 
     def _period(self) -> float:
         return min(BEAT_S, self.timeout_s / 4)

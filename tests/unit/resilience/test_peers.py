@@ -256,3 +256,29 @@ def test_healing_in_place_a_peer_silent_on_another_host_is_named_lost_in_every_r
     finally:
         for m in (*made, *([again] if again else [])):
             m.close()
+
+
+@pytest.mark.slow
+def test_two_watchers_naming_different_ranks_at_once_both_stand(store, tmp_path):
+    """Ranks 1 and 3 of 4 go silent together on other hosts: their watchers (0 and 2) name them at
+    about the same moment. The announcement holds both (compare-and-set; a plain set kept the last
+    writer's alone), so every survivor's breaker names both."""
+    from framework.ddp.collectives import Breaker
+    heard = {r: [] for r in range(4)}
+    breakers = [Breaker(1) for _ in range(4)]
+    made = [PeerMonitor(RecoverySection(peer_timeout_s=TIMEOUT_S),
+                        env=SimpleNamespace(rank=r, world_size=4, distributed=True), store=store,
+                        checkpoint_dir=str(tmp_path), on_lost=heard[r].append, on_silent=lambda rank: False,
+                        breaker=breakers[r]) for r in range(4)]
+    for m in made:
+        m.train_start()
+    try:
+        freeze(made[1])
+        freeze(made[3])
+        assert holds_within(lambda: breakers[0].lost() == breakers[2].lost() == [1, 3], TIMEOUT_S + 4), \
+            (breakers[0].lost(), breakers[2].lost())
+        assert not heard[0] and not heard[2]
+        assert made[0].store.get("lost").decode().startswith("1,3\t")  # the monitors' own prefix
+    finally:
+        for m in made:
+            m.close()
