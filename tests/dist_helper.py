@@ -95,3 +95,24 @@ def samples_per_epoch(run_dir: Path):
         for record in read_samples(path):
             seen.update((record["epoch"], i) for i in record["indices"])
     return seen
+
+
+OTHER_HOST = ["unshare", "--uts", "sh", "-c", 'hostname "other-host-$$" && exec "$0" "$@"']
+"""A command's prefix that runs it under a host name of its own (a UTS namespace; exec keeps its
+pid): as on another host, the run's other processes can neither read its fate from its pid nor kill it."""
+
+
+def other_host_allowed() -> bool:
+    import subprocess
+    return subprocess.run([*OTHER_HOST[:2], "true"], capture_output=True).returncode == 0
+
+
+def stop_launched(launched: list, run_dir: Path) -> None:
+    """Kill what a test launched (each in a session of its own) and whatever of the run is left."""
+    import os
+    import signal
+    for proc in launched:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    kill_matching(str(run_dir))  # noqa: F405  (harness.launch's)

@@ -18,8 +18,8 @@ import torch
 
 from framework.observability.metrics import read_metrics, read_samples
 from tests.tiny import tiny
-from tests.dist_helper import (ROOT, cli_args, free_port, kill_matching, launch, rank_log, torchrun_cmd, wait_for,
-                               wait_gone, worker_env, workers_by_rank)
+from tests.dist_helper import (ROOT, cli_args, free_port, kill_matching, launch, rank_log, stop_launched, torchrun_cmd,
+                               wait_for, wait_gone, worker_env, workers_by_rank)
 from tests.equivalence import max_weight_diff
 
 pytestmark = pytest.mark.dist
@@ -119,12 +119,7 @@ def lose_node(agent: subprocess.Popen) -> None:
     agent.wait()
 
 
-def end(agents: list[subprocess.Popen], run_dir: Path) -> None:
-    for agent in agents:
-        if agent.poll() is None:
-            os.killpg(agent.pid, signal.SIGKILL)
-            agent.wait()
-    kill_matching(str(run_dir))
+
 
 
 @pytest.fixture(scope="module")
@@ -153,7 +148,7 @@ def test_a_lost_agent_ends_the_surviving_node_in_seconds_with_a_save_and_exit_75
         survivor_s = time.monotonic() - lost_at
         assert wait_gone([w.pid for w in workers], timeout=5) == []
     finally:
-        end(agents, tmp_path)
+        stop_launched(agents, tmp_path)
     node0 = (tmp_path / "node0.out").read_text()
     assert survivor_s <= 30, (survivor_s, node0[-3000:])
     assert agents[0].returncode != 0 and "exitcode  : 75" in node0, node0[-3000:]
@@ -193,7 +188,7 @@ def test_a_lost_node_leaves_the_survivor_training_on_one_node_then_it_rejoins(no
         for agent in (agents[0], agents[2]):
             agent.wait(timeout=120)
     finally:
-        end(agents, run_dir)
+        stop_launched(agents, run_dir)
     outputs = "".join((run_dir / f"{n}.out").read_text()[-2000:] for n in ("node0", "node1_back"))
     assert agents[0].returncode == 0 and agents[2].returncode == 0, outputs
     assert recovered_s <= 30, recovered_s
@@ -273,7 +268,7 @@ def test_with_etcd_losing_the_node_of_rank_0_leaves_the_other_node_training(etcd
         survivor = next(a for a in agents if a is not lost)
         survivor.wait(timeout=120)
     finally:
-        end(agents, run_dir)
+        stop_launched(agents, run_dir)
     assert survivor.returncode == 0, (run_dir / f"node{agents.index(survivor)}.out").read_text()[-3000:]
     assert recovered_s <= 30, recovered_s
     summary = json.loads((run_dir / "logs" / "summary.json").read_text())

@@ -19,19 +19,12 @@ import pytest
 import torch.distributed as dist
 
 from framework.ddp.membership import process_state
-from tests.dist_helper import final_weights, samples_per_epoch, weight_diff
+from tests.dist_helper import OTHER_HOST, final_weights, other_host_allowed, samples_per_epoch, weight_diff
 from tests.tiny import tiny
 
 ROOT = Path(__file__).resolve().parents[2]
 REPLICAS = 3
 STEPS = 12
-# A process under a host name of its own (a UTS namespace; exec keeps its pid): as on another host,
-# the others can neither read its fate from its pid nor kill it.
-OTHER_HOST = ["unshare", "--uts", "sh", "-c", 'hostname "other-host-$$" && exec "$0" "$@"']
-
-
-def other_host_allowed() -> bool:
-    return subprocess.run([*OTHER_HOST[:2], "true"], capture_output=True).returncode == 0
 
 
 def heal_run(run_dir: Path, fault: str = "", *, steps: int = STEPS, spares: int = 0, changes: dict | None = None,

@@ -9,15 +9,14 @@ from __future__ import annotations
 import datetime
 import os
 import re
-import signal
 import subprocess
 from pathlib import Path
 
 import psutil
 import pytest
 
-from tests.dist_helper import (FAULT_RUN, ROOT, cli_args, free_port, holds_within, kill_matching, rank_log,
-                               samples_per_epoch, torchrun_cmd, weight_diff, worker_env)
+from tests.dist_helper import (FAULT_RUN, OTHER_HOST, ROOT, cli_args, free_port, holds_within, other_host_allowed,
+                               rank_log, samples_per_epoch, stop_launched, torchrun_cmd, weight_diff, worker_env)
 
 pytestmark = pytest.mark.dist
 
@@ -80,15 +79,6 @@ def start_node(run_dir: Path, node: int, port: int) -> subprocess.Popen:
                                                 "RDZV_STORE_ENDPOINT": f"c10d://{ADDRESSES[0]}:{port}"}))
 
 
-def stop(launched: list[subprocess.Popen], run_dir: Path) -> None:
-    """Kill what a test launched (each in a session of its own) and whatever of the run is left."""
-    for proc in launched:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    kill_matching(str(run_dir))
-
-
 def workers(agents: list[subprocess.Popen]) -> list[psutil.Process]:
     found = []
     for agent in agents:
@@ -129,7 +119,7 @@ def test_a_cut_link_is_named_on_both_sides_within_the_peer_timeout(two_hosts, tm
         last_error = (tmp_path / "ck" / "LAST_ERROR").read_text()
         assert re.search(r"rank [01]: PeerLostSilently: rank 1 (went silent|lost the run's store)", last_error)
     finally:
-        stop(agents, tmp_path)
+        stop_launched(agents, tmp_path)
 
 
 def start_heal_node(run_dir: Path, node: int, port: int) -> subprocess.Popen:
@@ -139,7 +129,7 @@ def start_heal_node(run_dir: Path, node: int, port: int) -> subprocess.Popen:
                str(node), "--rdzv-endpoint", f"{ADDRESSES[0]}:{port}", "--rdzv-id", f"healcut{TAG}",
                "--max-restarts", "0", "--", "--config", str(run_dir / "config.json")]
     if node == 1:
-        command = ["unshare", "--uts", "sh", "-c", 'hostname "node1-$$" && exec "$0" "$@"', *command]
+        command = [*OTHER_HOST, *command]
     with (run_dir / f"node{node}.out").open("a") as out:
         return subprocess.Popen(["ip", "netns", "exec", NAMESPACES[node], *command], cwd=run_dir, stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True,
@@ -152,7 +142,7 @@ def test_healing_in_place_node_0_goes_on_alone_after_a_cut_link_and_node_1_ends(
     collectives with it end at once and it heals in place alone, from the state it holds, and
     finishes the run with the uninterrupted run's weights and each sample once. Node 1, cut off
     from the run's store, ends (exit 75) within the peer timeout. Nothing waits for ddp.timeout_s."""
-    if subprocess.run(["unshare", "--uts", "true"], capture_output=True).returncode != 0:
+    if not other_host_allowed():
         pytest.skip("another host name needs a UTS namespace (unshare --uts, as root): refused here")
     import json
 
@@ -177,7 +167,7 @@ def test_healing_in_place_node_0_goes_on_alone_after_a_cut_link_and_node_1_ends(
         ip("-n", NAMESPACES[1], "link", "set", LINKS[1], "down")
         codes = [node.wait(timeout=180) for node in nodes]
     finally:
-        stop(nodes, run_dir)
+        stop_launched(nodes, run_dir)
     node0, node1 = rank_log(run_dir, 0), rank_log(run_dir, 1)
     assert codes == [0, 75], (codes, (run_dir / "node0.out").read_text()[-2000:],
                               (run_dir / "node1.out").read_text()[-2000:])

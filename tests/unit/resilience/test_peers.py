@@ -23,11 +23,14 @@ def store():
     yield dist.PrefixStore("generation_0/", master)
 
 
-def monitors(store, tmp_path, world_size):
+def monitors(store, tmp_path, world_size, *, breakers=None, **keys):
+    """``world_size`` monitors, started; each rank's losses in ``heard[rank]``. ``breakers``: one per
+    rank (healing in place); ``keys``: PeerMonitor's other keywords, the same for every rank."""
     heard = {r: [] for r in range(world_size)}
     made = [PeerMonitor(RecoverySection(peer_timeout_s=TIMEOUT_S),
                         env=SimpleNamespace(rank=r, world_size=world_size, distributed=True), store=store,
-                        checkpoint_dir=str(tmp_path), on_lost=heard[r].append) for r in range(world_size)]
+                        checkpoint_dir=str(tmp_path), on_lost=heard[r].append,
+                        breaker=breakers[r] if breakers else None, **keys) for r in range(world_size)]
     for m in made:
         m.train_start()
     return made, heard
@@ -230,14 +233,8 @@ def test_healing_in_place_a_peer_silent_on_another_host_is_named_lost_in_every_r
     closes the monitors) has not come within another timeout. A process of rank 2 that runs
     again reads that it was named lost, and ends."""
     from framework.ddp.collectives import Breaker
-    heard = {r: [] for r in range(3)}
     breakers = [Breaker(1) for _ in range(3)]
-    made = [PeerMonitor(RecoverySection(peer_timeout_s=TIMEOUT_S),
-                        env=SimpleNamespace(rank=r, world_size=3, distributed=True), store=store,
-                        checkpoint_dir=str(tmp_path), on_lost=heard[r].append, on_silent=lambda rank: False,
-                        breaker=breakers[r]) for r in range(3)]
-    for m in made:
-        m.train_start()
+    made, heard = monitors(store, tmp_path, 3, breakers=breakers, on_silent=lambda rank: False)
     again = None
     try:
         freeze(made[2])
@@ -264,14 +261,8 @@ def test_two_watchers_naming_different_ranks_at_once_both_stand(store, tmp_path)
     about the same moment. The announcement holds both (compare-and-set; a plain set kept the last
     writer's alone), so every survivor's breaker names both."""
     from framework.ddp.collectives import Breaker
-    heard = {r: [] for r in range(4)}
     breakers = [Breaker(1) for _ in range(4)]
-    made = [PeerMonitor(RecoverySection(peer_timeout_s=TIMEOUT_S),
-                        env=SimpleNamespace(rank=r, world_size=4, distributed=True), store=store,
-                        checkpoint_dir=str(tmp_path), on_lost=heard[r].append, on_silent=lambda rank: False,
-                        breaker=breakers[r]) for r in range(4)]
-    for m in made:
-        m.train_start()
+    made, heard = monitors(store, tmp_path, 4, breakers=breakers, on_silent=lambda rank: False)
     try:
         freeze(made[1])
         freeze(made[3])
