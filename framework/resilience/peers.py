@@ -1,7 +1,9 @@
 """A silent peer named in seconds: every rank beats in the run's store from a thread of its own,
 and a rank whose watched peer stops beating (a frozen process or host, a cut link: nothing tells
 the collectives, which wait for ``ddp.timeout_s``) names it and ends the restart with
-EXIT_PEER_LOST, so that torchrun restarts the group, or the launcher ends the run, at once.
+EXIT_PEER_LOST, so that torchrun restarts the group, or the launcher ends the run, at once; a
+silent peer on this host is killed first (torchrun would wait its SIGTERM grace, 30 s, for a
+stopped process).
 Healing in place, the silent peer is killed when it runs on this host, and otherwise named lost in
 every rank's breaker (framework/ddp/collectives.py): the step's collectives with it end, and the
 others heal in place without it."""
@@ -21,6 +23,7 @@ import torch.distributed as dist
 from .config import RecoverySection
 from ..ddp import process_group
 from ..ddp.collectives import Breaker
+from ..ddp import membership
 from ..ddp.membership import HEARTBEATS
 from ..train.events import Listener
 from . import markers
@@ -68,7 +71,9 @@ class PeerMonitor(Listener):
     closes its connections, which its peers' collectives see at once.
 
     Healing in place: ``on_silent`` kills a silent peer on this host (its connections close, and
-    the collectives with it fail). One on another host is named lost in ``breaker`` instead, and
+    the collectives with it fail). Restarting, a silent peer on this host is killed as this rank
+    exits (``where/<rank>``: each rank says where it runs): torchrun would otherwise end a stopped
+    worker only after its SIGTERM grace of 30 s. One on another host is named lost in ``breaker`` instead, and
     the announcement names its rank, so that every rank names it in its own breaker: their
     step's collectives with it end, and they heal in place. The rank named reads itself in the
     announcement, should it ever run again, and exits. A heal stops this monitor; one that has not
@@ -113,6 +118,8 @@ class PeerMonitor(Listener):
         self._announced: str | None = None
         self._judged_at = time.monotonic()  # the judge's last round
         self._store_error = ""
+        self._watched_at: tuple[str, int, int | None] | None = None  # where the watched peer runs
+        self._kill_at_exit: tuple[str, int, int | None] | None = None
 
     @contextlib.contextmanager
     def holding(self):
@@ -128,7 +135,10 @@ class PeerMonitor(Listener):
     def train_start(self) -> None:
         if self.enabled and self._threads == []:
             # The first beat (0: not started yet; -1: left on purpose), never blocking the main thread.
-            self._call(lambda: self.store.set(f"alive/{self.rank}", "1"), wait_s=self._period())
+            def first_beat():
+                self.store.set(f"where/{self.rank}", membership.where_this_runs())
+                self.store.set(f"alive/{self.rank}", "1")
+            self._call(first_beat, wait_s=self._period())
             now = time.monotonic()
             self._ok_at = self._changed_at = now
             self._threads = [threading.Thread(target=target, name=f"peer-monitor-{name}", daemon=True)
@@ -160,6 +170,9 @@ class PeerMonitor(Listener):
                 self.store.add(f"alive/{self.rank}", 1)
                 value = self.store.add(f"alive/{self.watched}", 0)  # creates it (0) if it never beat
                 announced = self.store.get("lost").decode() if self.store.check(["lost"]) else None
+                if self._watched_at is None and self.store.check([f"where/{self.watched}"]):
+                    host, pid, start = self.store.get(f"where/{self.watched}").decode().split(" ")
+                    self._watched_at = host, int(pid), int(start) if start.isdigit() else None
             except Exception as err:  # noqa: BLE001  (the judge ends the rank if it lasts)
                 self._store_error = f"{type(err).__name__}: {err}"
                 continue
@@ -222,6 +235,8 @@ class PeerMonitor(Listener):
                                 "with it and heals in place without it", silent)
                     self.breaker.name([self.watched], self._generation)
                     continue
+                if self.on_silent is None:  # restarting: a stopped peer on this host is killed as this rank exits
+                    self._kill_at_exit = self._watched_at
                 return self._lose(silent, announce=True)
 
     def _announce_named(self, ranks: list[int], what: str) -> None:
@@ -283,6 +298,8 @@ class PeerMonitor(Listener):
                 markers.write(self.checkpoint_dir, markers.NODE_LOST, what)
             except OSError:
                 pass
+        if self._kill_at_exit is not None:  # its torchrun would wait 30 s for a stopped process's SIGTERM
+            membership.kill(self._kill_at_exit, f"rank {self.watched} is silent")
         for handler in logging.getLogger().handlers:
             handler.flush()
         os._exit(process_group.EXIT_PEER_LOST)
