@@ -163,13 +163,17 @@ def test_two_nodes_stop_a_crash_after_every_restart_after_max_no_progress_restar
     args = args_for(tmp_path, {"train.max_steps": 40, "recovery.fault_inject": "crash@step=20,restart=*",
                                "recovery.max_no_progress_restarts": 1}, base=CONFIG)
     nodes = start_nodes(ROOT / "ddp_training.py", args, tmp_path, nnodes=2, rdzv_id=tmp_path.name,
-                        torchrun_extra=["--max-restarts", "2"])
+                        torchrun_extra=["--max-restarts", "3"])
     nodes = finish_nodes(nodes, TIMEOUT)
     outputs = "\n".join(node.output[-3000:] for node in nodes)
     assert all(node.returncode != 0 for node in nodes), outputs
     marker = (tmp_path / "ck" / "FATAL").read_text()
-    assert "2 restarts in a row resumed from step 16" in marker and "fault injection: crash at step 20" in marker
+    assert ("2 restarts in a row resumed from step 16 with no progress in between "
+            "(recovery.max_no_progress_restarts=1)") in marker
+    assert "the last error: rank " in marker and "RuntimeError: fault injection: crash at step 20" in marker
+    # The first launch and 1 restart trained; the second restart stopped; the last one stopped at once.
     assert rank_log(tmp_path, 0).count("fault injection: crash at step 20 on rank 0") == 2
+    assert "an earlier restart of this run failed and a restart cannot help" in outputs
     assert not nodes[0].leftovers and not nodes[1].leftovers
 
 

@@ -98,16 +98,16 @@ def test_kill_9_then_elastic_restart_resumes_bit_exact(reference, tmp_path, kill
 
 
 def test_a_step_slower_than_the_peer_timeout_is_not_a_loss(tmp_path):
-    """Rank 1's steps take 4 s from step 4 on (a sleep in each forward: a slow rank, not a frozen
-    one), longer than recovery.peer_timeout_s=3: its monitor thread beats on, so nobody is named
+    """Rank 1's steps take 2.5 s from step 4 on (a sleep in each forward: a slow rank, not a frozen
+    one), longer than recovery.peer_timeout_s=2: its monitor thread beats on, so nobody is named
     and the run ends as usual."""
-    run = train(tmp_path, {"recovery.fault_inject": "slow@step=3,rank=1,ms=4000", "recovery.peer_timeout_s": 3,
+    run = train(tmp_path, {"recovery.fault_inject": "slow@step=3,rank=1,ms=2500", "recovery.peer_timeout_s": 2,
                            "train.max_steps": 6})
     assert run.returncode == 0, run.output[-4000:]
     log0 = rank_log(tmp_path)
     stamps = {int(m.group(2)): datetime.datetime.fromisoformat(m.group(1))
               for m in re.finditer(r"^(\S+ \S+) \[rank 0\] .*step (\d+)/6 ", log0, re.M)}
-    assert (stamps[6] - stamps[4]).total_seconds() >= 2 * 4 - 1  # the slow steps outlast the timeout
+    assert (stamps[6] - stamps[4]).total_seconds() >= 2 * 2.5 - 1  # the slow steps outlast the timeout
     assert "went silent" not in log0 + rank_log(tmp_path, 1) and summary(tmp_path)["steps"] == 6
 
 
@@ -232,20 +232,6 @@ def test_fatal_marker_stops_a_restarted_group_at_once(tmp_path):
     assert run.output.count("an earlier restart of this run failed and a restart cannot help") >= 2
     assert "fault injection: nan at step 3" in rank_log(tmp_path)
     assert time.monotonic() - start < 60
-    assert not run.leftovers
-
-
-def test_a_crash_after_every_restart_stops_after_max_no_progress_restarts(tmp_path):
-    run = train(tmp_path, {"recovery.fault_inject": "crash@step=10,restart=*", "recovery.max_no_progress_restarts": 1},
-                torchrun_extra=["--max-restarts", "3"])
-    assert run.returncode != 0
-    marker = (tmp_path / "ck" / "FATAL").read_text()
-    assert ("2 restarts in a row resumed from step 8 with no progress in between "
-            "(recovery.max_no_progress_restarts=1)") in marker
-    assert "the last error: rank " in marker and "RuntimeError: fault injection: crash at step 10" in marker
-    # The first launch and 1 restart trained; the second restart stopped; the last one stopped at once.
-    assert rank_log(tmp_path).count("fault injection: crash at step 10 on rank 0") == 2
-    assert run.output.count("an earlier restart of this run failed and a restart cannot help") >= 1
     assert not run.leftovers
 
 
