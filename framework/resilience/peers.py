@@ -2,8 +2,7 @@
 and a rank whose watched peer stops beating (a frozen process or host, a cut link: nothing tells
 the collectives, which wait for ``ddp.timeout_s``) names it and ends the restart with
 EXIT_PEER_LOST, so that torchrun restarts the group, or the launcher ends the run, at once; a
-silent peer on this host is killed first (torchrun would wait its SIGTERM grace, 30 s, for a
-stopped process).
+stopped peer on this host is killed first (torchrun would wait its SIGTERM grace, 30 s, for it).
 Healing in place, the silent peer is killed when it runs on this host, and otherwise named lost in
 every rank's breaker (framework/ddp/collectives.py): the step's collectives with it end, and the
 others heal in place without it."""
@@ -16,6 +15,7 @@ import logging
 import os
 import threading
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import torch.distributed as dist
@@ -70,10 +70,12 @@ class PeerMonitor(Listener):
     training ended, or failed on its own) says so first, and is not missed: a process that exits
     closes its connections, which its peers' collectives see at once.
 
+    Restarting, a silent peer that is stopped (SIGSTOP) on this host is killed as this rank exits
+    (``where/<rank>``: each rank says where it runs): torchrun would end it only after its SIGTERM
+    grace of 30 s. One still running (cut off, or slow) is left to its own watch.
+
     Healing in place: ``on_silent`` kills a silent peer on this host (its connections close, and
-    the collectives with it fail). Restarting, a silent peer on this host is killed as this rank
-    exits (``where/<rank>``: each rank says where it runs): torchrun would otherwise end a stopped
-    worker only after its SIGTERM grace of 30 s. One on another host is named lost in ``breaker`` instead, and
+    the collectives with it fail). One on another host is named lost in ``breaker`` instead, and
     the announcement names its rank, so that every rank names it in its own breaker: their
     step's collectives with it end, and they heal in place. The rank named reads itself in the
     announcement, should it ever run again, and exits. A heal stops this monitor; one that has not
@@ -118,8 +120,9 @@ class PeerMonitor(Listener):
         self._announced: str | None = None
         self._judged_at = time.monotonic()  # the judge's last round
         self._store_error = ""
-        self._watched_at: tuple[str, int, int | None] | None = None  # where the watched peer runs
-        self._kill_at_exit: tuple[str, int, int | None] | None = None
+        self._watched_at: Where | None = None  # where the watched peer runs, once it said so
+        self._kill_at_exit: Where | None = None
+        self._where_read = False
 
     @contextlib.contextmanager
     def holding(self):
@@ -136,7 +139,7 @@ class PeerMonitor(Listener):
         if self.enabled and self._threads == []:
             # The first beat (0: not started yet; -1: left on purpose), never blocking the main thread.
             def first_beat():
-                self.store.set(f"where/{self.rank}", membership.where_this_runs())
+                self.store.set(f"where/{self.rank}", where_this_runs())
                 self.store.set(f"alive/{self.rank}", "1")
             self._call(first_beat, wait_s=self._period())
             now = time.monotonic()
@@ -170,12 +173,13 @@ class PeerMonitor(Listener):
                 self.store.add(f"alive/{self.rank}", 1)
                 value = self.store.add(f"alive/{self.watched}", 0)  # creates it (0) if it never beat
                 announced = self.store.get("lost").decode() if self.store.check(["lost"]) else None
-                if self._watched_at is None and self.store.check([f"where/{self.watched}"]):
-                    host, pid, start = self.store.get(f"where/{self.watched}").decode().split(" ")
-                    self._watched_at = host, int(pid), int(start) if start.isdigit() else None
+                where = (self.store.get(f"where/{self.watched}").decode()
+                         if not self._where_read and self.store.check([f"where/{self.watched}"]) else None)
             except Exception as err:  # noqa: BLE001  (the judge ends the rank if it lasts)
                 self._store_error = f"{type(err).__name__}: {err}"
                 continue
+            if where is not None:
+                self._watched_at, self._where_read = Where.parse(where), True
             now = time.monotonic()
             if now - self._ok_at > self.timeout_s:  # this process did not run (the job suspended, then
                 self._changed_at = now             # continued): a peer not yet beaten again is not silent
@@ -235,7 +239,7 @@ class PeerMonitor(Listener):
                                 "with it and heals in place without it", silent)
                     self.breaker.name([self.watched], self._generation)
                     continue
-                if self.on_silent is None:  # restarting: a stopped peer on this host is killed as this rank exits
+                if self.on_silent is None:  # restarting: stopped on this host, it is killed as this rank exits
                     self._kill_at_exit = self._watched_at
                 return self._lose(silent, announce=True)
 
@@ -292,17 +296,57 @@ class PeerMonitor(Listener):
         deadline.start()
         log.error("%s: ending this restart with exit %d so that torchrun restarts the group (or the launcher "
                   "ends the run) now, not after ddp.timeout_s", what, process_group.EXIT_PEER_LOST)
+        if self._kill_at_exit is not None:  # before the files below, which a slow filesystem may hold
+            self._kill_at_exit.kill_if_stopped(f"rank {self.watched} is stopped")
         markers.record_error(self.checkpoint_dir, self.rank, PeerLostSilently(what))
         if self.breaker is not None:  # healing: launch_training.sh exits 75 naming it (a fixed-size
             try:                        # run's launcher would take it for a node that did not rejoin)
                 markers.write(self.checkpoint_dir, markers.NODE_LOST, what)
             except OSError:
                 pass
-        if self._kill_at_exit is not None:  # its torchrun would wait 30 s for a stopped process's SIGTERM
-            membership.kill(self._kill_at_exit, f"rank {self.watched} is silent")
         for handler in logging.getLogger().handlers:
             handler.flush()
         os._exit(process_group.EXIT_PEER_LOST)
+
+
+def where_this_runs() -> str:
+    """This process, as its peers read it: ``host pid start pid-namespace`` (``Where``)."""
+    return f"{membership.where_this_runs()} {_pid_namespace()}"
+
+
+def _pid_namespace() -> str:
+    try:
+        return str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        return ""
+
+
+@dataclass(frozen=True)
+class Where:
+    """Where a rank runs: its host, pid, start time (/proc's, in clock ticks since boot) and pid
+    namespace; the four name one process, where a pid alone may name another (reused, or in
+    another container on a host of the same name)."""
+
+    host: str
+    pid: int
+    start: int
+    pid_namespace: str
+
+    @classmethod
+    def parse(cls, text: str) -> Where | None:
+        """``where_this_runs``'s text, or None for any other (a record this version cannot kill by)."""
+        fields = text.split(" ")
+        if len(fields) != 4 or not fields[1].isdigit() or not fields[2].isdigit() or not fields[3]:
+            return None
+        return cls(fields[0], int(fields[1]), int(fields[2]), fields[3])
+
+    def kill_if_stopped(self, why: str) -> bool:
+        """SIGKILL this process when it runs in this host's pid namespace and is stopped (SIGSTOP:
+        it would wait out torchrun's SIGTERM grace); True when it was. A running one (cut off, or
+        slow) is not: it learns of the loss from its own watch, or exits on torchrun's SIGTERM."""
+        if self.pid_namespace != _pid_namespace() or membership.process_state(self.pid) != "T":
+            return False
+        return membership.kill((self.host, self.pid, self.start), why)
 
 
 def _announcement(ranks: list[int], what: str) -> str:

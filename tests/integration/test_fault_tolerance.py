@@ -127,7 +127,7 @@ def test_a_frozen_rank_is_named_in_seconds_and_the_restart_trains_on_bit_exact(r
     waited = (datetime.datetime.fromisoformat(silent[:19]) - datetime.datetime.fromisoformat(stopped[:19]))
     assert waited.total_seconds() <= 8 + 10  # the timeout, a beat and a loaded machine's slack; not 600 s
     assert "ending this restart with exit 75" in silent
-    assert "rank 1 is silent (pid " in log0  # killed by its watcher, not by torchrun's SIGKILL 30 s after SIGTERM
+    assert "rank 1 is stopped (pid " in log0  # killed by its watcher, not by torchrun's SIGKILL 30 s after SIGTERM
     resumed = next(line for line in log0.splitlines() if "resumed from step 8" in line)
     restart = datetime.datetime.fromisoformat(resumed[:19]) - datetime.datetime.fromisoformat(silent[:19])
     assert restart.total_seconds() <= 15, (silent, resumed)  # a restart's start-up (3 s); 32 s before the kill

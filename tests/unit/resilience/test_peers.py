@@ -3,7 +3,11 @@ each beating from its own thread; a silent one is named, a finished one is not."
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
+import signal
+import subprocess
+import sys
 import time
 from types import SimpleNamespace
 
@@ -11,7 +15,8 @@ import pytest
 import torch.distributed as dist
 
 from framework.resilience.config import RecoverySection
-from framework.resilience.peers import PeerMonitor
+from framework.ddp.membership import process_start, process_state
+from framework.resilience.peers import PeerMonitor, Where, where_this_runs
 from tests.dist_helper import holds_within
 
 TIMEOUT_S = 2.0  # each beat 0.5 s: a thread starved for 2 s in this process would be a false loss
@@ -273,3 +278,28 @@ def test_two_watchers_naming_different_ranks_at_once_both_stand(store, tmp_path)
     finally:
         for m in made:
             m.close()
+
+
+def test_restarting_only_a_stopped_peer_in_this_pid_namespace_is_killed():
+    """Where a silent peer runs, as its watcher reads it: a stopped process (SIGSTOP) is killed, so
+    that torchrun need not wait its 30 s SIGTERM grace; a running one (cut off, or slow), one in
+    another pid namespace or on another host, one whose pid now names another process, and a
+    record this version cannot read are not."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        ours = Where.parse(where_this_runs())
+        assert ours is not None and ours.pid != child.pid
+        where = dataclasses.replace(ours, pid=child.pid, start=process_start(child.pid))
+        assert not where.kill_if_stopped("running")  # cut off, or slow: left to its own watch
+        child.send_signal(signal.SIGSTOP)
+        assert holds_within(lambda: process_state(child.pid) == "T", 5)
+        for other in (dataclasses.replace(where, pid_namespace="1"), dataclasses.replace(where, host="elsewhere"),
+                      dataclasses.replace(where, start=where.start + 1)):
+            assert not other.kill_if_stopped("not this one") and child.poll() is None
+        assert Where.parse(f"{where.host} {where.pid} None {where.pid_namespace}") is None
+        assert Where.parse(f"{where.host} {where.pid}") is None
+        assert where.kill_if_stopped("rank 1 is stopped")
+        assert child.wait(5) == -signal.SIGKILL
+    finally:
+        child.kill()
+        child.wait()
