@@ -352,7 +352,8 @@ def test_a_member_on_another_host_is_gone_once_its_heartbeat_stood_still():
     for m in members:
         m.start(2)
     gen1 = members[0].newest()
-    members[0].store.set("formed/1/1", f"elsewhere-{os.getpid()} 1")
+    for key in ("formed/1/1", "where/1"):  # it formed generation 1 on another host, its newest process
+        members[0].store.set(key, f"elsewhere-{os.getpid()} 1")
     beats = dist.PrefixStore(f"{module.HEARTBEATS}heal1/", store)
     assert not members[0].gone(1, gen1, silent_s=0.3)  # no beat yet
     for beat in ("-1", "0"):
@@ -387,7 +388,8 @@ def test_after_a_loss_two_silent_members_on_another_host_are_looked_at_together(
     gen1 = members[0].newest()
     beats = dist.PrefixStore(f"{module.HEARTBEATS}heal1/", store)
     for replica in (1, 2):
-        members[0].store.set(f"formed/1/{replica}", f"elsewhere-{os.getpid()} {replica}")
+        for key in (f"formed/1/{replica}", f"where/{replica}"):
+            members[0].store.set(key, f"elsewhere-{os.getpid()} {replica}")
         beats.set(f"alive/{replica}", "5")
     looks = []  # (replica, found silent), in the order the survivor looked
     look = members[0].silent
@@ -395,3 +397,37 @@ def test_after_a_loss_two_silent_members_on_another_host_are_looked_at_together(
     assert members[0].after_loss(gen1, wait_s=60, silent_s=0.3) == Generation(2, (0,))
     # replica 2's heartbeat was first read in the first round, not once replica 1 was found silent
     assert looks[:2] == [(1, False), (2, False)], looks[:4]
+
+
+def test_a_member_whose_replica_started_again_is_gone_wherever_it_ran():
+    """A replica whose torchrun started a newer process (``where/``) after it formed a generation:
+    that generation's process ended, on this host or another, heartbeat or none (the peer monitor
+    off). Two replicas restarted together on two hosts, with no heartbeat to read, each waited for
+    the other's old process until the join timed out (the explorer's unreadable_newest@eval, 2x1,
+    peer_timeout=0: a hang)."""
+    import os
+
+    store = dist.HashStore()
+    members = [Membership(store, r) for r in range(2)]
+    for m in members:
+        m.start(2)
+    gen1 = members[0].newest()
+    for key in ("formed/1/1", "where/1"):
+        members[0].store.set(key, f"elsewhere-{os.getpid()} 1")
+    assert not members[0].gone(1, gen1)  # on another host, no heartbeat: waited for
+    members[0].store.set("where/1", f"elsewhere-{os.getpid() + 1} 1")  # its torchrun started it again
+    assert members[0].gone(1, gen1)
+    assert not members[0].gone(1)  # the newest process itself: not gone
+    # both replicas restarted on two hosts: each takes the other's old process for gone, and they restart
+    again = [Membership(store, r) for r in range(2)]
+    for m, host in zip(again, ("here", "elsewhere")):
+        m.replicas = m.size = 2
+        m.store.set(f"formed/1/{m.replica}", f"{host}-old {os.getpid()} 1")
+        m.store.set(f"where/{m.replica}", f"{host}-new {os.getpid()} 2")
+    results = [None, None]
+    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, again[i].join(10))) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(15)
+    assert results == [(Generation(2, (0, 1)), True)] * 2, results
