@@ -420,7 +420,7 @@ def test_a_member_whose_replica_started_again_is_gone_wherever_it_ran():
     assert not members[0].gone(1)  # the newest process itself: not gone
     # both replicas restarted on two hosts: each takes the other's old process for gone, and they restart
     again = [Membership(store, r) for r in range(2)]
-    for m, host in zip(again, ("here", "elsewhere")):
+    for m, host in zip(again, ("here", "elsewhere"), strict=True):
         m.replicas = m.size = 2
         m.store.set(f"formed/1/{m.replica}", f"{host}-old {os.getpid()} 1")
         m.store.set(f"where/{m.replica}", f"{host}-new {os.getpid()} 2")
