@@ -275,18 +275,18 @@ class Membership:
         its pid is gone (or names another process since: another start time), a zombie, or stopped
         (SIGSTOP). A stopped one is killed here: it takes part in nothing, and its torchrun (which
         waits for it) and the launcher (which waits for every rank's job) would never end; killed,
-        its torchrun starts it again or ends. A member of ``generation`` whose replica has started a
-        newer process since (``where/<replica>``: its torchrun starts one only once the old one
-        ended) is gone, wherever it ran. One on another host is known gone once its heartbeat has
+        its torchrun starts it again or ends. A member of ``generation`` on another host is known
+        gone once its replica has started a newer process there (``where/<replica>``: its torchrun
+        starts one only once the old one ended, or was sent SIGKILL), or once its heartbeat has
         stood still for ``silent_s`` (default ``REMOTE_SILENT_S``: ``silent``; never with the peer
-        monitor off); otherwise it is waited for."""
+        monitor off); otherwise it is waited for. (This assumes one launch of each node against the
+        run's store: a node launched again while its old processes live is not told apart.)"""
         where = self.process_of(replica, generation)
         if where is None:
             return False
-        if generation is not None and self.process_of(replica) != where:
-            return True  # replaced: the process that formed the generation ended
         if where[0] != socket.gethostname():
-            return generation is not None and self.silent(replica, generation, silent_s)
+            replaced = generation is not None and self.process_of(replica) != where
+            return generation is not None and (replaced or self.silent(replica, generation, silent_s))
         state = process_state(where[1]) if where[2] in (None, process_start(where[1])) else None
         if state == "T":
             kill(where, f"replica {replica} is stopped")

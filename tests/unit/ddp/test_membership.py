@@ -336,6 +336,12 @@ def test_a_stopped_member_counts_as_gone_and_is_killed_so_that_its_job_ends():
         members[0].store.set("where/1", f"{socket.gethostname()} {frozen.pid} {process_start(frozen.pid)}")
         assert members[0].gone(1)
         assert frozen.wait(10) == -signal.SIGKILL
+    with stopped_process() as frozen:  # it formed generation 1, and its replica has started again since:
+        gen1 = members[0].newest()      # on this host its pid tells, and it is still killed
+        members[0].store.set("formed/1/1", f"{socket.gethostname()} {frozen.pid} {process_start(frozen.pid)}")
+        members[0].store.set("where/1", f"{socket.gethostname()} {frozen.pid + 1} 1")
+        assert members[0].gone(1, gen1)
+        assert frozen.wait(10) == -signal.SIGKILL
 
 
 def test_a_member_on_another_host_is_gone_once_its_heartbeat_stood_still():
