@@ -285,7 +285,7 @@ class Membership:
         if where is None:
             return False
         if where[0] != socket.gethostname():
-            replaced = generation is not None and self.process_of(replica) != where
+            replaced = self.process_of(replica) != where  # its replica's newer process: the old one ended
             return generation is not None and (replaced or self.silent(replica, generation, silent_s))
         state = process_state(where[1]) if where[2] in (None, process_start(where[1])) else None
         if state == "T":

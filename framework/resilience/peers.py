@@ -120,9 +120,7 @@ class PeerMonitor(Listener):
         self._announced: str | None = None
         self._judged_at = time.monotonic()  # the judge's last round
         self._store_error = ""
-        self._watched_at: Where | None = None  # where the watched peer runs, once it said so
-        self._kill_at_exit: Where | None = None
-        self._where_read = False
+        self._kill_at_exit: Where | None = None  # restarting: the silent peer, read when it fell silent
 
     @contextlib.contextmanager
     def holding(self):
@@ -173,13 +171,9 @@ class PeerMonitor(Listener):
                 self.store.add(f"alive/{self.rank}", 1)
                 value = self.store.add(f"alive/{self.watched}", 0)  # creates it (0) if it never beat
                 announced = self.store.get("lost").decode() if self.store.check(["lost"]) else None
-                where = (self.store.get(f"where/{self.watched}").decode()
-                         if not self._where_read and self.store.check([f"where/{self.watched}"]) else None)
             except Exception as err:  # noqa: BLE001  (the judge ends the rank if it lasts)
                 self._store_error = f"{type(err).__name__}: {err}"
                 continue
-            if where is not None:
-                self._watched_at, self._where_read = Where.parse(where), True
             now = time.monotonic()
             if now - self._ok_at > self.timeout_s:  # this process did not run (the job suspended, then
                 self._changed_at = now             # continued): a peer not yet beaten again is not silent
@@ -240,8 +234,12 @@ class PeerMonitor(Listener):
                     self.breaker.name([self.watched], self._generation)
                     continue
                 if self.on_silent is None:  # restarting: stopped on this host, it is killed as this rank exits
-                    self._kill_at_exit = self._watched_at
+                    self._call(self._read_where, wait_s=BEAT_S)
                 return self._lose(silent, announce=True)
+
+    def _read_where(self) -> None:
+        key = f"where/{self.watched}"
+        self._kill_at_exit = Where.parse(self.store.get(key).decode()) if self.store.check([key]) else None
 
     def _announce_named(self, ranks: list[int], what: str) -> None:
         """Add ``ranks`` to the ranks the store's announcement names (compare-and-set: two watchers
