@@ -265,10 +265,20 @@ class Membership:
         key = f"formed/{generation.number}/{replica}" if generation is not None else f"where/{replica}"
         if generation is not None and not self.store.check([key]):
             key = f"where/{replica}"
+        return self._process(key)
+
+    def _process(self, key: str) -> tuple[str, int, int | None] | None:
+        """The process a record (``where_this_runs``'s text) names, or None without one."""
         if not self.store.check([key]):
             return None
         host, pid, *start = self.store.get(key).decode().split(" ")
         return host, int(pid), int(start[0]) if start and start[0].isdigit() else None
+
+    def end(self) -> None:
+        """This process leaves the run for good (its interpreter exits): ``ended/<replica>`` names
+        it, so that the others know it gone even from another host, where its pid cannot be read
+        and its heartbeat says it left on purpose (-1)."""
+        self.store.set(f"ended/{self.replica}", where_this_runs())
 
     def gone(self, replica: int, generation: Generation | None = None, *, silent_s: float | None = None) -> bool:
         """Whether ``replica``'s process (see ``process_of``) is known dead: it ran on this host and
@@ -279,12 +289,15 @@ class Membership:
         gone once its replica has started a newer process there (``where/<replica>``: its torchrun
         starts one only once the old one ended, or was sent SIGKILL), or once its heartbeat has
         stood still for ``silent_s`` (default ``REMOTE_SILENT_S``: ``silent``; never with the peer
-        monitor off); otherwise it is waited for. (This assumes one launch of each node against the
+        monitor off), or once it said it ended (``end``: its training finished, and no torchrun
+        starts it again); otherwise it is waited for. (This assumes one launch of each node against the
         run's store: a node launched again while its old processes live is not told apart.)"""
         where = self.process_of(replica, generation)
         if where is None:
             return False
         if where[0] != socket.gethostname():
+            if self._process(f"ended/{replica}") == where:
+                return True
             replaced = self.process_of(replica) != where  # its replica's newer process: the old one ended
             return generation is not None and (replaced or self.silent(replica, generation, silent_s))
         state = process_state(where[1]) if where[2] in (None, process_start(where[1])) else None

@@ -543,15 +543,36 @@ def lost_members(wait_s: float = 5.0, settle_s: float = 0.0) -> list[int]:
     return found[0] if found else []
 
 
+def say_ended(wait_s: float = 2.0) -> None:
+    """Healing in place: say in the run's store that this process ends (``Membership.end``), so
+    that a replica started again after it does not wait for it from another host. At most
+    ``wait_s``: the store may be cut off."""
+    membership = MEMBERSHIP
+    if membership is None:
+        return
+
+    def end() -> None:
+        try:
+            membership.end()
+        except Exception:  # noqa: BLE001  (the store gone: nobody is left to wait for this process)
+            pass
+
+    thread = threading.Thread(target=end, name="say-ended", daemon=True)
+    thread.start()
+    thread.join(wait_s)
+
+
 def teardown() -> None:
     """Leave the process group and free it now, while the interpreter is whole. Freeing the group
     joins its gloo threads and closes its sockets; a group that something still references is
     freed only when its last holder goes, during the interpreter's finalisation if that holder
     lives as long (a module global), and there torch 2.13 occasionally aborts. Healing in place,
     a member found stopped is killed first (``lost_members``): a process that ends after a
-    collective timed out on it would leave it, its torchrun and the launcher waiting for good."""
+    collective timed out on it would leave it, its torchrun and the launcher waiting for good; and
+    this process says it ends (``say_ended``)."""
     global STORE, STORE_GENERATION
     lost_members()
+    say_ended()
     if dist.is_available() and dist.is_initialized():
         group = dist.group.WORLD
         release_ddp_holders(group)

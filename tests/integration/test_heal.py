@@ -28,12 +28,13 @@ STEPS = 12
 
 
 def heal_run(run_dir: Path, fault: str = "", *, steps: int = STEPS, spares: int = 0, changes: dict | None = None,
-             other_host: int | None = None) -> dict:
+             other_host: int | None = None, again: int | None = None) -> dict:
     """Three ddp_training.py processes on a run store of the test's, as launch_training.sh starts
     them (without torchrun), the last ``spares`` of them spares, the configuration with ``changes``;
     returns their exit codes and the time the run took. Replica ``other_host`` runs under a host
     name of its own (a UTS namespace: ``unshare --uts``): the others cannot kill it, as on another
-    host. A replica still stopped when the others have ended is continued (SIGCONT)."""
+    host. A replica still stopped when the others have ended is continued (SIGCONT). Replica
+    ``again``, once killed -9, is started again, once (as its torchrun would with --max-restarts 1)."""
     run_dir.mkdir(parents=True)
     config = tiny(run_dir, {"train.max_steps": steps, "recovery.heal": "in_place", "recovery.fault_inject": fault,
                             "logging.record_samples": True, "checkpoint.every_steps": 4, "data.batch_size": 4,
@@ -48,7 +49,7 @@ def heal_run(run_dir: Path, fault: str = "", *, steps: int = STEPS, spares: int 
         command = [sys.executable, str(ROOT / "ddp_training.py"), "--config", str(run_dir / "config.json")]
         if replica == other_host:  # exec: the pid is the trainer's
             command = [*OTHER_HOST, *command]
-        with open(run_dir / f"out_{replica}.txt", "wb") as out:
+        with open(run_dir / f"out_{replica}.txt", "ab") as out:
             return subprocess.Popen(command, env={**env, "HEAL_REPLICA": str(replica)}, stdout=out,
                                     stderr=subprocess.STDOUT, cwd=ROOT)
 
@@ -61,6 +62,8 @@ def heal_run(run_dir: Path, fault: str = "", *, steps: int = STEPS, spares: int 
                 break
             if len(running) == 1 and process_state(running[0].pid) == "T":
                 os.kill(running[0].pid, signal.SIGCONT)  # the others are done: it may go on
+            if again is not None and procs[again].poll() == -signal.SIGKILL:
+                procs[again], again = start(again), None
             time.sleep(0.1)
         codes = [p.wait(timeout=30) for p in procs]
     finally:
@@ -223,6 +226,30 @@ def test_a_rank_frozen_on_another_host_is_named_lost_and_the_others_heal_in_plac
     assert run["codes"] == [75, 75, 75] and run["s"] < 120, run
     said = (run_dir / "out_1.txt").read_text()
     assert "error: rank 0 was lost, and its process still holds checkpoint.dir's lock" in said, said[-2000:]
+
+
+@pytest.mark.dist
+def test_rank_0_killed_during_the_export_after_the_others_ended_elsewhere_exports_alone(tmp_path, whole):
+    """Rank 0 is killed -9 during the export, after the other ranks ended: replica 1 on this host,
+    replica 2 under a host name of its own (as on another host: its pid cannot be read, and its
+    heartbeat says it left on purpose). Started again, as its torchrun would, rank 0 takes both for
+    gone (replica 2 from its ``ended`` record), forms the next generation alone within seconds and
+    exports from the final checkpoint: the uninterrupted run's weights. Before, it waited for
+    replica 2 until its join timed out (ddp.timeout_s)."""
+    if not other_host_allowed():
+        pytest.skip("another host name needs a UTS namespace (unshare --uts, as root): refused here")
+    run_dir = tmp_path / "export"
+    run = heal_run(run_dir, f"sigkill@step={STEPS},rank=0,at=export", changes={"ddp.timeout_s": 60}, other_host=2,
+                   again=0)
+    assert run["codes"] == [0, 0, 0] and run["s"] < 60, run
+    said = (run_dir / "out_0.txt").read_text()
+    assert f"sigkill at step {STEPS} on rank 0 (before the export)" in said, said[-3000:]
+    assert "no member of the run was left: generation 2 (replicas [0]) resumes from the checkpoint" in said, \
+        said[-3000:]
+    assert f"resumed from step {STEPS} " in said, said[-3000:]
+    reference, weights = final_weights(whole), final_weights(run_dir)
+    assert max((weights[k].float() - reference[k].float()).abs().max().item() for k in reference) == 0
+    assert left_running(run_dir) == ""
 
 
 @pytest.mark.dist

@@ -437,3 +437,33 @@ def test_a_member_whose_replica_started_again_is_gone_wherever_it_ran():
     for t in threads:
         t.join(15)
     assert results == [(Generation(2, (0, 1)), True)] * 2, results
+
+
+def test_a_member_on_another_host_whose_process_ended_is_gone():
+    """A member on another host that ended on purpose (its training finished: its heartbeat says -1,
+    and no torchrun starts it again) says so (``ended/<replica>``, at its exit): a replica restarted
+    after it (rank 0 killed during the export, on 2 hosts) takes it for gone and forms the next
+    generation alone, from the checkpoint. Before, it waited for that process until its join timed
+    out (ddp.timeout_s)."""
+    import os
+
+    from framework.ddp import membership as module
+
+    store = dist.HashStore()
+    members = [Membership(store, r) for r in range(2)]
+    for m in members:
+        m.start(2)
+    gen1 = members[0].newest()
+    for key in ("formed/1/1", "where/1"):  # it formed generation 1 on another host, its newest process
+        members[0].store.set(key, f"elsewhere-{os.getpid()} 1")
+    dist.PrefixStore(f"{module.HEARTBEATS}heal1/", store).set("alive/1", "-1")  # its training ended
+    assert not members[0].gone(1, gen1)
+    members[0].store.set("ended/1", f"elsewhere-{os.getpid()} 2")  # another process of it ended: not this one
+    assert not members[0].gone(1, gen1)
+    with pytest.MonkeyPatch.context() as patch:  # it ends, as its interpreter exits
+        patch.setattr(module, "where_this_runs", lambda: f"elsewhere-{os.getpid()} 1")
+        members[1].end()
+    assert members[0].gone(1, gen1) and members[0].gone(1)
+    again = Membership(store, 0)  # replica 0's torchrun started it again
+    again.replicas = again.size = 2
+    assert again.join(10) == (Generation(2, (0,)), True)
