@@ -25,7 +25,7 @@ from .ddp import collectives, policy, process_group
 from .ddp.comm_hooks import CommHook
 from .ddp.compile import compile_model
 from .ddp.heal import Growing, Healing, NothingToHealFrom, newest_state
-from .ddp.membership import RunFinished
+from .ddp.membership import REMOTE_SILENT_S, RunFinished
 from .model.activation_checkpointing import Checkpointing, enable_checkpointing
 from .model.gpt import GPT, GPTConfig, lm_loss
 from .model.tiled_mlp import tile_user_mlps
@@ -156,8 +156,13 @@ class DDPTrainer:
         process_group.close_at_exit(self._close_at_exit)
         self._debug = debug
         self.log_path = setup_logging(process_group.log_rank(rank, world_size), cfg.logging.dir, debug=debug)
-        self.env = process_group.setup(cfg.ddp.backend, cfg.ddp.init_timeout_s or cfg.ddp.timeout_s, rank=rank,
-                                       world_size=world_size, log_dir=cfg.logging.dir)
+        try:
+            self.env = process_group.setup(cfg.ddp.backend, cfg.ddp.init_timeout_s or cfg.ddp.timeout_s, rank=rank,
+                                           world_size=world_size, log_dir=cfg.logging.dir,
+                                           store_lost_s=cfg.recovery.peer_timeout_s or REMOTE_SILENT_S)
+        except process_group.RunStoreLost as err:
+            log.error("%s", err)
+            self._end_restart(err.message)
         self._startup.mark("process group")
         if cfg.recovery.heal == "in_place" and process_group.MEMBERSHIP is None and self.env.distributed:
             log.warning("recovery.heal=in_place: this process was not started to heal in place (launch_training.sh "

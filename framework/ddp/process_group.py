@@ -195,9 +195,11 @@ def choose_backend(requested: str, cuda: bool) -> str:
 
 
 def setup(backend: str = "auto", timeout_s: float = 600.0, *, rank: int | None = None,
-          world_size: int | None = None, log_dir: str = "logs") -> DistEnv:
+          world_size: int | None = None, log_dir: str = "logs", store_lost_s: float = 10.0) -> DistEnv:
     """Pick the device and, for world_size > 1, join the process group (reusing one that exists)
-    within ``timeout_s`` (the init timeout; see ``set_steady_timeout``)."""
+    within ``timeout_s`` (the init timeout; see ``set_steady_timeout``). Healing in place, a
+    replica that its torchrun started again reaches the run's store within ``store_lost_s``, or
+    raises ``RunStoreLost``."""
     global _steady
     _steady = False
     die_with_parent()
@@ -205,7 +207,7 @@ def setup(backend: str = "auto", timeout_s: float = 600.0, *, rank: int | None =
     if slot is not None:
         global _LOG_DIR
         _LOG_DIR = log_dir
-        return _join_in_place(slot, backend, timeout_s)
+        return _join_in_place(slot, backend, timeout_s, store_lost_s)
     rank, local_rank, world_size, local_world_size = read_env(rank, world_size)
     cuda = torch.cuda.is_available()
     device = select_device(local_rank, cuda, torch.cuda.device_count() if cuda else 0)
@@ -242,12 +244,12 @@ def setup(backend: str = "auto", timeout_s: float = 600.0, *, rank: int | None =
     return DistEnv(rank, local_rank, world_size, local_world_size, device, chosen)
 
 
-def _join_in_place(slot, backend: str, timeout_s: float) -> DistEnv:
+def _join_in_place(slot, backend: str, timeout_s: float, store_lost_s: float) -> DistEnv:
     """A process of a run that heals in place: its group is its slot's first generation, formed
     on the run's store (see framework/ddp/membership.py)."""
     global MEMBERSHIP, _teardown_registered
     import_group_defaults()
-    client = dist.TCPStore(slot.host, slot.port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+    client = _run_store_client(slot, timeout_s, store_lost_s)
     MEMBERSHIP = Membership(client, slot.replica, timeout_s=timeout_s)
     generation, joins = MEMBERSHIP.start(slot.replicas, slot.spares)
     if joins:  # it builds its model and data first, then joins (join_running): the members pause less
@@ -260,6 +262,49 @@ def _join_in_place(slot, backend: str, timeout_s: float) -> DistEnv:
         atexit.register(teardown)
         _teardown_registered = True
     return env
+
+
+class RunStoreLost(PeerLost):
+    """A replica started again could not reach the run's store: its node (node 0) is lost or cut
+    off from this one, or the run ended there."""
+
+
+def _run_store_client(slot, timeout_s: float, store_lost_s: float) -> dist.TCPStore:
+    """A client of the run's store, whose calls wait ``timeout_s``. A first launch waits as long
+    for the store to come up (node 0 may be launched after this node, as torchrun's rendezvous
+    waits). A replica that its torchrun started again reached the store before: should it not
+    answer within ``store_lost_s``, every further restart would wait ``timeout_s`` for it in vain
+    (node 1 cut off from node 0 would end only after (1 + restarts) x ddp.timeout_s). This
+    replica's torchrun is stopped instead (SIGTERM: each replica is a torchrun job of its own),
+    and ``RunStoreLost`` ends this process with EXIT_PEER_LOST."""
+    restarted = agent_restarts() > 0
+    wait_s = min(timeout_s, store_lost_s) if restarted else timeout_s
+    try:
+        client = dist.TCPStore(slot.host, slot.port, is_master=False, timeout=datetime.timedelta(seconds=wait_s))
+    except RuntimeError as err:  # torch's DistNetworkError, DistStoreError
+        if not restarted:
+            raise
+        stopped = stop_own_agent()
+        raise RunStoreLost(f"the run's store at {slot.host}:{slot.port} did not answer within {wait_s:g} s after "
+                           f"replica {slot.replica} was started again ({type(err).__name__}): its node is lost or cut "
+                           f"off from this one, or the run ended there; this replica ends"
+                           f"{' and its torchrun with it, instead of restarting it again' if stopped else ''}") from err
+    client.set_timeout(datetime.timedelta(seconds=timeout_s))
+    return client
+
+
+def stop_own_agent() -> bool:
+    """SIGTERM this worker's torchrun agent, when it armed the death signal (``die_with_parent``),
+    the agent lives and would restart it again (``agent_restarts_left``); True when it was sent.
+    Only for a replica that is a torchrun job of its own (healing in place): the agent ends this
+    worker and exits, and no other worker with it."""
+    if _armed_parent is None or agent_gone() or agent_restarts_left() == 0:
+        return False
+    try:
+        os.kill(_armed_parent, signal.SIGTERM)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def drop_broken_group(wait_s: float = 5.0) -> bool:
