@@ -25,7 +25,7 @@ from .ddp import collectives, policy, process_group
 from .ddp.comm_hooks import CommHook
 from .ddp.compile import compile_model
 from .ddp.heal import Growing, Healing, NothingToHealFrom, newest_state
-from .ddp.membership import REMOTE_SILENT_S, RunFinished
+from .ddp.membership import REMOTE_SILENT_S, ProposerLost, RunFinished
 from .model.activation_checkpointing import Checkpointing, enable_checkpointing
 from .model.gpt import GPT, GPTConfig, lm_loss
 from .model.tiled_mlp import tile_user_mlps
@@ -678,7 +678,11 @@ class DDPTrainer:
         process_group.release_ddp_holders(dist.group.WORLD)
         self._drop_ddp_wrapper()
         stopped = time.monotonic()
-        generation = membership.grow(process_group.GENERATION, joiners)
+        try:
+            generation = membership.grow(process_group.GENERATION, joiners)
+        except ProposerLost as err:  # a grow has no heal: the old group is whole but for rank 0
+            self._end_restart(f"{err}: exiting with {process_group.EXIT_PEER_LOST}, so that every rank restarts "
+                              "from the checkpoint through the run's store")
         self._regrouped = "grew in place at"
         self._regroup(generation, state, self.step, broken=False)
         log.warning("grew in place after step %d: generation %d trains on %d ranks (was %d; this rank %d -> %d); the "

@@ -126,6 +126,10 @@ class RunFinished(SystemExit):
         return self.message
 
 
+class ProposerLost(RuntimeError):
+    """The member that was to propose the next generation (rank 0, growing) is gone."""
+
+
 @dataclass(frozen=True)
 class Generation:
     number: int
@@ -188,7 +192,7 @@ class Membership:
         # one proposed from the moment it asks may list it before its first read.
         newest = self.newest()
         asked_after = newest.number
-        self.store.set(f"join/{self.replica}", str(os.getpid()))
+        self.store.set(f"join/{self.replica}", f"{os.getpid()} {asked_after}")
         deadline, orphaned_at, next_orphan_check = time.monotonic() + timeout_s, None, 0.0
         while True:
             if self.store.check(["finished"]):
@@ -252,11 +256,29 @@ class Membership:
         by the others (None)."""
         number = generation.number + 1
         if joiners is None:
-            return self.wait_for(number)
+            return self._proposal_of(generation)
         proposed = self.propose(number, [*generation.members, *sorted(joiners)])
         for r in joiners:
             self.store.delete_key(f"join/{r}")
         return proposed
+
+    def _proposal_of(self, generation: Generation) -> Generation:
+        """The generation after ``generation`` once its rank 0 proposed it; ``ProposerLost`` once
+        that member is known gone (``gone``: it died after the step's agreement to grow, before its
+        proposal) instead of waiting the store's timeout for a proposal that never comes."""
+        number, proposer = generation.number + 1, generation.members[0]
+        deadline, look_at = time.monotonic() + self.timeout.total_seconds(), 0.0
+        while not self.store.check([f"members/{number}"]):
+            now = time.monotonic()
+            if now >= look_at:
+                if self.gone(proposer, generation):
+                    raise ProposerLost(f"rank 0 of generation {generation.number} (replica {proposer}), which was to "
+                                       f"propose generation {number} with the replicas that asked to join, is gone")
+                look_at = now + ORPHAN_CHECK_S
+            if now > deadline:
+                raise TimeoutError(f"generation {number} was not proposed within {self.timeout.total_seconds():.0f} s")
+            time.sleep(0.005)
+        return _decode(number, self.store.get(f"members/{number}"))
 
     def process_of(self, replica: int, generation: Generation | None = None) -> tuple[str, int, int | None] | None:
         """The host, pid and start time (``process_start``; None if unrecorded) of the process that
@@ -290,11 +312,16 @@ class Membership:
         starts one only once the old one ended, or was sent SIGKILL), or once its heartbeat has
         stood still for ``silent_s`` (default ``REMOTE_SILENT_S``: ``silent``; never with the peer
         monitor off), or once it said it ended (``end``: its training finished, and no torchrun
-        starts it again); otherwise it is waited for. (This assumes one launch of each node against the
-        run's store: a node launched again while its old processes live is not told apart.)"""
+        starts it again); otherwise it is waited for. Wherever it ran, a member of ``generation``
+        is gone once a newer process of its replica asks to join having seen that generation
+        (``asked_after``: one whose formation failed has no ``formed/`` record to tell it by).
+        (This assumes one launch of each node against the run's store: a node launched again
+        while its old processes live is not told apart.)"""
         where = self.process_of(replica, generation)
         if where is None:
             return False
+        if generation is not None and self.asked_after(replica) >= generation.number:
+            return True  # a newer process of the replica asks to join, having seen the generation
         if where[0] != socket.gethostname():
             if self._process(f"ended/{replica}") == where:
                 return True
@@ -304,6 +331,15 @@ class Membership:
         if state == "T":
             kill(where, f"replica {replica} is stopped")
         return state in (None, "Z", "X", "T")
+
+    def asked_after(self, replica: int) -> int:
+        """The newest generation that ``replica``'s request to join (``join``) had seen, or -1
+        without one. A process asks only at its start: the process that was the replica's member of
+        that generation, or of any before, is gone (a member of a generation that never formed,
+        whose formation failed, included: no ``formed/`` record tells of it)."""
+        key = f"join/{replica}"
+        fields = self.store.get(key).decode().split(" ") if self.store.check([key]) else []
+        return int(fields[1]) if len(fields) == 2 and fields[1].isdigit() else -1
 
     def silent(self, replica: int, generation: Generation, for_s: float | None = None) -> bool:
         """Whether ``replica``'s heartbeat in ``generation`` has stood still for ``for_s`` (default

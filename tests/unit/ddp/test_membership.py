@@ -467,3 +467,60 @@ def test_a_member_on_another_host_whose_process_ended_is_gone():
     again = Membership(store, 0)  # replica 0's torchrun started it again
     again.replicas = again.size = 2
     assert again.join(10) == (Generation(2, (0,)), True)
+
+
+def test_replicas_that_ask_to_join_after_a_generation_that_never_formed_restart_without_it():
+    """Generation 2 was agreed and never formed (a member died during the formation: the others'
+    init timed out, and they exited). Every replica's torchrun starts it again, and each asks to
+    join; a member of generation 2 that never formed it and now asks to join, having seen it, is
+    no longer its member: once all are, they restart from the checkpoint as generation 3. Before,
+    each took the others' new processes, alive and asking, for generation 2's members and waited
+    for them until the join timed out (ddp.timeout_s), restart after restart."""
+    import os
+    import socket
+
+    store = dist.HashStore()
+    members = started(2)
+    store = members[0].store.underlying_store
+    here = f"{socket.gethostname()} {os.getpid()} {process_start(os.getpid())}"  # alive: this process
+    for r in range(2):
+        members[0].store.set(f"formed/1/{r}", here)
+    assert members[0].propose(2, [0, 1]) == Generation(2, (0, 1))  # agreed, never formed
+    again = [Membership(store, r) for r in range(2)]
+    for m in again:
+        m.replicas = m.size = 2
+        m.store.set(f"where/{m.replica}", here)
+    results = [None, None]
+    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, again[i].join(8))) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(15)
+    assert results == [(Generation(3, (0, 1)), True)] * 2, results
+    # One that asked having seen generation 2, and that generation 3 takes in, is about to form it:
+    # gone for generation 2, not for 3.
+    again[1].store.set("join/1", f"{os.getpid()} 2")
+    assert again[0].gone(1, Generation(2, (0, 1))) and not again[0].gone(1, Generation(3, (0, 1)))
+
+
+def test_a_member_waiting_for_a_grow_that_rank_0_died_before_proposing_ends_in_seconds():
+    """Every rank agreed to grow at a step's end, and rank 0 (which proposes the next generation)
+    died before it proposed: the others, waiting for the proposal, find it gone and raise
+    ProposerLost (the trainer ends the restart with 75, and the run restarts through its store).
+    Before, they waited for ddp.timeout_s (an hour here). Once proposed, the proposal is read."""
+    import socket
+
+    from framework.ddp.membership import ProposerLost
+
+    store = dist.HashStore()
+    members = [Membership(store, r, timeout_s=3600) for r in range(2)]
+    for m in members:
+        m.start(2)
+    gen1 = members[0].newest()
+    members[0].store.set("formed/1/0", f"{socket.gethostname()} {dead_pid()}")
+    started_at = time.monotonic()
+    with pytest.raises(ProposerLost, match="rank 0 .*replica 0.* is gone"):
+        members[1].grow(gen1, None)
+    assert time.monotonic() - started_at < 10
+    members[0].propose(2, [0, 1])
+    assert members[1].grow(gen1, None) == Generation(2, (0, 1))
