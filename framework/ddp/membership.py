@@ -126,6 +126,12 @@ class RunFinished(SystemExit):
         return self.message
 
 
+class Superseded(RunFinished):
+    """A newer process holds this process's replica (its node launched again while this one was
+    frozen): it takes part in nothing and ends with 0, so that its torchrun ends too instead of
+    starting it again."""
+
+
 class ProposerLost(RuntimeError):
     """The member that was to propose the next generation (rank 0, growing) is gone."""
 
@@ -157,21 +163,34 @@ class Membership:
     """The generations of one run in ``store`` (a client of the run's TCPStore: torch's EtcdStore
     has no compare_set)."""
 
-    def __init__(self, store: dist.Store, replica: int, *, timeout_s: float = 60.0):
+    def __init__(self, store: dist.Store, replica: int, *, timeout_s: float = 60.0, launch: str = ""):
         self.store = dist.PrefixStore(PREFIX, store)
         self.replica = replica
+        self.launch = launch  # this node's launch (HEAL_LAUNCH), or "" when unknown
+        self.where: str | None = None  # this process, as ``where/<replica>`` records it (``start``)
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.formed_s: float | None = None
         self._beats: dict[tuple[int, int], tuple[int, float]] = {}  # (generation, replica) -> (beat, seen since)
         self.replicas = self.size = 0  # the slot's replicas, and the group's size (``start``)
 
-    def start(self, replicas: int, spares: int = 0) -> tuple[Generation | None, bool]:
+    def start(self, replicas: int, spares: int = 0, *, restarted: bool = False) -> tuple[Generation | None, bool]:
         """This process's first generation, or (None, True) when it is to join a running one
         (``join``). The run's first generation holds every replica but the spares (whoever comes
         first proposes it); a replica restarted before forming it forms it; one restarted after,
-        and a spare, join."""
+        and a spare, join. The process takes its replica (``where/<replica>``), and the first one
+        of a launch records the launch (``launch/<replica>``); one that its torchrun started again
+        (``restarted``) while a newer launch holds the replica ends first (``Superseded``)."""
         self.replicas, self.size = replicas, replicas - spares
-        self.store.set(f"where/{self.replica}", where_this_runs())
+        if self.launch:
+            key = f"launch/{self.replica}"
+            held = self.store.get(key).decode() if self.store.check([key]) else ""
+            if restarted and held and held != self.launch:
+                raise Superseded(f"replica {self.replica}: this process of launch {self.launch} was started again by "
+                                 f"its torchrun, and a newer launch of its node ({held}) holds the replica: it ends")
+            if not restarted:
+                self.store.set(key, self.launch)
+        self.where = where_this_runs()
+        self.store.set(f"where/{self.replica}", self.where)
         newest = self.newest() or self.propose(1, range(self.size))
         # The first generation, which it was to form and never did, it forms as its members do,
         # from the start; any later one (a heal's, a grow's, a restart's) it joins.
@@ -190,6 +209,7 @@ class Membership:
         error. ``stop()`` true (a preemption signal): withdraw and end."""
         # Read before asking: a generation agreed before this process asked is not its to form, and
         # one proposed from the moment it asks may list it before its first read.
+        self.check_current()
         newest = self.newest()
         asked_after = newest.number
         self.store.set(f"join/{self.replica}", f"{os.getpid()} {asked_after}")
@@ -211,6 +231,8 @@ class Membership:
                 raise RunFinished(f"replica {self.replica}: stopped (a signal) while waiting to join the run")
             if now < next_orphan_check:
                 pass
+            elif self.superseded():
+                self.check_current()
             elif not all([self.gone(m, newest) for m in newest.members if m != self.replica]):  # each looked at
                 orphaned_at, next_orphan_check = None, now + ORPHAN_CHECK_S
             else:
@@ -229,6 +251,21 @@ class Membership:
                 raise TimeoutError(f"replica {self.replica} asked to join the run and no generation took it in "
                                    f"within {timeout_s:.0f} s (the newest: {newest.number}, {list(newest.members)})")
             time.sleep(JOIN_POLL_S)
+
+    def superseded(self) -> bool:
+        """Whether a newer process holds this process's replica (``where/<replica>`` names
+        another): its node was launched again while this one was frozen."""
+        if self.where is None:
+            return False
+        key = f"where/{self.replica}"
+        return self.store.check([key]) and self.store.get(key).decode() != self.where
+
+    def check_current(self) -> None:
+        """``Superseded`` when a newer process holds this process's replica."""
+        if self.superseded():
+            raise Superseded(f"replica {self.replica}: a newer process of it runs "
+                             f"({self.store.get(f'where/{self.replica}').decode()}; its node was launched again while "
+                             "this one was frozen or cut off): this one takes part in nothing and ends")
 
     def restarts(self, upto: int) -> int:
         """How many generations up to ``upto`` were restarts (every member had died, and the run
@@ -370,6 +407,7 @@ class Membership:
         another host whose heartbeat has stood still that long: a survivor stops beating on purpose
         (-1) before it gets here, a member still in its step beats on, a dead or frozen one neither."""
         number = generation.number + 1
+        self.check_current()
         self.store.set(f"alive/{number}/{self.replica}", "1")
         deadline = time.monotonic() + wait_s
         others = [m for m in generation.members if m != self.replica and m not in lost]
@@ -413,6 +451,7 @@ class Membership:
         """Make ``generation``'s group this process's default group; returns this replica's rank
         in it. The previous default group is parked, not freed (a collective broken on a lost peer
         may hold one of its threads for good)."""
+        self.check_current()
         rank = generation.rank(self.replica)
         if rank is None:
             raise ValueError(f"replica {self.replica} is not a member of generation {generation.number} "

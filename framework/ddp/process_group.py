@@ -250,8 +250,8 @@ def _join_in_place(slot, backend: str, timeout_s: float, store_lost_s: float) ->
     global MEMBERSHIP, _teardown_registered
     import_group_defaults()
     client = _run_store_client(slot, timeout_s, store_lost_s)
-    MEMBERSHIP = Membership(client, slot.replica, timeout_s=timeout_s)
-    generation, joins = MEMBERSHIP.start(slot.replicas, slot.spares)
+    MEMBERSHIP = Membership(client, slot.replica, timeout_s=timeout_s, launch=os.environ.get(LAUNCH_ENV, ""))
+    generation, joins = MEMBERSHIP.start(slot.replicas, slot.spares, restarted=agent_restarts() > 0)
     if joins:  # it builds its model and data first, then joins (join_running): the members pause less
         cuda = torch.cuda.is_available()
         device = select_device(_local_slot(), cuda, torch.cuda.device_count() if cuda else 0)
@@ -262,6 +262,11 @@ def _join_in_place(slot, backend: str, timeout_s: float, store_lost_s: float) ->
         atexit.register(teardown)
         _teardown_registered = True
     return env
+
+
+LAUNCH_ENV = "HEAL_LAUNCH"
+"""Names one launch of a node (launch_training.sh --heal sets it): a process that its torchrun
+starts again after a newer launch of its node took its replica ends (``Membership.start``)."""
 
 
 class RunStoreLost(PeerLost):

@@ -524,3 +524,39 @@ def test_a_member_waiting_for_a_grow_that_rank_0_died_before_proposing_ends_in_s
     assert time.monotonic() - started_at < 10
     members[0].propose(2, [0, 1])
     assert members[1].grow(gen1, None) == Generation(2, (0, 1))
+
+
+def test_a_process_whose_node_was_launched_again_takes_part_in_nothing_and_ends_with_0(monkeypatch):
+    """Node 1 frozen, named lost, and launched again (a newer launch: HEAL_LAUNCH) while its old
+    processes live. An old process that runs again finds its replica held by a newer process
+    (``where/``): it neither says it is alive after a loss, nor forms a generation, nor asks to
+    join; it ends with 0 (``Superseded``), so that its torchrun ends too instead of starting it
+    again. One that its old torchrun started again (an exit before) finds a newer launch of its
+    replica (``launch/``) and ends the same way, before it records itself: the newer process keeps
+    the replica. Before, the old one took the replica back, and the two could form a generation as
+    one replica."""
+    from framework.ddp import membership as module
+    from framework.ddp.membership import Superseded
+
+    def started_as(pid: int, replica: int, launch: str, restarted: bool) -> Membership:
+        monkeypatch.setattr(module, "where_this_runs", lambda: f"elsewhere {pid} 1")  # one process each
+        m = Membership(store, replica, launch=launch)
+        m.start(2, restarted=restarted)
+        return m
+
+    store = dist.HashStore()
+    old = [started_as(100 + r, r, "first", False) for r in range(2)]
+    gen1 = old[0].newest()
+    new = started_as(201, 1, "second", False)  # node 1 launched again: its first process
+    for call in (lambda: old[1].after_loss(gen1, wait_s=0.1), lambda: old[1].form(gen1, "gloo", 5),
+                 lambda: old[1].join(5)):
+        with pytest.raises(Superseded, match="replica 1: a newer process of it runs"):
+            call()
+    assert not old[0].store.check(["alive/2/1"])  # it did not say it was alive
+    with pytest.raises(Superseded, match="launch first .*newer launch"):
+        started_as(102, 1, "first", True)  # its old torchrun started it again
+    assert old[0].store.get("where/1") == b"elsewhere 201 1" and not new.superseded()
+    # the same launch's torchrun starting its worker again takes the replica, as before
+    restarted = started_as(202, 1, "second", True)
+    assert old[0].store.get("where/1") == b"elsewhere 202 1" and new.superseded() and not restarted.superseded()
+    assert not old[0].superseded()  # replica 0's process is its newest
