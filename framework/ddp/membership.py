@@ -28,7 +28,8 @@ log = logging.getLogger(__name__)
 PREFIX = "ddp_framework/heal/"
 JOIN_POLL_S = 0.05
 """How often a replica waiting to join (a spare, for hours perhaps) looks for a new generation and
-the run's end: two store reads; whether the group died, every ``ORPHAN_CHECK_S``."""
+the run's end: two store reads; whether the group died, and that it still asks (``asking/``),
+every ``ORPHAN_CHECK_S``."""
 ORPHAN_CHECK_S = 0.5
 RESTART_SETTLE_S = 2.0
 """When every member is dead, how long the replicas that ask to join wait for the others to ask
@@ -171,6 +172,7 @@ class Membership:
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.formed_s: float | None = None
         self._beats: dict[tuple[int, int], tuple[int, float]] = {}  # (generation, replica) -> (beat, seen since)
+        self._asks: dict[int, tuple[int, float]] = {}  # a joiner's requests: replica -> (count, seen since)
         self.replicas = self.size = 0  # the slot's replicas, and the group's size (``start``)
 
     def start(self, replicas: int, spares: int = 0, *, restarted: bool = False) -> tuple[Generation | None, bool]:
@@ -214,6 +216,7 @@ class Membership:
         asked_after = newest.number
         self.store.set(f"join/{self.replica}", f"{os.getpid()} {asked_after}")
         deadline, orphaned_at, next_orphan_check = time.monotonic() + timeout_s, None, 0.0
+        next_ask = 0.0
         while True:
             if self.store.check(["finished"]):
                 raise RunFinished(f"replica {self.replica}: the run finished at step "
@@ -229,6 +232,9 @@ class Membership:
             if stop():
                 self.store.delete_key(f"join/{self.replica}")
                 raise RunFinished(f"replica {self.replica}: stopped (a signal) while waiting to join the run")
+            if now >= next_ask:  # it asks on: a joiner that stopped asking is not taken in (``gone``)
+                self.store.add(f"asking/{self.replica}", 1)
+                next_ask = now + ORPHAN_CHECK_S
             if now < next_orphan_check:
                 pass
             elif self.superseded():
@@ -362,8 +368,10 @@ class Membership:
         if where[0] != socket.gethostname():
             if self._process(f"ended/{replica}") == where:
                 return True
+            if generation is None:  # a joiner's newest process
+                return self.stopped_asking(replica)
             replaced = self.process_of(replica) != where  # its replica's newer process: the old one ended
-            return generation is not None and (replaced or self.silent(replica, generation, silent_s))
+            return replaced or self.silent(replica, generation, silent_s)
         state = process_state(where[1]) if where[2] in (None, process_start(where[1])) else None
         if state == "T":
             kill(where, f"replica {replica} is stopped")
@@ -377,6 +385,19 @@ class Membership:
         key = f"join/{replica}"
         fields = self.store.get(key).decode().split(" ") if self.store.check([key]) else []
         return int(fields[1]) if len(fields) == 2 and fields[1].isdigit() else -1
+
+    def stopped_asking(self, replica: int) -> bool:
+        """Whether ``replica``'s requests to join (``asking/<replica>``, counted every
+        ``ORPHAN_CHECK_S`` while it waits) have stood still for ``REMOTE_SILENT_S`` since this
+        process first saw their count (each call looks once): killed or cut off while it waited,
+        its ``join/`` request left behind."""
+        key = f"asking/{replica}"
+        count = int(self.store.get(key)) if self.store.check([key]) else 0
+        now, seen = time.monotonic(), self._asks.get(replica)
+        if seen is None or seen[0] != count:
+            self._asks[replica] = (count, now)
+            return False
+        return now - seen[1] >= REMOTE_SILENT_S
 
     def silent(self, replica: int, generation: Generation, for_s: float | None = None) -> bool:
         """Whether ``replica``'s heartbeat in ``generation`` has stood still for ``for_s`` (default

@@ -560,3 +560,32 @@ def test_a_process_whose_node_was_launched_again_takes_part_in_nothing_and_ends_
     restarted = started_as(202, 1, "second", True)
     assert old[0].store.get("where/1") == b"elsewhere 202 1" and new.superseded() and not restarted.superseded()
     assert not old[0].superseded()  # replica 0's process is its newest
+
+
+def test_a_joiner_on_another_host_that_stopped_asking_is_not_taken_in(monkeypatch):
+    """A replica waiting to join counts its requests (``asking/<replica>``) while it waits. One on
+    another host whose count has stood still for REMOTE_SILENT_S, as seen from here (killed -9 or
+    cut off while it waited: its ``join/`` request stays), is not taken in: before, rank 0 grew
+    the group with it, and the formation waited 60 s for it and failed, restarting every rank."""
+    import os
+
+    from framework.ddp import membership as module
+
+    monkeypatch.setattr(module, "REMOTE_SILENT_S", 0.3)
+    members = started(2)
+    gen = members[0].propose(2, [0])
+    members[0].store.set("where/1", f"elsewhere-{os.getpid()} 1")
+    members[0].store.set("join/1", f"{os.getpid()} 2")
+    members[0].store.add("asking/1", 3)
+    assert members[0].joiners(gen) == [1]  # first seen now
+    time.sleep(0.4)
+    members[0].store.add("asking/1", 1)  # it asks on
+    assert members[0].joiners(gen) == [1]
+    time.sleep(0.4)
+    assert members[0].joiners(gen) == []  # 0.4 s without a request
+    # a replica waiting to join asks on while it waits
+    waiting = Membership(members[0].store.underlying_store, 1)
+    waiting.replicas = waiting.size = 2
+    with pytest.raises(TimeoutError):
+        waiting.join(1.2, stop=lambda: False)
+    assert int(members[0].store.get("asking/1")) >= 4 + 2
