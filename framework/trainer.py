@@ -161,8 +161,7 @@ class DDPTrainer:
                                            world_size=world_size, log_dir=cfg.logging.dir,
                                            store_lost_s=cfg.recovery.peer_timeout_s or REMOTE_SILENT_S)
         except process_group.RunStoreLost as err:
-            log.error("%s", err)
-            self._end_restart(err.message)
+            self._end_restart(err.message, stop_agent=True)
         self._startup.mark("process group")
         if cfg.recovery.heal == "in_place" and process_group.MEMBERSHIP is None and self.env.distributed:
             log.warning("recovery.heal=in_place: this process was not started to heal in place (launch_training.sh "
@@ -672,14 +671,17 @@ class DDPTrainer:
         (``newest_state``), which take it in ``process_group.setup``."""
         started, old = time.monotonic(), self.env
         membership = process_group.MEMBERSHIP
-        joiners = membership.wanted(process_group.GENERATION) if self.env.is_main else None
+        # Rank 0 proposes while its heartbeat still beats: should it die before, the others find
+        # it silent (on another host) instead of waiting for a proposal that never comes.
+        proposed = membership.grow(process_group.GENERATION, membership.wanted(process_group.GENERATION)) \
+            if self.env.is_main else None
         state = self.checkpointer.survivor_state(model_state=self.raw_model.state_dict())  # the step is done
         self._stop_run_health()
         process_group.release_ddp_holders(dist.group.WORLD)
         self._drop_ddp_wrapper()
         stopped = time.monotonic()
         try:
-            generation = membership.grow(process_group.GENERATION, joiners)
+            generation = proposed or membership.grow(process_group.GENERATION, None)
         except ProposerLost as err:  # a grow has no heal: the old group is whole but for rank 0
             self._end_restart(f"{err}: exiting with {process_group.EXIT_PEER_LOST}, so that every rank restarts "
                               "from the checkpoint through the run's store")
@@ -721,13 +723,18 @@ class DDPTrainer:
                      self.sampler.describe())
         return source
 
-    def _end_restart(self, message: str) -> None:
+    def _end_restart(self, message: str, *, stop_agent: bool = False) -> None:
         """End this process with EXIT_PEER_LOST (``PeerLost``), NODE_LOST saying why: the
-        launcher exits 75 naming it."""
+        launcher exits 75 naming it. ``stop_agent``: and stop this replica's torchrun (healing in
+        place: each replica is a torchrun job of its own), which would start it again in vain."""
         try:
             markers.write(self.config.checkpoint.dir, markers.NODE_LOST, message)
         except OSError as err:
             log.error("could not write %s: %s", markers.NODE_LOST, err)
+        if stop_agent:
+            if process_group.stop_own_agent():
+                message += " and its torchrun with it, instead of restarting it again"
+            log.error("%s", message)
         raise process_group.PeerLost(message)
 
     def _stop_run_health(self) -> None:

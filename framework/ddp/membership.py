@@ -193,6 +193,7 @@ class Membership:
                 self.store.set(key, self.launch)
         self.where = where_this_runs()
         self.store.set(f"where/{self.replica}", self.where)
+        self.store.delete_key(f"ended/{self.replica}")  # an older process's (or this one's, set up before)
         newest = self.newest() or self.propose(1, range(self.size))
         # The first generation, which it was to form and never did, it forms as its members do,
         # from the start; any later one (a heal's, a grow's, a restart's) it joins.

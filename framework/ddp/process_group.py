@@ -279,9 +279,9 @@ def _run_store_client(slot, timeout_s: float, store_lost_s: float) -> dist.TCPSt
     for the store to come up (node 0 may be launched after this node, as torchrun's rendezvous
     waits). A replica that its torchrun started again reached the store before: should it not
     answer within ``store_lost_s``, every further restart would wait ``timeout_s`` for it in vain
-    (node 1 cut off from node 0 would end only after (1 + restarts) x ddp.timeout_s). This
-    replica's torchrun is stopped instead (SIGTERM: each replica is a torchrun job of its own),
-    and ``RunStoreLost`` ends this process with EXIT_PEER_LOST."""
+    (node 1 cut off from node 0 would end only after (1 + restarts) x ddp.timeout_s):
+    ``RunStoreLost`` instead, whose handler says why and stops this replica's torchrun
+    (``stop_own_agent``) as this process exits with EXIT_PEER_LOST."""
     restarted = agent_restarts() > 0
     wait_s = min(timeout_s, store_lost_s) if restarted else timeout_s
     try:
@@ -289,11 +289,9 @@ def _run_store_client(slot, timeout_s: float, store_lost_s: float) -> dist.TCPSt
     except RuntimeError as err:  # torch's DistNetworkError, DistStoreError
         if not restarted:
             raise
-        stopped = stop_own_agent()
         raise RunStoreLost(f"the run's store at {slot.host}:{slot.port} did not answer within {wait_s:g} s after "
                            f"replica {slot.replica} was started again ({type(err).__name__}): its node is lost or cut "
-                           f"off from this one, or the run ended there; this replica ends"
-                           f"{' and its torchrun with it, instead of restarting it again' if stopped else ''}") from err
+                           f"off from this one, or the run ended there; this replica ends") from err
     client.set_timeout(datetime.timedelta(seconds=timeout_s))
     return client
 
@@ -564,10 +562,10 @@ def agree_generation(store: dist.Store, rank: int, world_size: int, timeout: dat
         time.sleep(0.01)
 
 
-def lost_members(wait_s: float = 5.0, settle_s: float = 0.0) -> list[int]:
+def lost_members(wait_s: float = 5.0, settle_s: float = 0.0) -> list[int] | None:
     """Healing in place: the other replicas of this generation known gone (``Membership.gone``,
-    which kills one found stopped); [] otherwise, or when the run's store does not answer within
-    ``wait_s`` (a frozen store keeps no client deadline: the lookup runs in a thread of its own).
+    which kills one found stopped); [] otherwise, or None when the run's store does not answer
+    within ``wait_s`` (a frozen store keeps no client deadline: the lookup runs in a thread of its own).
     ``settle_s``: look again for so long while none is found: a member another rank has just
     killed runs its exit for a moment (state R) before it is gone."""
     membership, generation = MEMBERSHIP, GENERATION
@@ -590,7 +588,7 @@ def lost_members(wait_s: float = 5.0, settle_s: float = 0.0) -> list[int]:
     thread = threading.Thread(target=look, name="lost-members", daemon=True)
     thread.start()
     thread.join(wait_s + settle_s)
-    return found[0] if found else []
+    return found[0] if found else None
 
 
 def say_ended(wait_s: float = 2.0) -> None:
@@ -621,8 +619,8 @@ def teardown() -> None:
     collective timed out on it would leave it, its torchrun and the launcher waiting for good; and
     this process says it ends (``say_ended``)."""
     global STORE, STORE_GENERATION
-    lost_members()
-    say_ended()
+    if lost_members() is not None:  # else the run's store does not answer: nobody learns from it
+        say_ended()
     if dist.is_available() and dist.is_initialized():
         group = dist.group.WORLD
         release_ddp_holders(group)

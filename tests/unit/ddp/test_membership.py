@@ -465,6 +465,11 @@ def test_a_member_on_another_host_whose_process_ended_is_gone():
         members[1].end()
     assert members[0].gone(1, gen1) and members[0].gone(1)
     again = Membership(store, 0)  # replica 0's torchrun started it again
+    with pytest.MonkeyPatch.context() as patch:  # a process that sets up again takes its replica back
+        patch.setattr(module, "where_this_runs", lambda: f"elsewhere-{os.getpid()} 1")
+        Membership(store, 1).start(2)
+    assert not members[0].gone(1) and not store.check(["ddp_framework/heal/ended/1"])
+    members[1].store.set("ended/1", f"elsewhere-{os.getpid()} 1")
     again.replicas = again.size = 2
     assert again.join(10) == (Generation(2, (0,)), True)
 
@@ -524,6 +529,20 @@ def test_a_member_waiting_for_a_grow_that_rank_0_died_before_proposing_ends_in_s
     assert time.monotonic() - started_at < 10
     members[0].propose(2, [0, 1])
     assert members[1].grow(gen1, None) == Generation(2, (0, 1))
+    # On another host: rank 0 proposes while it still beats (DDPTrainer._grow), so a rank 0 that
+    # died before its proposal is found by its heartbeat's silence.
+    import os
+
+    from framework.ddp import membership as module
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(module, "REMOTE_SILENT_S", 0.3)
+        gen2 = members[1].newest()
+        members[0].store.set("formed/2/0", f"elsewhere-{os.getpid()} 1")
+        members[0].store.set("where/0", f"elsewhere-{os.getpid()} 1")
+        dist.PrefixStore(f"{module.HEARTBEATS}heal2/", store).set("alive/0", "9")
+        with pytest.raises(ProposerLost):
+            members[1].grow(gen2, None)
 
 
 def test_a_process_whose_node_was_launched_again_takes_part_in_nothing_and_ends_with_0(monkeypatch):
