@@ -172,7 +172,7 @@ class Membership:
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.formed_s: float | None = None
         self._beats: dict[tuple[int, int], tuple[int, float]] = {}  # (generation, replica) -> (beat, seen since)
-        self._asks: dict[int, tuple[int, float]] = {}  # a joiner's requests: replica -> (count, seen since)
+        self._asks: dict[int, tuple[int, float, bool]] = {}  # replica -> (its requests' count, seen since, moved)
         self.replicas = self.size = 0  # the slot's replicas, and the group's size (``start``)
 
     def start(self, replicas: int, spares: int = 0, *, restarted: bool = False) -> tuple[Generation | None, bool]:
@@ -183,16 +183,21 @@ class Membership:
         of a launch records the launch (``launch/<replica>``); one that its torchrun started again
         (``restarted``) while a newer launch holds the replica ends first (``Superseded``)."""
         self.replicas, self.size = replicas, replicas - spares
-        if self.launch:
+        where_key, self.where = f"where/{self.replica}", where_this_runs()
+        if self.launch and restarted:
+            # Read before the launch: a newer launch that takes the replica from here on changes it,
+            # and the compare-and-set below fails (then this process ends, not the newer one).
+            before = self.store.get(where_key).decode() if self.store.check([where_key]) else ""
             key = f"launch/{self.replica}"
             held = self.store.get(key).decode() if self.store.check([key]) else ""
-            if restarted and held and held != self.launch:
+            if (held and held != self.launch) or self.store.compare_set(where_key, before, self.where).decode() != \
+                    self.where:
                 raise Superseded(f"replica {self.replica}: this process of launch {self.launch} was started again by "
                                  f"its torchrun, and a newer launch of its node ({held}) holds the replica: it ends")
-            if not restarted:
-                self.store.set(key, self.launch)
-        self.where = where_this_runs()
-        self.store.set(f"where/{self.replica}", self.where)
+        else:
+            if self.launch:
+                self.store.set(f"launch/{self.replica}", self.launch)
+            self.store.set(where_key, self.where)
         self.store.delete_key(f"ended/{self.replica}")  # an older process's (or this one's, set up before)
         newest = self.newest() or self.propose(1, range(self.size))
         # The first generation, which it was to form and never did, it forms as its members do,
@@ -233,7 +238,7 @@ class Membership:
             if stop():
                 self.store.delete_key(f"join/{self.replica}")
                 raise RunFinished(f"replica {self.replica}: stopped (a signal) while waiting to join the run")
-            if now >= next_ask:  # it asks on: a joiner that stopped asking is not taken in (``gone``)
+            if now >= next_ask:  # it asks on: a joiner that stopped asking is not taken in (``asking``)
                 self.store.add(f"asking/{self.replica}", 1)
                 next_ask = now + ORPHAN_CHECK_S
             if now < next_orphan_check:
@@ -244,8 +249,7 @@ class Membership:
                 orphaned_at, next_orphan_check = None, now + ORPHAN_CHECK_S
             else:
                 orphaned_at = orphaned_at or now
-                asked = [r for r in range(self.replicas) if self.store.check([f"join/{r}"])
-                         and (r == self.replica or not self.gone(r))]
+                asked = [r for r in range(self.replicas) if r == self.replica or self.asking(r)]
                 if len(asked) == self.replicas or now - orphaned_at > RESTART_SETTLE_S:
                     before_restart()
                     # Before the proposal, so that whoever reads it reads this too.
@@ -268,8 +272,12 @@ class Membership:
         return self.store.check([key]) and self.store.get(key).decode() != self.where
 
     def check_current(self) -> None:
-        """``Superseded`` when a newer process holds this process's replica."""
+        """``Superseded`` when a newer process holds this process's replica; its request to join,
+        if any, withdrawn (else the replica would look like a joiner until the newer one asks)."""
         if self.superseded():
+            key = f"join/{self.replica}"
+            if self.store.check([key]) and self.store.get(key).decode().split(" ")[0] == str(os.getpid()):
+                self.store.delete_key(key)
             raise Superseded(f"replica {self.replica}: a newer process of it runs "
                              f"({self.store.get(f'where/{self.replica}').decode()}; its node was launched again while "
                              "this one was frozen or cut off): this one takes part in nothing and ends")
@@ -284,9 +292,8 @@ class Membership:
         self.store.set("finished", str(step))
 
     def joiners(self, generation: Generation) -> list[int]:
-        """The replicas outside ``generation`` that ask to join and are not known dead."""
-        return [r for r in range(self.replicas) if r not in generation.members
-                and self.store.check([f"join/{r}"]) and not self.gone(r)]
+        """The replicas outside ``generation`` that ask to join (``asking``)."""
+        return [r for r in range(self.replicas) if r not in generation.members and self.asking(r)]
 
     def wanted(self, generation: Generation) -> list[int]:
         """The joiners that ``generation``, smaller than the group's size, takes in at a step's end
@@ -303,7 +310,8 @@ class Membership:
             return self._proposal_of(generation)
         proposed = self.propose(number, [*generation.members, *sorted(joiners)])
         for r in joiners:
-            self.store.delete_key(f"join/{r}")
+            if r in proposed.members:  # a proposal that lost leaves the others' requests alone
+                self.store.delete_key(f"join/{r}")
         return proposed
 
     def _proposal_of(self, generation: Generation) -> Generation:
@@ -369,10 +377,8 @@ class Membership:
         if where[0] != socket.gethostname():
             if self._process(f"ended/{replica}") == where:
                 return True
-            if generation is None:  # a joiner's newest process
-                return self.stopped_asking(replica)
             replaced = self.process_of(replica) != where  # its replica's newer process: the old one ended
-            return replaced or self.silent(replica, generation, silent_s)
+            return generation is not None and (replaced or self.silent(replica, generation, silent_s))
         state = process_state(where[1]) if where[2] in (None, process_start(where[1])) else None
         if state == "T":
             kill(where, f"replica {replica} is stopped")
@@ -387,18 +393,26 @@ class Membership:
         fields = self.store.get(key).decode().split(" ") if self.store.check([key]) else []
         return int(fields[1]) if len(fields) == 2 and fields[1].isdigit() else -1
 
-    def stopped_asking(self, replica: int) -> bool:
-        """Whether ``replica``'s requests to join (``asking/<replica>``, counted every
-        ``ORPHAN_CHECK_S`` while it waits) have stood still for ``REMOTE_SILENT_S`` since this
-        process first saw their count (each call looks once): killed or cut off while it waited,
-        its ``join/`` request left behind."""
+    def asking(self, replica: int) -> bool:
+        """Whether ``replica`` asks to join (``join/<replica>``) and is known to ask on: on this
+        host, its newest process lives (``gone``); on another host, its requests' count
+        (``asking/<replica>``, counted every ``ORPHAN_CHECK_S`` while it waits) has moved since this
+        process first looked (each call looks once), and within ``REMOTE_SILENT_S``. A request left
+        by a process killed or cut off while it waited is never taken for one."""
+        if not self.store.check([f"join/{replica}"]):
+            return False
+        where = self.process_of(replica)
+        if where is None or where[0] == socket.gethostname():
+            return not self.gone(replica)
+        if self._process(f"ended/{replica}") == where:
+            return False
         key = f"asking/{replica}"
         count = int(self.store.get(key)) if self.store.check([key]) else 0
-        now, seen = time.monotonic(), self._asks.get(replica)
+        now, seen = time.monotonic(), self._asks.get(replica)  # (count, since, moved)
         if seen is None or seen[0] != count:
-            self._asks[replica] = (count, now)
-            return False
-        return now - seen[1] >= REMOTE_SILENT_S
+            self._asks[replica] = (count, now, seen is not None)
+            return seen is not None
+        return seen[2] and now - seen[1] < REMOTE_SILENT_S
 
     def silent(self, replica: int, generation: Generation, for_s: float | None = None) -> bool:
         """Whether ``replica``'s heartbeat in ``generation`` has stood still for ``for_s`` (default

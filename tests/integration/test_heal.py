@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch.distributed as dist
@@ -28,30 +29,37 @@ STEPS = 12
 
 
 def heal_run(run_dir: Path, fault: str = "", *, steps: int = STEPS, spares: int = 0, changes: dict | None = None,
-             other_host: int | None = None, again: int | None = None) -> dict:
+             other_host: int | None = None, again: int | None = None, launch: str = "",
+             during: Callable[[list, Callable], None] | None = None) -> dict:
     """Three ddp_training.py processes on a run store of the test's, as launch_training.sh starts
     them (without torchrun), the last ``spares`` of them spares, the configuration with ``changes``;
     returns their exit codes and the time the run took. Replica ``other_host`` runs under a host
     name of its own (a UTS namespace: ``unshare --uts``): the others cannot kill it, as on another
     host. A replica still stopped when the others have ended is continued (SIGCONT). Replica
-    ``again``, once killed -9, is started again, once (as its torchrun would with --max-restarts 1)."""
+    ``again``, once killed -9, is started again, once (as its torchrun would with --max-restarts 1).
+    ``launch``: their HEAL_LAUNCH. ``during(procs, start)`` runs every 0.1 s: it may start a
+    replica's process (``start(replica, env)``), and put it in ``procs``."""
     run_dir.mkdir(parents=True)
     config = tiny(run_dir, {"train.max_steps": steps, "recovery.heal": "in_place", "recovery.fault_inject": fault,
                             "logging.record_samples": True, "checkpoint.every_steps": 4, "data.batch_size": 4,
                             "data.global_batch_size": 24, **(changes or {})})
     (run_dir / "config.json").write_text(json.dumps(config))
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HEAL_STORE": f"127.0.0.1:{store.port}",
-           "HEAL_REPLICAS": str(REPLICAS), "HEAL_SPARES": str(spares)}
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith(("HEAL_", "TORCHELASTIC_"))},
+           "OMP_NUM_THREADS": "1", "HEAL_STORE": f"127.0.0.1:{store.port}", "HEAL_REPLICAS": str(REPLICAS),
+           "HEAL_SPARES": str(spares), **({"HEAL_LAUNCH": launch} if launch else {})}
     started = time.monotonic()
+    others: list[subprocess.Popen] = []  # processes that ``during`` replaced in ``procs``
 
-    def start(replica: int) -> subprocess.Popen:
+    def start(replica: int, extra: dict | None = None) -> subprocess.Popen:
         command = [sys.executable, str(ROOT / "ddp_training.py"), "--config", str(run_dir / "config.json")]
         if replica == other_host:  # exec: the pid is the trainer's
             command = [*OTHER_HOST, *command]
         with open(run_dir / f"out_{replica}.txt", "ab") as out:
-            return subprocess.Popen(command, env={**env, "HEAL_REPLICA": str(replica)}, stdout=out,
-                                    stderr=subprocess.STDOUT, cwd=ROOT)
+            process = subprocess.Popen(command, env={**env, "HEAL_REPLICA": str(replica), **(extra or {})}, stdout=out,
+                                       stderr=subprocess.STDOUT, cwd=ROOT)
+        others.append(process)
+        return process
 
     procs = [start(r) for r in range(REPLICAS)]
     try:
@@ -64,11 +72,16 @@ def heal_run(run_dir: Path, fault: str = "", *, steps: int = STEPS, spares: int 
                 os.kill(running[0].pid, signal.SIGCONT)  # the others are done: it may go on
             if again is not None and procs[again].poll() == -signal.SIGKILL:
                 procs[again], again = start(again), None
+            if during is not None:
+                during(procs, start)
             time.sleep(0.1)
         codes = [p.wait(timeout=30) for p in procs]
     finally:
-        for p in procs:
+        for p in others:
+            if p.poll() is None:
+                os.kill(p.pid, signal.SIGCONT)  # a stopped process dies of SIGKILL too; continued, it says so
             p.kill()
+            p.wait()
     # What a replica that failed printed last (its traceback), for the assertion's message.
     tails = {r: (run_dir / f"out_{r}.txt").read_text(errors="replace")[-2000:] for r, c in enumerate(codes)
              if c not in (0, -9)}
@@ -226,6 +239,53 @@ def test_a_rank_frozen_on_another_host_is_named_lost_and_the_others_heal_in_plac
     assert run["codes"] == [75, 75, 75] and run["s"] < 120, run
     said = (run_dir / "out_1.txt").read_text()
     assert "error: rank 0 was lost, and its process still holds checkpoint.dir's lock" in said, said[-2000:]
+
+
+@pytest.mark.dist
+def test_a_frozen_node_launched_again_keeps_its_replica_when_the_old_process_thaws_and_restarts(tmp_path):
+    """Replica 2, under a host name of its own (as on another host), is stopped at step 5; ranks 0
+    and 1 name it lost and heal in place. Its node is launched again (another HEAL_LAUNCH) while
+    the old process still lives: the new process joins and the group grows back to 3. Then the old
+    one is continued (it reads that it was named lost, and exits), and its old torchrun starts it
+    again (HEAL_LAUNCH of the first launch, TORCHELASTIC_RESTART_COUNT=1): that process finds a
+    newer launch holding its replica and ends with 0 at once, taking part in nothing; the run
+    finishes on 3 ranks, unchanged. Before, it took the replica back (``where/``) and waited to
+    join until the run's end, and the new process counted as gone for the others."""
+    if not other_host_allowed():
+        pytest.skip("another host name needs a UTS namespace (unshare --uts, as root): refused here")
+    steps = 45
+    one_process(tmp_path / "whole", steps, {"data.global_batch_size": 24})
+    run_dir = tmp_path / "thaw"
+    seen: dict = {}
+
+    def during(procs: list, start) -> None:
+        said = "".join((run_dir / f"out_{r}.txt").read_text(errors="replace") for r in range(REPLICAS))
+        if "old" not in seen and "generation 2 goes on with 2 of 3 ranks" in said:
+            seen["old"], procs[2] = procs[2], start(2, {"HEAL_LAUNCH": "second"})  # the node launched again
+        elif "old" in seen and "thawed" not in seen and "trains on 3 ranks (was 2" in said:
+            os.kill(seen["old"].pid, signal.SIGCONT)
+            seen["thawed"] = seen["old"].pid
+        elif "thawed" in seen and "restarted" not in seen and seen["old"].poll() is not None:
+            seen["restarted"] = start(2, {"HEAL_LAUNCH": "first", "TORCHELASTIC_RESTART_COUNT": "1"})
+            seen["restarted_at"] = time.monotonic()
+        elif "restarted" in seen and "restarted_s" not in seen and seen["restarted"].poll() is not None:
+            seen["restarted_s"] = time.monotonic() - seen["restarted_at"]
+
+    run = heal_run(run_dir, "sigstop@step=5,rank=2; slow@step=6,ms=300,restart=*", steps=steps, other_host=2,
+                   launch="first", during=during, changes={"recovery.peer_timeout_s": 2, "ddp.timeout_s": 300})
+    assert run["codes"] == [0, 0, 0], run
+    said = (run_dir / "out_2.txt").read_text()
+    assert "restarted_s" in seen and seen["restarted"].returncode == 0, (seen, said[-3000:])
+    assert "replica 2: this process of launch first was started again by its torchrun, and a newer launch of its " \
+        "node (second) holds the replica: it ends" in said, said[-3000:]
+    assert seen["restarted_s"] < 20, seen  # its start-up, then the end: not the run's end
+    text = logs(run_dir)
+    assert "joined the run in place at step" in text and "resumed from" not in text, text[-3000:]
+    summary = json.loads((run_dir / "logs" / "summary.json").read_text())
+    assert (summary["steps"], summary["world_size"]) == (steps, REPLICAS), summary
+    assert weight_diff(tmp_path / "whole", run_dir) < 5e-5  # 3 -> 2 -> 3 ranks: the fp32 floor, as above
+    assert samples_per_epoch(run_dir) == samples_per_epoch(tmp_path / "whole")
+    assert left_running(run_dir) == ""
 
 
 @pytest.mark.dist
