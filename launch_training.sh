@@ -349,8 +349,8 @@ else
   [[ $max_nodes -eq 1 ]] || HEAL_STORE=$rdzv_endpoint
   # HEAL_LAUNCH names this launch: a worker that an older launch's torchrun starts again (its node
   # frozen, named lost and launched again meanwhile) ends instead of taking its replica back.
-  export HEAL_STORE HEAL_REPLICAS=$(( nproc * max_nodes )) HEAL_SPARES="$spares" \
-    HEAL_LAUNCH="$(hostname)-$$-$(date +%s%N)"
+  HEAL_LAUNCH="$(hostname)-$$-$(date +%s%N)"
+  export HEAL_STORE HEAL_REPLICAS=$(( nproc * max_nodes )) HEAL_SPARES="$spares" HEAL_LAUNCH
   [[ $cpu -eq 1 ]] || IFS=, read -r -a gpu_list <<< "${CUDA_VISIBLE_DEVICES:-$(seq -s, 0 $(( nproc - 1 )))}"
   for (( local_rank = 0; local_rank < nproc; local_rank++ )); do
     port=$("$python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
