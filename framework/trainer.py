@@ -478,9 +478,11 @@ class DDPTrainer:
             **self.spike_guard.scalars(), **self.stragglers.scalars(), "health/skipped_steps": self.skips.total})
         if self._evaluated_step == self.step:  # this step's evaluation is in the checkpoint: not run again
             step_log.val_loss = self._evaluated_loss
+        membership, generation = process_group.MEMBERSHIP, process_group.GENERATION
         samples_log = SampleLog(Path(cfg.logging.dir) / f"samples_rank_{env.rank}.jsonl"
                                 if cfg.logging.record_samples else None, sampler=self.sampler,
-                                world_size=env.world_size if env.is_main else None)
+                                world_size=env.world_size if env.is_main else None,
+                                outdated=(lambda: membership.outdated(generation)) if generation is not None else None)
         if cfg.logging.record_samples and env.is_main:
             SampleLog.purge_absent_ranks(Path(cfg.logging.dir), env.world_size, self.step + 1)
         self.model.train()

@@ -263,6 +263,12 @@ class Membership:
                                    f"within {timeout_s:.0f} s (the newest: {newest.number}, {list(newest.members)})")
             time.sleep(JOIN_POLL_S)
 
+    def outdated(self, generation: Generation) -> bool:
+        """Whether a generation after ``generation`` was agreed (one store lookup): a step of
+        ``generation`` computed now is not committed (a heal redoes it), nor a grow's (agreed at a
+        step's end)."""
+        return self.store.check([f"members/{generation.number + 1}"])
+
     def superseded(self) -> bool:
         """Whether a newer process holds this process's replica (``where/<replica>`` names
         another): its node was launched again while this one was frozen."""

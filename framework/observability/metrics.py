@@ -317,18 +317,27 @@ class SampleLog(Listener):
     on it (optimizer_step's all-reduce). Once a peer has passed that agreement the step is
     committed (a survivor checkpoint holds it, a restart does not redo it), so this rank's record
     must exist even if this rank dies right after; a step that is not committed is redone, and its
-    line dropped by the redo's ``purge_from``. ``sampler``: the step's indices (``pending()``).
+    line dropped by the redo's ``purge_from``. Healing in place, a step of a generation that a
+    newer one has replaced (``outdated()``: a process frozen in it that runs again after the others
+    healed without it and redid the step) is not committed and not written: no redo would purge
+    it. ``sampler``: the step's indices (``pending()``).
     ``world_size``: rank 0's, so that a redo (a rollback) purges the files of the ranks this run
     does not have too (``purge_absent_ranks``): after a shrink their records of the redone steps
     belong to no run."""
 
-    def __init__(self, path: Path | None, sampler=None, *, world_size: int | None = None):
+    def __init__(self, path: Path | None, sampler=None, *, world_size: int | None = None,
+                 outdated: Callable[[], bool] | None = None):
         self.file, earlier = _open_appending(path) if path is not None else (None, False)
         self.last_step: float = math.inf if earlier else 0  # steps count from 1
         self.sampler = sampler
         self.path, self.world_size = path, world_size
+        self.outdated = outdated
 
     def gradients(self, step: int, model) -> None:
+        if self.file is not None and self.outdated is not None and self.outdated():
+            log.warning("step %d is not recorded: this process's generation was replaced (it was frozen or cut off "
+                        "while the others healed without it)", step + 1)
+            return
         self.write(self.sampler.epoch, step + 1, self.sampler.pending())
 
     def write(self, epoch: int, step: int, indices: list[int]) -> None:
