@@ -187,9 +187,7 @@ class Membership:
         if self.launch and restarted:
             # Read before the launch: a newer launch that takes the replica from here on changes it,
             # and the compare-and-set below fails (then this process ends, not the newer one).
-            before = self.store.get(where_key).decode() if self.store.check([where_key]) else ""
-            key = f"launch/{self.replica}"
-            held = self.store.get(key).decode() if self.store.check([key]) else ""
+            before, held = self._read(where_key), self._read(f"launch/{self.replica}")
             if (held and held != self.launch) or self.store.compare_set(where_key, before, self.where).decode() != \
                     self.where:
                 raise Superseded(f"replica {self.replica}: this process of launch {self.launch} was started again by "
@@ -272,20 +270,16 @@ class Membership:
     def superseded(self) -> bool:
         """Whether a newer process holds this process's replica (``where/<replica>`` names
         another): its node was launched again while this one was frozen."""
-        if self.where is None:
-            return False
-        key = f"where/{self.replica}"
-        return self.store.check([key]) and self.store.get(key).decode() != self.where
+        return self.where is not None and self._read(f"where/{self.replica}") not in ("", self.where)
 
     def check_current(self) -> None:
         """``Superseded`` when a newer process holds this process's replica; its request to join,
         if any, withdrawn (else the replica would look like a joiner until the newer one asks)."""
         if self.superseded():
-            key = f"join/{self.replica}"
-            if self.store.check([key]) and self.store.get(key).decode().split(" ")[0] == str(os.getpid()):
-                self.store.delete_key(key)
+            if self._read(f"join/{self.replica}").split(" ")[0] == str(os.getpid()):
+                self.store.delete_key(f"join/{self.replica}")
             raise Superseded(f"replica {self.replica}: a newer process of it runs "
-                             f"({self.store.get(f'where/{self.replica}').decode()}; its node was launched again while "
+                             f"({self._read(f'where/{self.replica}')}; its node was launched again while "
                              "this one was frozen or cut off): this one takes part in nothing and ends")
 
     def restarts(self, upto: int) -> int:
@@ -349,10 +343,15 @@ class Membership:
 
     def _process(self, key: str) -> tuple[str, int, int | None] | None:
         """The process a record (``where_this_runs``'s text) names, or None without one."""
-        if not self.store.check([key]):
+        text = self._read(key)
+        if not text:
             return None
-        host, pid, *start = self.store.get(key).decode().split(" ")
+        host, pid, *start = text.split(" ")
         return host, int(pid), int(start[0]) if start and start[0].isdigit() else None
+
+    def _read(self, key: str) -> str:
+        """``key``'s text in the store, or "" without one."""
+        return self.store.get(key).decode() if self.store.check([key]) else ""
 
     def end(self) -> None:
         """This process leaves the run for good (its interpreter exits): ``ended/<replica>`` names
@@ -373,8 +372,7 @@ class Membership:
         starts it again); otherwise it is waited for. Wherever it ran, a member of ``generation``
         is gone once a newer process of its replica asks to join having seen that generation
         (``asked_after``: one whose formation failed has no ``formed/`` record to tell it by).
-        (This assumes one launch of each node against the run's store: a node launched again
-        while its old processes live is not told apart.)"""
+        (A node launched again while its old processes live: they end, ``Superseded``.)"""
         where = self.process_of(replica, generation)
         if where is None:
             return False
@@ -395,8 +393,7 @@ class Membership:
         without one. A process asks only at its start: the process that was the replica's member of
         that generation, or of any before, is gone (a member of a generation that never formed,
         whose formation failed, included: no ``formed/`` record tells of it)."""
-        key = f"join/{replica}"
-        fields = self.store.get(key).decode().split(" ") if self.store.check([key]) else []
+        fields = self._read(f"join/{replica}").split(" ")
         return int(fields[1]) if len(fields) == 2 and fields[1].isdigit() else -1
 
     def asking(self, replica: int) -> bool:

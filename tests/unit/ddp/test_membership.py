@@ -344,22 +344,29 @@ def test_a_stopped_member_counts_as_gone_and_is_killed_so_that_its_job_ends():
         assert frozen.wait(10) == -signal.SIGKILL
 
 
-def test_a_member_on_another_host_is_gone_once_its_heartbeat_stood_still():
-    """No pid can be read on another host: there a member is known gone once its peer monitor's
-    heartbeat (framework/resilience/peers.py) has stood still for REMOTE_SILENT_S, as seen from
-    here. A member that never beat (the monitor off), or that stopped beating on purpose (-1: its
-    training ended, or it heals), is not; one that beats again is not."""
+def replica_1_elsewhere():
+    """Two replicas past their start on an in-memory store, and generation 1, which replica 1
+    formed on another host with its newest process: (store, members, generation 1)."""
     import os
-
-    from framework.ddp import membership as module
 
     store = dist.HashStore()
     members = [Membership(store, r) for r in range(2)]
     for m in members:
         m.start(2)
-    gen1 = members[0].newest()
-    for key in ("formed/1/1", "where/1"):  # it formed generation 1 on another host, its newest process
+    for key in ("formed/1/1", "where/1"):
         members[0].store.set(key, f"elsewhere-{os.getpid()} 1")
+    return store, members, members[0].newest()
+
+
+def test_a_member_on_another_host_is_gone_once_its_heartbeat_stood_still():
+    """No pid can be read on another host: there a member is known gone once its peer monitor's
+    heartbeat (framework/resilience/peers.py) has stood still for REMOTE_SILENT_S, as seen from
+    here. A member that never beat (the monitor off), or that stopped beating on purpose (-1: its
+    training ended, or it heals), is not; one that beats again is not."""
+
+    from framework.ddp import membership as module
+
+    store, members, gen1 = replica_1_elsewhere()
     beats = dist.PrefixStore(f"{module.HEARTBEATS}heal1/", store)
     assert not members[0].gone(1, gen1, silent_s=0.3)  # no beat yet
     for beat in ("-1", "0"):
@@ -449,13 +456,7 @@ def test_a_member_on_another_host_whose_process_ended_is_gone():
 
     from framework.ddp import membership as module
 
-    store = dist.HashStore()
-    members = [Membership(store, r) for r in range(2)]
-    for m in members:
-        m.start(2)
-    gen1 = members[0].newest()
-    for key in ("formed/1/1", "where/1"):  # it formed generation 1 on another host, its newest process
-        members[0].store.set(key, f"elsewhere-{os.getpid()} 1")
+    store, members, gen1 = replica_1_elsewhere()
     dist.PrefixStore(f"{module.HEARTBEATS}heal1/", store).set("alive/1", "-1")  # its training ended
     assert not members[0].gone(1, gen1)
     members[0].store.set("ended/1", f"elsewhere-{os.getpid()} 2")  # another process of it ended: not this one
