@@ -3,7 +3,9 @@
 A checkpoint directory holds ``step_00000042.pt`` files, each the whole training state, and
 ``manifest.json``, a list of ``{"file", "step", "sha256", "bytes", "lineage", "seq"}`` entries.
 Each file is written atomically before the manifest is rewritten (also atomically) to list it,
-so the manifest never names a partial file. Rank 0 writes, holding ``.lock``; every rank may load.
+so the manifest never names a partial file; each file also records its lineage, so that a file
+whose writer died before the manifest named it is listed again as its lineage's. Rank 0 writes,
+holding ``.lock``; every rank may load.
 
 Runs are kept apart as lineages: a fresh run, or a rollback to an older checkpoint, starts a new
 one, and a restart continues the lineage of the checkpoint it resumes. Pruning (keep_last)
@@ -42,6 +44,8 @@ _STEP_FILE = re.compile(r"step_(\d+)\.pt")
 _PLAIN = (type(None), bool, int, float, str, bytes, torch.dtype, torch.device, torch.Size)
 # What torch.load raises on a truncated or corrupt file.
 _LOAD_ERRORS = (RuntimeError, EOFError, pickle.UnpicklingError)
+_LINEAGE_KEY = "_checkpoint_lineage"
+"""The key of a written file's lineage in its payload; ``load_file`` takes it out again."""
 
 
 class CheckpointError(ValueError):
@@ -54,13 +58,20 @@ def load_file(path: str | Path) -> dict:
     Raises CheckpointError when the file holds other objects (for example a pickle that would run
     code); truncated or corrupt files raise torch.load's own RuntimeError or EOFError.
     """
+    return _load_with_lineage(path)[0]
+
+
+def _load_with_lineage(path: str | Path) -> tuple[dict, str | None]:
+    """``load_file``'s state, and the lineage its writer recorded in it (None: another writer's)."""
     source = path if isinstance(path, io.BytesIO) else Path(path)
     try:
-        return torch.load(source, map_location="cpu", weights_only=True)
+        state = torch.load(source, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         name = Path(path).name if not isinstance(path, io.BytesIO) else "<bytes>"
         raise CheckpointError(f"{name}: refused: not a plain tensor/dict checkpoint "
                               f"({_unpickling_detail(e)})") from e
+    lineage = state.pop(_LINEAGE_KEY, None) if isinstance(state, dict) else None
+    return state, lineage if isinstance(lineage, str) else None
 
 
 def _unpickling_detail(error: pickle.UnpicklingError) -> str:
@@ -165,6 +176,7 @@ class CheckpointStore:
         self._error: BaseException | None = None
         self._lock: _DirLock | None = None
         self._reported_other_lineages = False
+        self._examined: set[str] = set()  # unlisted step files looked at for this lineage's (``_adopted``)
         self._unreadable: list[str] = []  # what the last latest_valid could not read, for its error
         if rank == 0:
             self._acquire(wait_for_run_s)
@@ -372,7 +384,8 @@ class CheckpointStore:
 
     def _write(self, snapshot: dict, step: int, path: Path, *, prune: bool = True) -> None:
         start = time.perf_counter()
-        sha256, size = atomic.torch_save(snapshot, path)  # streamed: the snapshot is the one copy in memory
+        # Streamed: the snapshot is the one copy in memory. Its lineage goes in with it (``_adopted``).
+        sha256, size = atomic.torch_save({**snapshot, _LINEAGE_KEY: self.lineage}, path)
         entries = self._read_manifest_for_update(path.name)
         entry = {"file": path.name, "step": step, "sha256": sha256, "bytes": size,
                  "lineage": self.lineage, "seq": max((e["seq"] for e in entries), default=0) + 1,
@@ -397,31 +410,62 @@ class CheckpointStore:
 
     def _read_manifest_for_update(self, new_file: str) -> list[dict]:
         try:
-            return _read_manifest(self.manifest_path)
+            entries = _read_manifest(self.manifest_path)
         except FileNotFoundError:
             return self._entries_from_files(new_file)
         except ValueError as e:
             log.warning("%s is unreadable (%s): rebuilding it", self.manifest_path, e)
             return self._entries_from_files(new_file)
+        return entries + self._adopted(entries, new_file)
 
     def _entries_from_files(self, new_file: str) -> list[dict]:
         """Manifest entries, in step order, for the other step files on disk that load, so that they
-        are kept: lineage from the file name, else ``"legacy"``."""
+        are kept: lineage as the file records it (``_LINEAGE_KEY``), else from its name, else
+        ``"legacy"``."""
         entries = []
         for path, step, lineage in sorted(_step_files(self.directory), key=_step_then_mtime):
             if path.name == new_file:
                 continue
-            try:
-                data = path.read_bytes()
-            except OSError as e:
-                log.warning("%s is unreadable (%s): left in place, unlisted", path, _os_reason(e))
-                continue
-            if self._loaded(path, io.BytesIO(data)) is not None:
-                entries.append({"file": path.name, "step": step, "sha256": hashlib.sha256(data).hexdigest(),
-                                "bytes": len(data), "lineage": lineage, "seq": len(entries) + 1})
+            entry = self._entry_of(path, step, lineage, seq=len(entries) + 1)
+            if entry is not None:
+                entries.append(entry)
         if entries:
             log.warning("no usable manifest in %s: listing the %d step files that load", self.directory, len(entries))
         return entries
+
+    def _adopted(self, entries: list[dict], new_file: str) -> list[dict]:
+        """Entries for the step files of this store's lineage that the manifest does not list: its
+        writer died between a file's rename and the manifest's update (rank 0 killed while its
+        background write ran; the rank that took over its lineage writes now). Listed, keep_last
+        prunes them; unlisted, they would stay for good. Each unlisted file is looked at once."""
+        listed = {e["file"] for e in entries} | {new_file}
+        seq, adopted = max((e["seq"] for e in entries), default=0), []
+        for path, step, lineage in sorted(_step_files(self.directory), key=_step_then_mtime):
+            if path.name in listed or path.name in self._examined or lineage not in (_LEGACY, self.lineage):
+                continue
+            self._examined.add(path.name)
+            entry = self._entry_of(path, step, lineage, seq=seq + 1, only=self.lineage)
+            if entry is not None:
+                seq += 1
+                adopted.append(entry)
+        if adopted:
+            log.warning("%s: listing %s again in lineage %s: written before its writer died, never listed",
+                        self.directory, ", ".join(e["file"] for e in adopted), self.lineage)
+        return adopted
+
+    def _entry_of(self, path: Path, step: int, lineage: str, *, seq: int, only: str | None = None) -> dict | None:
+        """The manifest entry of the step file ``path`` when it loads (and, with ``only``, records
+        that lineage), else None; its lineage as it records it, else ``lineage``."""
+        try:
+            data = path.read_bytes()
+        except OSError as e:
+            log.warning("%s is unreadable (%s): left in place, unlisted", path, _os_reason(e))
+            return None
+        found = self._loaded(path, io.BytesIO(data), lineage=True)
+        if found is None or (only is not None and found[1] != only):
+            return None
+        return {"file": path.name, "step": step, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data),
+                "lineage": found[1] or lineage, "seq": seq}
 
     def _prune(self, dropped: list[dict], kept: list[dict]) -> None:
         """Delete the files of this lineage's entries that the manifest no longer lists."""
@@ -538,9 +582,11 @@ class CheckpointStore:
                 return path, state
         return None
 
-    def _loaded(self, path: Path, source) -> dict | None:
+    def _loaded(self, path: Path, source, *, lineage: bool = False):
+        """The state in ``source`` (with ``lineage``: and the lineage it records), or None
+        (logged) when it cannot be used."""
         try:
-            return load_file(source)
+            return _load_with_lineage(source) if lineage else load_file(source)
         except CheckpointError as e:
             return self._reject(path, str(e).split(": ", 1)[-1])
         except _LOAD_ERRORS as e:

@@ -534,7 +534,7 @@ def test_fresh_run_on_a_legacy_manifest_keeps_the_old_files(tmp_path):
 
 
 def test_rebuilding_a_lost_manifest_deletes_no_other_runs_file(tmp_path):
-    save_steps(tmp_path, [100, 200, 300])
+    first = save_steps(tmp_path, [100, 200, 300])
     with CheckpointStore(tmp_path) as rollback:
         rollback.mark_resumed(tmp_path / "step_00000100.pt")
         rollback.save(state_at(200), 200)
@@ -549,7 +549,48 @@ def test_rebuilding_a_lost_manifest_deletes_no_other_runs_file(tmp_path):
     assert step_names(tmp_path) == sorted(before + [step_file(20)])
     lineages = {e["file"]: e["lineage"] for e in manifest(tmp_path)}
     assert lineages[f"step_00000200-{rollback.lineage}.pt"] == rollback.lineage
-    assert lineages["step_00000100.pt"] == "legacy" and lineages[step_file(20)] == fresh.lineage
+    # each file as it records its lineage (a plain name's, "legacy", only for a file that records none)
+    assert lineages["step_00000100.pt"] == first.lineage and lineages[step_file(20)] == fresh.lineage
+
+
+def test_a_step_file_whose_writer_died_before_the_manifest_stays_in_its_lineage(tmp_path, monkeypatch):
+    """Rank 0 killed between its step file's rename and the manifest's update (healing in place,
+    seen under load: kill -9 at step 5 while step 4's write was in flight): the rank that takes
+    over its lineage lists that file again as its lineage's, so that keep_last prunes it, whether
+    the manifest was older or missing. Before, a lost manifest listed it as another run's
+    ("legacy", never deleted), and an older one never listed it. A plain-named file that no
+    lineage wrote stays another run's."""
+    real = atomic.write_bytes
+
+    def dies_before_the_manifest(path, data):
+        if Path(path).name == "manifest.json":
+            raise KeyboardInterrupt  # the process dies here; its step file is in place
+        real(path, data)
+
+    for steps, lost_manifest in (([1, 2], False), ([], True)):
+        directory = tmp_path / f"lost{lost_manifest}"
+        first = save_steps(directory, steps, keep_last=2)
+        atomic.torch_save(state_at(0), directory / step_file(0))  # a plain file no lineage wrote
+        writer = CheckpointStore(directory, keep_last=2)
+        writer.lineage = first.lineage
+        monkeypatch.setattr(atomic, "write_bytes", dies_before_the_manifest)
+        with pytest.raises(KeyboardInterrupt):
+            writer.save(state_at(3), 3, blocking=True)
+        writer.release()
+        monkeypatch.setattr(atomic, "write_bytes", real)
+        assert (directory / step_file(3)).is_file()
+        assert (directory / "manifest.json").is_file() != lost_manifest
+        survivor = CheckpointStore(directory, keep_last=2, rank=1)
+        survivor.take_over(lineage=first.lineage, began_from=None)
+        for step in (4, 5):
+            survivor.save(state_at(step), step, blocking=True)
+        survivor.close()
+        lineages = {e["file"]: e["lineage"] for e in manifest(directory)}
+        # (a plain file that no manifest lists is left alone, as before; a rebuilt manifest lists it)
+        assert lineages == {**({step_file(0): "legacy"} if lost_manifest else {}), step_file(4): first.lineage,
+                            step_file(5): first.lineage}
+        assert step_names(directory) == [step_file(0), step_file(4), step_file(5)]
+        assert_same(CheckpointStore(directory).latest_valid()[1], state_at(5))
 
 
 def test_checkpoints_deleted_by_hand_leave_the_manifest(tmp_path):
