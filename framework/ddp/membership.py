@@ -16,6 +16,7 @@ import logging
 import os
 import signal
 import socket
+import threading
 import time
 from dataclasses import dataclass
 
@@ -35,10 +36,13 @@ RESTART_SETTLE_S = 2.0
 """When every member is dead, how long the replicas that ask to join wait for the others to ask
 too before they form the next generation among themselves (and resume from the checkpoint)."""
 REMOTE_SILENT_S = 10.0
-"""How long the heartbeat of a member on another host (its peer monitor's counter, beaten every
-second at most: framework/resilience/peers.py) must stand still, as seen from here, before the
-member is known gone: frozen, cut off or dead with its host. A member that never beat (the monitor
-off) is never known gone this way."""
+"""How long a count that a process on another host keeps moving must stand still, as seen from
+here, before the process is known gone: frozen, cut off or dead with its host. The counts: its
+peer monitor's heartbeat in a generation's training (framework/resilience/peers.py), its own
+(``live/<replica>``, ``beat``, from its start to its end, the monitor on or off), and a joiner's
+requests (``asking/<replica>``)."""
+LIVE_BEAT_S = 1.0
+"""How often each process of a run that heals in place counts ``live/<replica>`` (``beat``)."""
 HEARTBEATS = "ddp_framework/peers/heal/"
 """Where the peer monitors of a run that heals in place beat: ``heal<generation>/alive/<rank>``."""
 SLOT_ENV = ("HEAL_STORE", "HEAL_REPLICA", "HEAL_REPLICAS", "HEAL_SPARES")
@@ -173,6 +177,8 @@ class Membership:
         self.formed_s: float | None = None
         self._beats: dict[tuple[int, int], tuple[int, float]] = {}  # (generation, replica) -> (beat, seen since)
         self._asks: dict[int, tuple[int, float, bool]] = {}  # replica -> (its requests' count, seen since, moved)
+        self._lives: dict[int, tuple[int, float]] = {}  # replica -> (its ``live/`` count, seen since)
+        self._beating: threading.Event | None = None
         self.replicas = self.size = 0  # the slot's replicas, and the group's size (``start``)
 
     def start(self, replicas: int, spares: int = 0, *, restarted: bool = False) -> tuple[Generation | None, bool]:
@@ -353,10 +359,33 @@ class Membership:
         """``key``'s text in the store, or "" without one."""
         return self.store.get(key).decode() if self.store.check([key]) else ""
 
+    def beat(self, store: dist.Store | None = None, period_s: float = LIVE_BEAT_S) -> None:
+        """Count ``live/<replica>`` every ``period_s`` from a thread of its own, through ``store``
+        (a client of the run's store of its own, so that no wait on this one delays a beat; this
+        one without), until ``end``: whatever the process does (forming a group, building its
+        model, a step, an evaluation, a save), the others on another host know it lives while the
+        count moves (``gone``). Started before ``start``, so that a newer process's count moves
+        before it takes its replica."""
+        beats = dist.PrefixStore(PREFIX, store) if store is not None else self.store
+        stop = self._beating = threading.Event()
+
+        def run() -> None:
+            while True:
+                try:
+                    beats.add(f"live/{self.replica}", 1)
+                except Exception:  # noqa: BLE001  (the store lost or cut off: the others find this one silent)
+                    pass
+                if stop.wait(period_s):
+                    return
+
+        threading.Thread(target=run, name="heal-live", daemon=True).start()
+
     def end(self) -> None:
-        """This process leaves the run for good (its interpreter exits): ``ended/<replica>`` names
-        it, so that the others know it gone even from another host, where its pid cannot be read
-        and its heartbeat says it left on purpose (-1)."""
+        """This process leaves the run for good (its interpreter exits): its count stops (``beat``)
+        and ``ended/<replica>`` names it, so that the others know it gone at once even from another
+        host, where its pid cannot be read and its heartbeat says it left on purpose (-1)."""
+        if self._beating is not None:
+            self._beating.set()
         self.store.set(f"ended/{self.replica}", where_this_runs())
 
     def gone(self, replica: int, generation: Generation | None = None, *, silent_s: float | None = None) -> bool:
@@ -366,12 +395,14 @@ class Membership:
         waits for it) and the launcher (which waits for every rank's job) would never end; killed,
         its torchrun starts it again or ends. A member of ``generation`` on another host is known
         gone once its replica has started a newer process there (``where/<replica>``: its torchrun
-        starts one only once the old one ended, or was sent SIGKILL), or once its heartbeat has
-        stood still for ``silent_s`` (default ``REMOTE_SILENT_S``: ``silent``; never with the peer
-        monitor off), or once it said it ended (``end``: its training finished, and no torchrun
-        starts it again); otherwise it is waited for. Wherever it ran, a member of ``generation``
-        is gone once a newer process of its replica asks to join having seen that generation
-        (``asked_after``: one whose formation failed has no ``formed/`` record to tell it by).
+        starts one only once the old one ended, or was sent SIGKILL), or once its heartbeat in
+        ``generation``'s training has stood still for ``silent_s`` (default ``REMOTE_SILENT_S``:
+        ``silent``), or once its own count has (``live/<replica>``, ``beat``: from its start to its
+        end, the peer monitor on or off; ``still``), or once it said it ended (``end``: its
+        training finished, and no torchrun starts it again); otherwise it is waited for. Wherever
+        it ran, a member of ``generation`` is gone once a newer process of its replica asks to
+        join having seen that generation (``asked_after``: one whose formation failed has no
+        ``formed/`` record to tell it by).
         (A node launched again while its old processes live: they end, ``Superseded``.)"""
         where = self.process_of(replica, generation)
         if where is None:
@@ -381,7 +412,10 @@ class Membership:
         if where[0] != socket.gethostname():
             if self._process(f"ended/{replica}") == where:
                 return True
-            replaced = self.process_of(replica) != where  # its replica's newer process: the old one ended
+            newest = self.process_of(replica)
+            if newest == where and self.still(replica):
+                return True  # dead, frozen or cut off, whatever it was doing
+            replaced = newest != where  # its replica's newer process: the old one ended
             return generation is not None and (replaced or self.silent(replica, generation, silent_s))
         state = process_state(where[1]) if where[2] in (None, process_start(where[1])) else None
         if state == "T":
@@ -416,6 +450,20 @@ class Membership:
             self._asks[replica] = (count, now, seen is not None)
             return seen is not None
         return seen[2] and now - seen[1] < REMOTE_SILENT_S
+
+    def still(self, replica: int) -> bool:
+        """Whether ``replica``'s count (``live/<replica>``: its newest process's ``beat``) has
+        stood still for ``REMOTE_SILENT_S`` since this process first saw its value (each call looks
+        once). A replica whose count never moved, from a process that does not beat, is not."""
+        key = f"live/{replica}"
+        count = int(self.store.get(key)) if self.store.check([key]) else 0
+        now, seen = time.monotonic(), self._lives.get(replica)
+        if count <= 0:
+            return False
+        if seen is None or seen[0] != count:
+            self._lives[replica] = (count, now)
+            return False
+        return now - seen[1] >= REMOTE_SILENT_S
 
     def silent(self, replica: int, generation: Generation, for_s: float | None = None) -> bool:
         """Whether ``replica``'s heartbeat in ``generation`` has stood still for ``for_s`` (default

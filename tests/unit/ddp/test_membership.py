@@ -469,10 +469,46 @@ def test_a_member_on_another_host_whose_process_ended_is_gone():
     with pytest.MonkeyPatch.context() as patch:  # a process that sets up again takes its replica back
         patch.setattr(module, "where_this_runs", lambda: f"elsewhere-{os.getpid()} 1")
         Membership(store, 1).start(2)
-    assert not members[0].gone(1) and not store.check(["ddp_framework/heal/ended/1"])
+    assert not members[0].gone(1) and not members[0].store.check(["ended/1"])
     members[1].store.set("ended/1", f"elsewhere-{os.getpid()} 1")
     again.replicas = again.size = 2
     assert again.join(10) == (Generation(2, (0,)), True)
+
+
+def test_a_member_on_another_host_is_gone_once_its_own_count_stood_still_whatever_it_did(monkeypatch):
+    """Each process counts ``live/<replica>`` from its start to its end (``beat``), the peer
+    monitor on or off: a member on another host that never beat in training (killed between its
+    group's formation and its first step, or the monitor off) is known gone once that count has
+    stood still for REMOTE_SILENT_S. A replica started again on this host after it (no restart left
+    there) restarts from the checkpoint alone. Before, it waited for the member until its join
+    timed out (audit item 2 of issue 31)."""
+    from framework.ddp import membership as module
+
+    monkeypatch.setattr(module, "REMOTE_SILENT_S", 0.3)
+    store, members, gen1 = replica_1_elsewhere()
+    members[1].beat(period_s=0.05)
+    assert not members[0].gone(1, gen1)  # first seen now
+    time.sleep(0.5)
+    assert not members[0].gone(1, gen1) and not members[0].gone(1)  # it counts on: alive, whatever it does
+    members[1]._beating.set()  # killed -9: its count stops, and no ``ended/`` record says so
+    time.sleep(0.1)
+    assert not members[0].gone(1, gen1)  # the count's last value, first seen now
+    time.sleep(0.4)
+    assert members[0].gone(1, gen1) and members[0].gone(1)
+    # replica 0's torchrun started it again: it finds generation 1's other member gone, and restarts
+    again = Membership(store, 0, timeout_s=30)
+    again.replicas = again.size = 2
+    started_at = time.monotonic()
+    assert again.join(8) == (Generation(2, (0,)), True)
+    assert time.monotonic() - started_at < 6
+    # a process that ends stops counting, and says so at once
+    beating = Membership(store, 1)
+    beating.beat(period_s=0.05)
+    time.sleep(0.2)
+    beating.end()
+    count = int(beating.store.get("live/1"))
+    time.sleep(0.2)
+    assert int(beating.store.get("live/1")) == count
 
 
 def test_replicas_that_ask_to_join_after_a_generation_that_never_formed_restart_without_it():
