@@ -6,7 +6,8 @@ mode, directory layout, another run's checkpoints in checkpoint_dir, data kind, 
 accumulation, activation checkpointing, tiled MLP, comm hook, save schedule, keep_last, stop
 rule, the survivor checkpoint on a peer's loss, a world-size change at the relaunch, a node range,
 train.loss_average, the HF drop-in instead of ddp_training.py, timed checkpoints, the peer
-monitor, healing in place under launch_training.sh --heal), a fault and a moment. It trains the
+monitor, healing in place under launch_training.sh --heal, an uneven split, and healing in place
+the rank a worker's fault strikes: the last or rank 0), a fault and a moment. It trains the
 tiny built-in GPT (10 or 12 steps, 6 steps an epoch; an HF trial: a tiny Llama, bench/explore_hf.py)
 with that fault, relaunches once with ``resume=auto`` when the run stopped without a FATAL (as a
 user or a scheduler would; at the other world size of a world_change), and checks:
@@ -32,7 +33,7 @@ user or a scheduler would; at the other world size of a world_change), and check
   record_samples, no sample twice in an epoch, and each completed epoch's samples equal the
   reference's;
 - in_place: healing in place, a worker killed or stopped, or its node lost, inside a step (HEALS_IN_PLACE) is healed
-  in place: the survivors go on in their processes (a heal in rank 0's log), and no rank restarts
+  in place: the survivors go on in their processes (a heal in the survivor's log), and no rank restarts
   from the checkpoint.
 
 A failing trial is shrunk (one choice at a time moved to its simplest value while the trial still
@@ -187,8 +188,12 @@ DIMS = {
     # by its samples. Where the global batch is named (a run whose world size may change). Drawn
     # last, after the heal dimension (UNEVEN_SHARE of the trials it fits).
     "split": ["even", "uneven"],
+    # Healing in place, which rank a worker's fault strikes: the last (as every other trial), or
+    # rank 0, which has duties of its own (it proposes a grow, writes the checkpoints' shared files,
+    # logs the metrics, exports). Drawn last, after the split (FIRST_SHARE of the trials it fits).
+    "victim": ["last", "first"],
 }
-DRAWN_AFTER = ("heal", "split")  # not in the first draw of a trial's configuration
+DRAWN_AFTER = ("heal", "split", "victim")  # not in the first draw of a trial's configuration
 LAYOUTS = {
     "apart": "checkpoint_dir, log_dir and export_dir side by side",
     "default_export": "export_dir left to its default (checkpoint_dir/export)",
@@ -322,6 +327,8 @@ HEAL_SHARE = 0.5
 # keep their other choices; root only (network namespaces).
 CUT_LINK_SHARE = 0.5
 UNEVEN_SHARE = 0.3
+FIRST_SHARE = 0.4
+VICTIM_FAULTS = ("kill9_worker", "sigterm_worker", "hang", "corrupt_newest", "unreadable_newest", "sigstop_worker")
 DRAWN_LAST = ("cut_link",)
 HEAL_FAULTS = ("none", "kill9_worker", "sigterm_worker", "sigterm_launcher", "hang", "nan", "bad_data",
                "kill_dl_worker", "corrupt_newest", "unreadable_newest", "sigstop_worker", "second_launch",
@@ -409,6 +416,8 @@ def applicable(trial: dict) -> str | None:
         return "a rollback excludes samples by index: refused for a stream by design (spike.py)"
     if moment == "rollback" and fault in ("nan", "bad_data", "kill_dl_worker"):
         return "the rollback moment is a process fault after a bad_data spike"
+    if cfg.get("victim", "last") == "first" and not (heals(cfg) and fault in VICTIM_FAULTS):
+        return "rank 0 as the victim: healing in place, a worker's fault (VICTIM_FAULTS)"
     if cfg.get("split", "even") == "uneven" and (not elastic(cfg) or cfg["data"] == "stream" or hf(cfg)):
         return ("an uneven split: where the global batch is named (elastic), not a stream (its split must be "
                 "even: WorldSizeMismatch), the built-in trainer")
@@ -495,7 +504,7 @@ def draw(rng: random.Random, fixed: dict | None = None) -> dict:
     """A trial from ``rng``; with ``fixed``, one whose configuration holds those choices."""
     while True:
         cfg = ({k: rng.choice(v) for k, v in DIMS.items() if k not in DRAWN_AFTER} | rng.choice(RECIPES)
-               | {"heal": "restart", "split": "even"})
+               | {"heal": "restart", "split": "even", "victim": "last"})
         if hf(cfg):
             if rng.random() >= HF_SHARE:
                 continue  # an HF trial fits most draws (its fixed choices): kept at about 1 in 8
@@ -518,6 +527,9 @@ def draw(rng: random.Random, fixed: dict | None = None) -> dict:
         uneven = {**trial, "config": {**trial["config"], "split": "uneven"}}
         if "split" not in (fixed or {}) and applicable(uneven) is None and rng.random() < UNEVEN_SHARE:
             trial = uneven
+        first = {**trial, "config": {**trial["config"], "victim": "first"}}
+        if "victim" not in (fixed or {}) and applicable(first) is None and rng.random() < FIRST_SHARE:
+            trial = first
         return trial
 
 
@@ -608,10 +620,20 @@ def config_args(trial: dict, lay: Layout, *, resume: str | None = None, foreign_
     return args
 
 
+def victim(cfg: dict) -> int:
+    """The rank (healing in place: the replica) that a worker's fault strikes."""
+    return 0 if cfg.get("victim", "last") == "first" else world(cfg) - 1
+
+
+def survivor(cfg: dict) -> int:
+    """The replica whose log tells of a heal after the victim's loss (2 ranks: the other one)."""
+    return world(cfg) - 1 if victim(cfg) == 0 else 0
+
+
 def injected(trial: dict) -> str:
     """The fault_inject spec of a trial whose fault the framework fires itself ('' if external)."""
     cfg, fault, moment = trial["config"], trial["fault"], trial["moment"]
-    k, last = moment_step(cfg, fault, moment), world(cfg) - 1
+    k, last = moment_step(cfg, fault, moment), victim(cfg)
     spikes = "bad_data@step=7" if moment == "rollback" else ""
     kinds = {"kill9_worker": "sigkill", "sigterm_worker": "sigterm", "hang": "hang", "nan": "nan",
              "bad_data": "bad_data", "kill_dl_worker": "kill_worker"}
@@ -808,7 +830,7 @@ def newest_own_step_file(lay: Layout, foreign: set[str]) -> Path | None:
 
 def deliver(trial: dict, job: Job, lay: Layout, foreign: set[str], res: dict) -> bool:
     """Deliver an external fault now; False when its target is gone."""
-    fault, last, notes = trial["fault"], world(trial["config"]) - 1, res["notes"]
+    fault, last, notes = trial["fault"], victim(trial["config"]), res["notes"]
     workers = job.workers()
     try:
         if fault in ("kill9_worker", "sigterm_worker", "corrupt_newest", "unreadable_newest"):
@@ -1333,10 +1355,15 @@ def verdict_inputs(trial: dict, lay: Layout, sentinels: dict, foreign_files: dic
     # left the relaunch's as the only line, which hid its change of size.
     sizes = [world(cfg)] + [int(even or uneven) for even, uneven in re.findall(
         r"effective batch: (?:\d+ per rank x (\d+) ranks|(\d+) ranks with)", log0)]  # an even split, or not
-    # Healing in place: each heal and each growth, in rank 0's log (replica 0: the explorer's faults
-    # hit the last rank); a restart from the checkpoint through the run's store, on any rank's.
-    regrouped = [(int(old), int(new)) for new, old in re.findall(r"goes on with (\d+) of (\d+) ranks", log0)]
-    regrouped += [(int(old), int(new)) for new, old in re.findall(r"trains on (\d+) ranks \(was (\d+)", log0)]
+    # Healing in place: each heal and each growth, in the survivor's log (replica 0's, or the last
+    # one's when the fault strikes rank 0: ``victim``); a restart from the checkpoint through the
+    # run's store, on any rank's.
+    try:
+        kept = log0 if survivor(cfg) == 0 else (lay.logs / f"rank_{survivor(cfg)}.log").read_text(errors="replace")
+    except (FileNotFoundError, NotADirectoryError):
+        kept = ""
+    regrouped = [(int(old), int(new)) for new, old in re.findall(r"goes on with (\d+) of (\d+) ranks", kept)]
+    regrouped += [(int(old), int(new)) for new, old in re.findall(r"trains on (\d+) ranks \(was (\d+)", kept)]
     # Whether the rollback moment's injected spike (bad_data@step=7, first launch only) fired: a
     # fault delivered at an earlier, natural rollback can end that launch before step 7.
     injected_spike = any("fault injection: bad_data" in p.read_text(errors="replace")
@@ -1344,7 +1371,7 @@ def verdict_inputs(trial: dict, lay: Layout, sentinels: dict, foreign_files: dic
     logs = [p.read_text(errors="replace") for p in lay.logs.glob("rank_*.log")] if lay.logs.is_dir() else []
     return {"world_changes": [f"{a} -> {b}" for a, b in zip(sizes, sizes[1:], strict=False) if a != b]
             + [f"{a} -> {b} in place" for a, b in regrouped],
-            "healed": log0.count("healed in place: a peer was lost"),
+            "healed": kept.count("healed in place: a peer was lost"),
             "restarted_in_store": any("resumes from the checkpoint" in text for text in logs),
             "final_weights": final_weights(lay) if elastic(cfg) else None,
             "node_lost_marker": marker_text(lay, "NODE_LOST") is not None,

@@ -302,6 +302,53 @@ def test_the_uneven_split_is_drawn_last_where_the_global_batch_is_named():
     assert explore.ref_key(trial) != explore.ref_key({**trial, "config": {**trial["config"], "split": "even"}})
 
 
+def test_rank_0_is_drawn_as_the_victim_of_a_worker_fault_when_healing_in_place(tmp_path):
+    """Healing in place, rank 0 (which proposes a grow, writes the checkpoints' shared files, logs
+    the metrics and exports) is drawn as the rank a worker's fault strikes, last, after the split
+    (earlier seeds' trials keep their other choices); its fault_inject spec and its signal target
+    replica 0, and a heal is read from the survivor's log."""
+    fixed = [explore.draw(random.Random(39500 + i), {"heal": "in_place"}) for i in range(120)]
+    first = [t for t in fixed if t["config"]["victim"] == "first"]
+    assert first and all(t["fault"] in explore.VICTIM_FAULTS and explore.applicable(t) is None for t in first)
+    assert {t["config"]["victim"] for t in fixed if t["fault"] in explore.VICTIM_FAULTS} == {"first", "last"}
+    assert all(t["config"]["victim"] == "last" for t in map(explore.draw, map(random.Random, range(5000, 5300)))
+               if t["config"]["heal"] == "restart")
+    healing = {"config": {**SIMPLEST, "topology": "1x2", "heal": "in_place", "victim": "first"},
+               "fault": "kill9_worker", "moment": "mid_step"}
+    assert explore.applicable(healing) is None
+    assert explore.applicable({**healing, "config": {**healing["config"], "heal": "restart"}}) is not None
+    assert explore.applicable({**healing, "fault": "nan"}) is not None
+    assert explore.injected(healing) == "sigkill@step=3,rank=0"
+    assert explore.injected({**healing, "fault": "sigstop_worker"}) == "sigstop@step=3,rank=0"
+    assert explore.ref_key(healing) == explore.ref_key({**healing, "config": {**healing["config"], "victim": "last"}})
+    # the survivor's log (replica 1's) tells of the heal, not replica 0's
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "rank_0.log").write_text("step 3/10 |\n")
+    (logs / "rank_1.log").write_text("healed in place: a peer was lost\ngeneration 2 goes on with 1 of 2 ranks\n")
+    lay = explore.Layout(tmp_path, tmp_path / "ck", logs, None)
+    found = explore.verdict_inputs(healing, lay, {}, {})
+    assert found["healed"] == 1 and "2 -> 1 in place" in found["world_changes"]
+    assert explore.verdict_inputs({**healing, "config": {**healing["config"], "victim": "last"}}, lay, {},
+                                  {})["healed"] == 0
+
+    class Signalled:
+        sent = []
+
+        def send_signal(self, sig):
+            self.sent.append(sig)
+
+    class Workers:
+        procs, cmds = [], []
+
+        def workers(self):
+            return {0: Signalled(), 1: None}
+
+    job = Workers()
+    assert explore.deliver({**healing, "moment": "export"}, job, lay, set(), {"notes": []})
+    assert Signalled.sent == [__import__("signal").SIGKILL]
+
+
 def test_draws_are_seeded_and_applicable():
     a = [explore.draw(random.Random(7 + i)) for i in range(50)]
     assert a == [explore.draw(random.Random(7 + i)) for i in range(50)]
@@ -334,10 +381,11 @@ SLICE = [
     {"config": {**_ISSUE33, "topology": "1x2", "world_change": "2to1", "loss_average": "tokens",
                 "save_on_peer_loss": False}, "fault": "kill9_worker", "moment": "mid_step"},
     {"config": {**_ISSUE33, "topology": "2x1", "peer_timeout": 10}, "fault": "sigstop_worker", "moment": "eval"},
-    # Issue 31's: healing in place under launch_training.sh --heal, rank 1 killed mid-step, with data
-    # loader workers and accumulation; its torchrun starts it again.
-    {"config": {**_ISSUE33, "topology": "1x2", "heal": "in_place", "max_restarts": 2, "data": "map2", "accum": 2},
-     "fault": "kill9_worker", "moment": "mid_step"},
+    # Issue 31's: healing in place under launch_training.sh --heal, rank 0 (the victim dimension's
+    # "first": it writes the checkpoints and proposes the grow) killed mid-step, with data loader
+    # workers and accumulation; its torchrun starts it again, and it rejoins.
+    {"config": {**_ISSUE33, "topology": "1x2", "heal": "in_place", "max_restarts": 2, "data": "map2", "accum": 2,
+                "victim": "first"}, "fault": "kill9_worker", "moment": "mid_step"},
 ]
 
 
