@@ -60,26 +60,8 @@ def test_sigterm_after_the_last_step_leaves_the_evaluation_to_the_resumed_run(tm
     assert (tmp_path / "ck" / "final_model.pt").is_file()
 
 
-@pytest.mark.dist
-def test_sigterm_during_the_final_evaluation_stops_it_saves_and_the_relaunch_evaluates(tmp_path):
-    proc = start(tmp_path)
-    wait_for_log(tmp_path, "evaluating at step 8")  # the final evaluation runs now
-    proc.send_signal(signal.SIGTERM)
-    output, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 0, output[-3000:]
-    assert "race condition" not in output and "Traceback" not in output
-    assert "evaluation at step 8 stopped before batch" in (tmp_path / "logs" / "rank_0.log").read_text()
-    summary = json.loads((tmp_path / "logs" / "summary.json").read_text())
-    assert summary["preempted"] and summary["steps"] == 8 and summary["final_val_loss"] is None
-    assert (tmp_path / "ck" / "PREEMPTED").read_text() == "preempted at step 8"
-    assert not (tmp_path / "ck" / "final_model.pt").exists()
-    assert json.loads((tmp_path / "ck" / "manifest.json").read_text())[-1]["step"] == 8
-    resumed = start(tmp_path)
-    output, _ = resumed.communicate(timeout=120)
-    assert resumed.returncode == 0, output[-3000:]
-    summary = json.loads((tmp_path / "logs" / "summary.json").read_text())
-    assert summary["steps"] == 8 and summary["final_val_loss"] is not None and not summary["preempted"]
-    assert (tmp_path / "ck" / "final_model.pt").is_file()
+# A SIGTERM during the final evaluation, through the launcher: tests/integration/test_launch.py's
+# test_sigterm_during_the_final_evaluation_preempts_it_and_the_relaunch_finishes.
 
 
 @pytest.mark.dist
