@@ -4,8 +4,9 @@ A checkpoint directory holds ``step_00000042.pt`` files, each the whole training
 ``manifest.json``, a list of ``{"file", "step", "sha256", "bytes", "lineage", "seq"}`` entries.
 Each file is written atomically before the manifest is rewritten (also atomically) to list it,
 so the manifest never names a partial file; each file also records its lineage, so that a file
-whose writer died before the manifest named it is listed again as its lineage's. Rank 0 writes,
-holding ``.lock``; every rank may load.
+whose writer died before the manifest named it is listed again by its lineage's next write, and a
+lost manifest is rebuilt with each file's own lineage. Rank 0 writes, holding ``.lock``; every
+rank may load.
 
 Runs are kept apart as lineages: a fresh run, or a rollback to an older checkpoint, starts a new
 one, and a restart continues the lineage of the checkpoint it resumes. Pruning (keep_last)
@@ -61,17 +62,25 @@ def load_file(path: str | Path) -> dict:
     return _load_with_lineage(path)[0]
 
 
-def _load_with_lineage(path: str | Path) -> tuple[dict, str | None]:
-    """``load_file``'s state, and the lineage its writer recorded in it (None: another writer's)."""
+def _load_with_lineage(path: str | Path, *, mmap: bool = False) -> tuple[dict, str | None]:
+    """``load_file``'s state, and the lineage its writer recorded in it (None: another writer's).
+    ``mmap``: a file given by its path is mapped, not read (its tensors stay on disk)."""
     source = path if isinstance(path, io.BytesIO) else Path(path)
     try:
-        state = torch.load(source, map_location="cpu", weights_only=True)
+        state = torch.load(source, map_location="cpu", weights_only=True, mmap=mmap and isinstance(source, Path))
     except pickle.UnpicklingError as e:
         name = Path(path).name if not isinstance(path, io.BytesIO) else "<bytes>"
         raise CheckpointError(f"{name}: refused: not a plain tensor/dict checkpoint "
                               f"({_unpickling_detail(e)})") from e
     lineage = state.pop(_LINEAGE_KEY, None) if isinstance(state, dict) else None
     return state, lineage if isinstance(lineage, str) else None
+
+
+def _file_digest(path: Path) -> tuple[int, str]:
+    """The size and SHA-256 of the file at ``path``, read in chunks."""
+    with open(path, "rb") as f:
+        digest = hashlib.file_digest(f, "sha256")
+        return f.tell(), digest.hexdigest()
 
 
 def _unpickling_detail(error: pickle.UnpicklingError) -> str:
@@ -434,35 +443,49 @@ class CheckpointStore:
         return entries
 
     def _adopted(self, entries: list[dict], new_file: str) -> list[dict]:
-        """Entries for the step files of this store's lineage that the manifest does not list: its
-        writer died between a file's rename and the manifest's update (rank 0 killed while its
-        background write ran; the rank that took over its lineage writes now). Listed, keep_last
-        prunes them; unlisted, they would stay for good. Each unlisted file is looked at once."""
+        """Entries for the step files of this store's lineage that the manifest does not list, past
+        its newest listed step: their writer died between a file's rename and the manifest's
+        update (rank 0 killed while its background write ran; the rank that took over its lineage
+        writes now). Listed, keep_last prunes them; unlisted, they would stay for good. An older
+        unlisted file (one that pruning could not delete) is left as it is. A file's lineage is read
+        without loading its tensors (mmap); each file that shows another lineage is looked at once."""
         listed = {e["file"] for e in entries} | {new_file}
+        top = max((int(e["step"]) for e in entries if e["lineage"] == self.lineage), default=-1)
         seq, adopted = max((e["seq"] for e in entries), default=0), []
         for path, step, lineage in sorted(_step_files(self.directory), key=_step_then_mtime):
-            if path.name in listed or path.name in self._examined or lineage not in (_LEGACY, self.lineage):
+            if (path.name in listed or path.name in self._examined or step <= top
+                    or lineage not in (_LEGACY, self.lineage)):
                 continue
-            self._examined.add(path.name)
-            entry = self._entry_of(path, step, lineage, seq=seq + 1, only=self.lineage)
-            if entry is not None:
-                seq += 1
-                adopted.append(entry)
+            try:
+                recorded = _load_with_lineage(path, mmap=True)[1]
+                if recorded != self.lineage:
+                    self._examined.add(path.name)  # another lineage's, or none's: for good
+                    continue
+                size, digest = _file_digest(path)
+            except (CheckpointError, *_LOAD_ERRORS):
+                self._examined.add(path.name)  # unusable: left as it is, as a lost manifest's rebuild does
+                continue
+            except OSError as e:  # looked at again at the next save: the error may pass
+                log.warning("%s is unreadable (%s): left in place, unlisted", path, _os_reason(e))
+                continue
+            seq += 1
+            adopted.append({"file": path.name, "step": step, "sha256": digest, "bytes": size,
+                            "lineage": self.lineage, "seq": seq})
         if adopted:
             log.warning("%s: listing %s again in lineage %s: written before its writer died, never listed",
                         self.directory, ", ".join(e["file"] for e in adopted), self.lineage)
         return adopted
 
-    def _entry_of(self, path: Path, step: int, lineage: str, *, seq: int, only: str | None = None) -> dict | None:
-        """The manifest entry of the step file ``path`` when it loads (and, with ``only``, records
-        that lineage), else None; its lineage as it records it, else ``lineage``."""
+    def _entry_of(self, path: Path, step: int, lineage: str, *, seq: int) -> dict | None:
+        """The manifest entry of the step file ``path`` when it loads, else None; its lineage as
+        it records it, else ``lineage``."""
         try:
             data = path.read_bytes()
         except OSError as e:
             log.warning("%s is unreadable (%s): left in place, unlisted", path, _os_reason(e))
             return None
         found = self._loaded(path, io.BytesIO(data), lineage=True)
-        if found is None or (only is not None and found[1] != only):
+        if found is None:
             return None
         return {"file": path.name, "step": step, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data),
                 "lineage": found[1] or lineage, "seq": seq}

@@ -592,6 +592,29 @@ def test_a_step_file_whose_writer_died_before_the_manifest_stays_in_its_lineage(
         assert step_names(directory) == [step_file(0), step_file(4), step_file(5)]
         assert_same(CheckpointStore(directory).latest_valid()[1], state_at(5))
 
+    # An older file of the lineage that pruning could not delete stays as it is (left in place,
+    # unlisted): never taken for the newest, which would prune the newer ones (a reviewer's case).
+    directory = tmp_path / "undeletable"
+    unlink = Path.unlink
+
+    def busy(path, missing_ok=False):
+        if path.name == step_file(1):
+            raise OSError(errno.EBUSY, "Device or resource busy", str(path))
+        unlink(path, missing_ok=missing_ok)
+
+    with CheckpointStore(directory, keep_last=2) as store:
+        for step in (1, 2):
+            store.save(state_at(step), step, blocking=True)
+        monkeypatch.setattr(Path, "unlink", busy)
+        store.save(state_at(3), 3, blocking=True)
+        monkeypatch.setattr(Path, "unlink", unlink)
+    again = CheckpointStore(directory, keep_last=2)
+    again.lineage = store.lineage
+    again.save(state_at(4), 4, blocking=True)
+    again.close()
+    assert [e["step"] for e in manifest(directory)] == [3, 4]
+    assert step_names(directory) == [step_file(1), step_file(3), step_file(4)]
+
 
 def test_checkpoints_deleted_by_hand_leave_the_manifest(tmp_path):
     save_steps(tmp_path, [100, 200, 300])
