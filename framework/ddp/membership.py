@@ -18,6 +18,7 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -39,10 +40,12 @@ REMOTE_SILENT_S = 10.0
 """How long a count that a process on another host keeps moving must stand still, as seen from
 here, before the process is known gone: frozen, cut off or dead with its host. The counts: its
 peer monitor's heartbeat in a generation's training (framework/resilience/peers.py), its own
-(``live/<replica>``, ``beat``, from its start to its end, the monitor on or off), and a joiner's
-requests (``asking/<replica>``)."""
+(``live/<replica>/<process>``, ``beat``, from its start to its end, the monitor on or off: there
+``recovery.peer_timeout_s`` if longer), and a joiner's requests (``asking/<replica>``). A process
+whose threads cannot run that long (a C call that holds the GIL, the host swapping) counts as
+gone as a frozen one does."""
 LIVE_BEAT_S = 1.0
-"""How often each process of a run that heals in place counts ``live/<replica>`` (``beat``)."""
+"""How often each process of a run that heals in place counts ``live/<replica>/<process>`` (``beat``)."""
 HEARTBEATS = "ddp_framework/peers/heal/"
 """Where the peer monitors of a run that heals in place beat: ``heal<generation>/alive/<rank>``."""
 SLOT_ENV = ("HEAL_STORE", "HEAL_REPLICA", "HEAL_REPLICAS", "HEAL_SPARES")
@@ -155,6 +158,20 @@ class Generation:
         return len(self.members)
 
 
+def _parse_where(text: str) -> tuple[str, int, int | None] | None:
+    """The host, pid and start time that ``where_this_runs``'s text names, or None for ""."""
+    if not text:
+        return None
+    host, pid, *start = text.split(" ")
+    return host, int(pid), int(start[0]) if start and start[0].isdigit() else None
+
+
+def _live_key(replica: int, where: tuple[str, int, int | None]) -> str:
+    """The key of one process's count (``Membership.beat``): each process of a replica has its own,
+    so that an old process that runs on does not keep a dead newer one looking alive."""
+    return f"live/{replica}/{where[0]}/{where[1]}/{where[2]}"
+
+
 def _encode(members) -> str:
     return ",".join(str(m) for m in members)
 
@@ -168,7 +185,8 @@ class Membership:
     """The generations of one run in ``store`` (a client of the run's TCPStore: torch's EtcdStore
     has no compare_set)."""
 
-    def __init__(self, store: dist.Store, replica: int, *, timeout_s: float = 60.0, launch: str = ""):
+    def __init__(self, store: dist.Store, replica: int, *, timeout_s: float = 60.0, launch: str = "",
+                 still_s: float = 0.0):
         self.store = dist.PrefixStore(PREFIX, store)
         self.replica = replica
         self.launch = launch  # this node's launch (HEAL_LAUNCH), or "" when unknown
@@ -177,7 +195,8 @@ class Membership:
         self.formed_s: float | None = None
         self._beats: dict[tuple[int, int], tuple[int, float]] = {}  # (generation, replica) -> (beat, seen since)
         self._asks: dict[int, tuple[int, float, bool]] = {}  # replica -> (its requests' count, seen since, moved)
-        self._lives: dict[int, tuple[int, float]] = {}  # replica -> (its ``live/`` count, seen since)
+        self._lives: dict[str, tuple[int, float]] = {}  # ``live/`` key -> (its count, seen since)
+        self.still_s = still_s
         self._beating: threading.Event | None = None
         self.replicas = self.size = 0  # the slot's replicas, and the group's size (``start``)
 
@@ -349,32 +368,36 @@ class Membership:
 
     def _process(self, key: str) -> tuple[str, int, int | None] | None:
         """The process a record (``where_this_runs``'s text) names, or None without one."""
-        text = self._read(key)
-        if not text:
-            return None
-        host, pid, *start = text.split(" ")
-        return host, int(pid), int(start[0]) if start and start[0].isdigit() else None
+        return _parse_where(self._read(key))
 
     def _read(self, key: str) -> str:
         """``key``'s text in the store, or "" without one."""
         return self.store.get(key).decode() if self.store.check([key]) else ""
 
-    def beat(self, store: dist.Store | None = None, period_s: float = LIVE_BEAT_S) -> None:
-        """Count ``live/<replica>`` every ``period_s`` from a thread of its own, through ``store``
-        (a client of the run's store of its own, so that no wait on this one delays a beat; this
-        one without), until ``end``: whatever the process does (forming a group, building its
-        model, a step, an evaluation, a save), the others on another host know it lives while the
-        count moves (``gone``). Started before ``start``, so that a newer process's count moves
-        before it takes its replica."""
-        beats = dist.PrefixStore(PREFIX, store) if store is not None else self.store
+    def beat(self, connect: Callable[[], dist.Store] | None = None, period_s: float = LIVE_BEAT_S) -> None:
+        """Count this process's ``live/<replica>/<process>`` every ``period_s`` from a thread of
+        its own until ``end``: whatever the process does (forming a group, building its model, a
+        step, an evaluation, a save), the others on another host know it lives while the count
+        moves (``still``). Through a client of the run's store of its own, ``connect()``, made in
+        the thread and made again after an error (so that no wait on the main client delays a
+        beat, and a broken connection does not make a live process look dead); ``self.store``
+        without one."""
         stop = self._beating = threading.Event()
+        key = _live_key(self.replica, _parse_where(where_this_runs()))
 
         def run() -> None:
+            beats, failed = (self.store if connect is None else None), False
             while True:
                 try:
-                    beats.add(f"live/{self.replica}", 1)
-                except Exception:  # noqa: BLE001  (the store lost or cut off: the others find this one silent)
-                    pass
+                    if beats is None:
+                        beats = dist.PrefixStore(PREFIX, connect())
+                    beats.add(key, 1)
+                    failed = False
+                except Exception as err:  # noqa: BLE001  (the store lost or cut off: made again at the next beat)
+                    if not failed:
+                        log.warning("replica %d could not count that it lives in the run's store (%s: %s); "
+                                    "trying again every %g s", self.replica, type(err).__name__, err, period_s)
+                    beats, failed = (self.store if connect is None else None), True
                 if stop.wait(period_s):
                     return
 
@@ -397,8 +420,8 @@ class Membership:
         gone once its replica has started a newer process there (``where/<replica>``: its torchrun
         starts one only once the old one ended, or was sent SIGKILL), or once its heartbeat in
         ``generation``'s training has stood still for ``silent_s`` (default ``REMOTE_SILENT_S``:
-        ``silent``), or once its own count has (``live/<replica>``, ``beat``: from its start to its
-        end, the peer monitor on or off; ``still``), or once it said it ended (``end``: its
+        ``silent``), or once its own count has (``live/<replica>/<process>``, ``beat``: from its
+        start to its end, the peer monitor on or off; ``still``), or once it said it ended (``end``: its
         training finished, and no torchrun starts it again); otherwise it is waited for. Wherever
         it ran, a member of ``generation`` is gone once a newer process of its replica asks to
         join having seen that generation (``asked_after``: one whose formation failed has no
@@ -412,10 +435,9 @@ class Membership:
         if where[0] != socket.gethostname():
             if self._process(f"ended/{replica}") == where:
                 return True
-            newest = self.process_of(replica)
-            if newest == where and self.still(replica):
+            if self.still(replica, where):
                 return True  # dead, frozen or cut off, whatever it was doing
-            replaced = newest != where  # its replica's newer process: the old one ended
+            replaced = self.process_of(replica) != where  # its replica's newer process: the old one ended
             return generation is not None and (replaced or self.silent(replica, generation, silent_s))
         state = process_state(where[1]) if where[2] in (None, process_start(where[1])) else None
         if state == "T":
@@ -451,19 +473,20 @@ class Membership:
             return seen is not None
         return seen[2] and now - seen[1] < REMOTE_SILENT_S
 
-    def still(self, replica: int) -> bool:
-        """Whether ``replica``'s count (``live/<replica>``: its newest process's ``beat``) has
-        stood still for ``REMOTE_SILENT_S`` since this process first saw its value (each call looks
-        once). A replica whose count never moved, from a process that does not beat, is not."""
-        key = f"live/{replica}"
+    def still(self, replica: int, where: tuple[str, int, int | None]) -> bool:
+        """Whether the count of ``replica``'s process ``where`` (``beat``) has stood still for
+        ``REMOTE_SILENT_S``, or ``recovery.peer_timeout_s`` if longer (``still_s``: a pause that
+        setting allows is not a loss), since this process first saw its value (each call looks
+        once). A process that never counted is not: it may be about to."""
+        key = _live_key(replica, where)
         count = int(self.store.get(key)) if self.store.check([key]) else 0
-        now, seen = time.monotonic(), self._lives.get(replica)
+        now, seen = time.monotonic(), self._lives.get(key)
         if count <= 0:
             return False
         if seen is None or seen[0] != count:
-            self._lives[replica] = (count, now)
+            self._lives[key] = (count, now)
             return False
-        return now - seen[1] >= REMOTE_SILENT_S
+        return now - seen[1] >= max(REMOTE_SILENT_S, self.still_s)
 
     def silent(self, replica: int, generation: Generation, for_s: float | None = None) -> bool:
         """Whether ``replica``'s heartbeat in ``generation`` has stood still for ``for_s`` (default

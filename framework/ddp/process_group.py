@@ -250,8 +250,10 @@ def _join_in_place(slot, backend: str, timeout_s: float, store_lost_s: float) ->
     global MEMBERSHIP, _teardown_registered
     import_group_defaults()
     client = _run_store_client(slot, timeout_s, store_lost_s)
-    MEMBERSHIP = Membership(client, slot.replica, timeout_s=timeout_s, launch=os.environ.get(LAUNCH_ENV, ""))
-    MEMBERSHIP.beat(dist.TCPStore(slot.host, slot.port, is_master=False, timeout=datetime.timedelta(seconds=10)))
+    MEMBERSHIP = Membership(client, slot.replica, timeout_s=timeout_s, launch=os.environ.get(LAUNCH_ENV, ""),
+                            still_s=store_lost_s)
+    MEMBERSHIP.beat(lambda: dist.TCPStore(slot.host, slot.port, is_master=False,
+                                          timeout=datetime.timedelta(seconds=10)))
     generation, joins = MEMBERSHIP.start(slot.replicas, slot.spares, restarted=agent_restarts() > 0)
     if joins:  # it builds its model and data first, then joins (join_running): the members pause less
         cuda = torch.cuda.is_available()

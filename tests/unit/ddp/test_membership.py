@@ -484,8 +484,11 @@ def test_a_member_on_another_host_is_gone_once_its_own_count_stood_still_whateve
     timed out (audit item 2 of issue 31)."""
     from framework.ddp import membership as module
 
+    import os
+
     monkeypatch.setattr(module, "REMOTE_SILENT_S", 0.3)
     store, members, gen1 = replica_1_elsewhere()
+    monkeypatch.setattr(module, "where_this_runs", lambda: f"elsewhere-{os.getpid()} 1")  # its process's count
     members[1].beat(period_s=0.05)
     assert not members[0].gone(1, gen1)  # first seen now
     time.sleep(0.5)
@@ -502,13 +505,42 @@ def test_a_member_on_another_host_is_gone_once_its_own_count_stood_still_whateve
     assert again.join(8) == (Generation(2, (0,)), True)
     assert time.monotonic() - started_at < 6
     # a process that ends stops counting, and says so at once
+    key = f"live/1/elsewhere-{os.getpid()}/1/None"
     beating = Membership(store, 1)
     beating.beat(period_s=0.05)
     time.sleep(0.2)
     beating.end()
-    count = int(beating.store.get("live/1"))
+    count = int(beating.store.get(key))
     time.sleep(0.2)
-    assert int(beating.store.get("live/1")) == count
+    assert int(beating.store.get(key)) == count
+    # each process counts under its own key: an old process of the replica that runs on (a node
+    # launched again while it was frozen) does not keep the newer one looking alive
+    monkeypatch.setattr(module, "where_this_runs", lambda: f"elsewhere-{os.getpid()} 2")
+    newer = Membership(store, 1)
+    newer.beat(period_s=0.05)
+    members[0].store.set("where/1", f"elsewhere-{os.getpid()} 2")
+    newer._beating.set()  # the newer process killed; the old one still counts
+    old = Membership(store, 1)
+    monkeypatch.setattr(module, "where_this_runs", lambda: f"elsewhere-{os.getpid()} 1")
+    old.beat(period_s=0.05)
+    assert not members[0].gone(1)
+    time.sleep(0.5)
+    assert members[0].gone(1)
+    old._beating.set()
+    # a beat that fails (its client broken) logs once, and connects again
+    clients = []
+
+    def connect():
+        clients.append(1)
+        if len(clients) == 1:
+            raise RuntimeError("connection reset")
+        return store
+
+    again = Membership(store, 1)
+    again.beat(connect, period_s=0.05)
+    time.sleep(0.3)
+    again._beating.set()
+    assert len(clients) == 2 and int(again.store.get(key)) > count
 
 
 def test_replicas_that_ask_to_join_after_a_generation_that_never_formed_restart_without_it():
