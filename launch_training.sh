@@ -161,6 +161,8 @@ min_nodes=${nnodes%%:*} max_nodes=${nnodes##*:}
   die "--rdzv-rejoin-timeout '$rejoin_timeout': must be a positive integer"
 [[ "$spares" =~ ^[0-9]+$ ]] || die "--spares '$spares': must be a non-negative integer"
 [[ $spares -eq 0 || $heal -eq 1 ]] || die "--spares: only with --heal (a spare steps in for a rank lost in place)"
+STOPPED_GRACE_S=${HEAL_STOPPED_GRACE_S:-10}
+[[ "$STOPPED_GRACE_S" =~ ^[1-9][0-9]*$ ]] || die "HEAL_STOPPED_GRACE_S='$STOPPED_GRACE_S': must be a positive integer (seconds)"
 [[ $heal -eq 0 || $platform == host ]] ||
   die "--heal: outside SLURM and Kubeflow for now (docs/fault-tolerance.md, Heal in place)"
 [[ $heal -eq 0 || $min_nodes -eq $max_nodes ]] ||
@@ -375,17 +377,47 @@ watch_rejoin=0 gave_up=0 idle_since=""
 [[ $max_nodes -gt 1 && $min_nodes -eq $max_nodes ]] && watch_rejoin=1
 # shellcheck disable=SC2329  # called in the loop below
 has_workers() { [[ -n "$(cat /proc/"$1"/task/*/children 2>/dev/null)" ]]; }
+# Healing in place, a worker of this node (or its torchrun agent) left stopped (SIGSTOP: a process
+# frozen on a live host)
+# once the run has finished (the final model written since this launch) would keep its torchrun job,
+# and so this launcher, waiting for good: nothing of the run needs it any more (its peers healed
+# without it). Stopped for STOPPED_GRACE_S polls in a row (HEAL_STOPPED_GRACE_S, 10 s), it is
+# killed, as a member found stopped is; its torchrun starts it again (it finds the run finished
+# and ends 0) or ends.
+reaped=0 stopped_polls=0
+# shellcheck disable=SC2329  # called in the loops below
+reap_stopped() {
+  [[ -f "$final" && "$final" -nt "$stamp" ]] || return 0
+  local job pid workers stopped=()
+  for job in "${children[@]}"; do
+    read -r -a workers <<< "$(cat /proc/"$job"/task/*/children 2>/dev/null | tr '\n' ' ')"
+    for pid in "$job" "${workers[@]}"; do  # its torchrun agent, and its worker
+      [[ "$(ps -o stat= -p "$pid" 2>/dev/null)" != T* ]] || stopped+=("$pid")
+    done
+  done
+  if [[ ${#stopped[@]} -eq 0 ]]; then
+    stopped_polls=0
+    return 0
+  fi
+  stopped_polls=$(( stopped_polls + 1 ))
+  (( stopped_polls >= STOPPED_GRACE_S )) || return 0
+  kill -s KILL "${stopped[@]}" 2>/dev/null || true
+  reaped=1 stopped_polls=0
+  echo "launch_training.sh: the run finished, and process(es) ${stopped[*]} of this node stayed stopped (SIGSTOP)" \
+       "for ${STOPPED_GRACE_S} s: killed, so that their torchrun jobs end" >&2 || true
+}
 # `wait` returns early (128 + the signal) when a trapped signal arrives: wait until torchrun has
 # really ended, then ask once more for its own status (bash keeps it for an ended child).
 child=${children[0]}
 while kill -0 "$child" 2>/dev/null; do
-  if [[ $watch_rejoin -eq 0 ]]; then
+  if [[ $watch_rejoin -eq 0 && $heal -eq 0 ]]; then
     wait "$child" || true
     continue
   fi
   sleep 1 &
   wait $! || true
-  if [[ $gave_up -eq 0 && -f "$lost" && "$lost" -nt "$stamp" ]] && ! has_workers "$child"; then
+  [[ $heal -eq 0 ]] || reap_stopped
+  if [[ $watch_rejoin -eq 1 && $gave_up -eq 0 && -f "$lost" && "$lost" -nt "$stamp" ]] && ! has_workers "$child"; then
     idle_since=${idle_since:-$SECONDS}
     if (( SECONDS - idle_since >= rejoin_timeout )); then
       gave_up=1
@@ -402,12 +434,17 @@ if [[ $heal -eq 1 ]]; then
   # export after final_model.pt, on a full disk); else the first failure stands.
   any_ok=$(( status == 0 ))
   for other in "${children[@]:1}"; do
-    while kill -0 "$other" 2>/dev/null; do wait "$other" || true; done
+    while kill -0 "$other" 2>/dev/null; do
+      sleep 1 &
+      wait $! || true
+      reap_stopped
+    done
     wait "$other" && other_status=0 || other_status=$?
     [[ $other_status -ne 0 ]] || any_ok=1
     [[ $status -ne 0 || $other_status -eq 0 ]] || status=$other_status
   done
-  if [[ $any_ok -eq 1 && -f "$final" && "$final" -nt "$stamp" ]] && ! [[ -f "$fatal" && "$fatal" -nt "$stamp" ]]; then
+  if [[ $any_ok -eq 1 || $reaped -eq 1 ]] && [[ -f "$final" && "$final" -nt "$stamp" ]] &&
+     ! [[ -f "$fatal" && "$fatal" -nt "$stamp" ]]; then
     status=0
   fi
   if [[ -n "$store_pid" ]]; then

@@ -345,6 +345,50 @@ def test_under_the_launcher_a_killed_rank_restarted_by_its_torchrun_rejoins_and_
 
 
 @pytest.mark.dist
+def test_a_worker_left_stopped_once_the_run_finished_is_killed_and_the_launcher_ends(tmp_path):
+    """launch_training.sh --heal --nproc 3 --spares 1: the spare is stopped (SIGSTOP) while it waits
+    to join. The run finishes without it, and nothing of the run would ever continue it: its
+    torchrun job, and so the launcher, waited for it for good (an explorer trial: rank 0 stopped on
+    node 0 during an evaluation, node 1 finishing alone). The launcher kills a worker of its node
+    still stopped HEAL_STOPPED_GRACE_S (2 s here) after the final model was written, says so, and
+    exits 0."""
+    import psutil
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.json").write_text(json.dumps(tiny(run_dir, {
+        "train.max_steps": 12, "recovery.heal": "in_place", "data.batch_size": 4, "data.global_batch_size": 8})))
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("HEAL_")}, "HEAL_STOPPED_GRACE_S": "2"}
+    launcher = subprocess.Popen([str(ROOT / "launch_training.sh"), "--cpu", "--nproc", "3", "--spares", "1", "--heal",
+                                 "--", "--config", str(run_dir / "config.json")], cwd=tmp_path, env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    spare, deadline = None, time.monotonic() + 60
+    try:
+        while spare is None and time.monotonic() < deadline and launcher.poll() is None:
+            for proc in psutil.Process(launcher.pid).children(recursive=True):
+                try:
+                    env = proc.environ()  # the worker, not its torchrun agent (which has no restart count)
+                    if env.get("HEAL_REPLICA") == "2" and "TORCHELASTIC_RESTART_COUNT" in env:
+                        spare = proc
+                except (psutil.NoSuchProcess, psutil.AccessDenied):
+                    continue
+            time.sleep(0.02)
+        assert spare is not None, "the spare's worker never started"
+        spare.suspend()
+        _, stderr = launcher.communicate(timeout=120)
+    finally:
+        if launcher.poll() is None:
+            for proc in psutil.Process(launcher.pid).children(recursive=True):
+                proc.kill()
+            launcher.kill()
+            launcher.wait()
+    assert launcher.returncode == 0, stderr[-3000:]
+    assert f"process(es) {spare.pid} of this node stayed stopped (SIGSTOP) for 2 s: killed" in stderr, stderr[-3000:]
+    assert json.loads((run_dir / "logs" / "summary.json").read_text())["steps"] == 12
+    assert not spare.is_running() and left_running(run_dir) == ""
+
+
+@pytest.mark.dist
 def test_a_loss_outside_a_step_restarts_every_rank_from_the_checkpoint_through_the_run_store(tmp_path, whole):
     """A kill -9 of rank 1 in the evaluation after step 4 (before that step's checkpoint) is not
     healed in place: the survivors' evaluation fails, they exit 75, and every rank's torchrun starts
