@@ -378,17 +378,21 @@ watch_rejoin=0 gave_up=0 idle_since=""
 # shellcheck disable=SC2329  # called in the loop below
 has_workers() { [[ -n "$(cat /proc/"$1"/task/*/children 2>/dev/null)" ]]; }
 # Healing in place, a worker of this node (or its torchrun agent) left stopped (SIGSTOP: a process
-# frozen on a live host)
-# once the run has finished (the final model written since this launch) would keep its torchrun job,
-# and so this launcher, waiting for good: nothing of the run needs it any more (its peers healed
-# without it). Stopped for STOPPED_GRACE_S polls in a row (HEAL_STOPPED_GRACE_S, 10 s), it is
-# killed, as a member found stopped is; its torchrun starts it again (it finds the run finished
-# and ends 0) or ends.
+# frozen on a live host) once the run has finished or stopped (the final model, FATAL or NODE_LOST
+# written since this launch) would keep its torchrun job, and so this launcher, waiting for good;
+# rank 0 stopped there also holds checkpoint.dir's lock, which a restart needs. Its peers healed
+# without it, or gave up: stopped for STOPPED_GRACE_S polls in a row (HEAL_STOPPED_GRACE_S, 10 s),
+# it is killed, as a member found stopped is; its torchrun starts it again (it finds the run
+# finished and ends 0, or restarts it through the run's store) or ends.
 reaped=0 stopped_polls=0
 # shellcheck disable=SC2329  # called in the loops below
 reap_stopped() {
-  [[ -f "$final" && "$final" -nt "$stamp" ]] || return 0
-  local job pid workers stopped=()
+  local ended job pid workers stopped=()
+  for ended in "$final" "$fatal" "$lost"; do
+    [[ -f "$ended" && "$ended" -nt "$stamp" ]] && break
+    ended=""
+  done
+  [[ -n "$ended" ]] || return 0
   for job in "${children[@]}"; do
     read -r -a workers <<< "$(cat /proc/"$job"/task/*/children 2>/dev/null | tr '\n' ' ')"
     for pid in "$job" "${workers[@]}"; do  # its torchrun agent, and its worker
@@ -403,8 +407,9 @@ reap_stopped() {
   (( stopped_polls >= STOPPED_GRACE_S )) || return 0
   kill -s KILL "${stopped[@]}" 2>/dev/null || true
   reaped=1 stopped_polls=0
-  echo "launch_training.sh: the run finished, and process(es) ${stopped[*]} of this node stayed stopped (SIGSTOP)" \
-       "for ${STOPPED_GRACE_S} s: killed, so that their torchrun jobs end" >&2 || true
+  echo "launch_training.sh: the run $([[ $ended == "$final" ]] && echo finished || echo stopped)," \
+       "and process(es) ${stopped[*]} of this node stayed stopped (SIGSTOP) for ${STOPPED_GRACE_S} s: killed," \
+       "so that their torchrun jobs end" >&2 || true
 }
 # `wait` returns early (128 + the signal) when a trapped signal arrives: wait until torchrun has
 # really ended, then ask once more for its own status (bash keeps it for an ended child).
