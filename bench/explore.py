@@ -243,8 +243,9 @@ FAULTS = {
                             ("startup", "mid_step", "epoch_boundary", "eval", "ckpt_write", "final_save")),
     "cut_link": Fault("the link between 2 healing nodes cut (each a network namespace, node 1 under a host name "
                       "of its own; ip link set ... down, no reset): node 0 names rank 1 lost and heals in place, or "
-                      "restarts from the checkpoint without it; node 1, cut off from the run's store, ends",
-                      ("startup", "mid_step", "epoch_boundary", "eval", "ckpt_write", "final_save")),
+                      "restarts from the checkpoint without it; node 1, cut off from the run's store, ends "
+                      "(drawn at sigstop_worker's moments; at the export by --replay)",
+                      ("startup", "mid_step", "epoch_boundary", "eval", "ckpt_write", "final_save", "export")),
     "crash_one_rank": Fault("a deterministic error on rank 1 in every restart (crash@step=K,rank=1,restart=*) "
                             "under ./launch_training.sh --max-restarts 3, max_no_progress_restarts 1: exit 1 with "
                             "a FATAL, no NODE_LOST, no 75", ("mid_step", "epoch_boundary"),
