@@ -1365,6 +1365,18 @@ def verdict_inputs(trial: dict, lay: Layout, sentinels: dict, foreign_files: dic
         kept = ""
     regrouped = [(int(old), int(new)) for new, old in re.findall(r"goes on with (\d+) of (\d+) ranks", kept)]
     regrouped += [(int(old), int(new)) for new, old in re.findall(r"trains on (\d+) ranks \(was (\d+)", kept)]
+    # A change that only another replica's log tells: the victim's restarted process that formed a
+    # restart generation alone and grew back (seed 42000's trial 67: 2 -> 1 -> 2 ranks, all in the
+    # victim's log, and compared bit for bit), or its own start at another size.
+    others = [p.read_text(errors="replace") for p in sorted(lay.logs.glob("rank_*.log"))
+              if p.name != f"rank_{survivor(cfg)}.log"] if lay.logs.is_dir() else []
+    elsewhere = [(int(old), int(new)) for text in others
+                 for new, old in re.findall(r"goes on with (\d+) of (\d+) ranks", text)]
+    elsewhere += [(int(old), int(new)) for text in others
+                  for new, old in re.findall(r"trains on (\d+) ranks \(was (\d+)", text)]
+    elsewhere += [(world(cfg), int(even or uneven)) for text in others for even, uneven in re.findall(
+        r"effective batch: (?:\d+ per rank x (\d+) ranks|(\d+) ranks with)", text)]
+    regrouped += [change for change in dict.fromkeys(elsewhere) if change not in regrouped and change[0] != change[1]]
     # Whether the rollback moment's injected spike (bad_data@step=7, first launch only) fired: a
     # fault delivered at an earlier, natural rollback can end that launch before step 7.
     injected_spike = any("fault injection: bad_data" in p.read_text(errors="replace")

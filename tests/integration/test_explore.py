@@ -331,6 +331,12 @@ def test_rank_0_is_drawn_as_the_victim_of_a_worker_fault_when_healing_in_place(t
     assert found["healed"] == 1 and "2 -> 1 in place" in found["world_changes"]
     assert explore.verdict_inputs({**healing, "config": {**healing["config"], "victim": "last"}}, lay, {},
                                   {})["healed"] == 0
+    # a change of world size that only the other replica's log tells (seed 42000's trial 67: the
+    # victim's restarted process resumed alone, then grew back; judged bit for bit before)
+    (logs / "rank_1.log").write_text("effective batch: 4 per rank x 1 ranks x 4 accumulation = 16 samples\n"
+                                     "generation 3 trains on 2 ranks (was 1; this rank 0 -> 0)\n")
+    found = explore.verdict_inputs({**healing, "config": {**healing["config"], "victim": "last"}}, lay, {}, {})
+    assert {"2 -> 1 in place", "1 -> 2 in place"} <= set(found["world_changes"]), found["world_changes"]
 
     class Signalled:
         sent = []
