@@ -1324,6 +1324,18 @@ def stops_itself(trial: dict) -> bool:
 ROLLED_BACK = r"rolled back to the checkpoint of step (\d+)"
 
 
+def started_sizes(log: str) -> list[int]:
+    """The world size of each (re)start in a rank's log (its effective-batch line, an even split or not)."""
+    return [int(even or uneven) for even, uneven in re.findall(
+        r"effective batch: (?:\d+ per rank x (\d+) ranks|(\d+) ranks with)", log)]
+
+
+def regroupings(log: str) -> list[tuple[int, int]]:
+    """(old, new) world size of each heal, then of each growth, in place in a rank's log."""
+    return ([(int(old), int(new)) for new, old in re.findall(r"goes on with (\d+) of (\d+) ranks", log)]
+            + [(int(old), int(new)) for new, old in re.findall(r"trains on (\d+) ranks \(was (\d+)", log)])
+
+
 def verdict_inputs(trial: dict, lay: Layout, sentinels: dict, foreign_files: dict) -> dict:
     cfg = trial["config"]
     changed = []
@@ -1346,42 +1358,31 @@ def verdict_inputs(trial: dict, lay: Layout, sentinels: dict, foreign_files: dic
         entries = None
     samples, torn = samples_by_epoch(lay, max(world(cfg), relaunch_world(cfg)))
     export = lay.export or lay.ck / "export"
-    try:
-        log0 = (lay.logs / "rank_0.log").read_text(errors="replace")
-    except (FileNotFoundError, NotADirectoryError):
-        log0 = ""
+    # Every replica's log, read once.
+    texts = {p.name: p.read_text(errors="replace") for p in sorted(lay.logs.glob("rank_*.log"))} \
+        if lay.logs.is_dir() else {}
+    log0 = texts.get("rank_0.log", "")
     # Each (re)start's world size, from its effective-batch line: a resume at another size, or a
     # fresh start at another (no checkpoint yet) with the same global batch.
     # The first launch's size leads: a launch killed before it logged one (kill -9 at start-up)
     # left the relaunch's as the only line, which hid its change of size.
-    sizes = [world(cfg)] + [int(even or uneven) for even, uneven in re.findall(
-        r"effective batch: (?:\d+ per rank x (\d+) ranks|(\d+) ranks with)", log0)]  # an even split, or not
+    sizes = [world(cfg)] + started_sizes(log0)
     # Healing in place: each heal and each growth, in the survivor's log (replica 0's, or the last
     # one's when the fault strikes rank 0: ``victim``); a restart from the checkpoint through the
     # run's store, on any rank's.
-    try:
-        kept = log0 if survivor(cfg) == 0 else (lay.logs / f"rank_{survivor(cfg)}.log").read_text(errors="replace")
-    except (FileNotFoundError, NotADirectoryError):
-        kept = ""
-    regrouped = [(int(old), int(new)) for new, old in re.findall(r"goes on with (\d+) of (\d+) ranks", kept)]
-    regrouped += [(int(old), int(new)) for new, old in re.findall(r"trains on (\d+) ranks \(was (\d+)", kept)]
+    kept = texts.get(f"rank_{survivor(cfg)}.log", "")
+    regrouped = regroupings(kept)
     # A change that only another replica's log tells: the victim's restarted process that formed a
     # restart generation alone and grew back (seed 42000's trial 67: 2 -> 1 -> 2 ranks, all in the
     # victim's log, and compared bit for bit), or its own start at another size.
-    others = [p.read_text(errors="replace") for p in sorted(lay.logs.glob("rank_*.log"))
-              if p.name != f"rank_{survivor(cfg)}.log"] if lay.logs.is_dir() else []
-    elsewhere = [(int(old), int(new)) for text in others
-                 for new, old in re.findall(r"goes on with (\d+) of (\d+) ranks", text)]
-    elsewhere += [(int(old), int(new)) for text in others
-                  for new, old in re.findall(r"trains on (\d+) ranks \(was (\d+)", text)]
-    elsewhere += [(world(cfg), int(even or uneven)) for text in others for even, uneven in re.findall(
-        r"effective batch: (?:\d+ per rank x (\d+) ranks|(\d+) ranks with)", text)]
+    others = [text for name, text in texts.items() if name != f"rank_{survivor(cfg)}.log"]
+    elsewhere = [change for text in others
+                 for change in regroupings(text) + [(world(cfg), n) for n in started_sizes(text)]]
     regrouped += [change for change in dict.fromkeys(elsewhere) if change not in regrouped and change[0] != change[1]]
     # Whether the rollback moment's injected spike (bad_data@step=7, first launch only) fired: a
     # fault delivered at an earlier, natural rollback can end that launch before step 7.
-    injected_spike = any("fault injection: bad_data" in p.read_text(errors="replace")
-                         for p in lay.logs.glob("rank_*.log")) if lay.logs.is_dir() else False
-    logs = [p.read_text(errors="replace") for p in lay.logs.glob("rank_*.log")] if lay.logs.is_dir() else []
+    injected_spike = any("fault injection: bad_data" in text for text in texts.values())
+    logs = list(texts.values())
     return {"world_changes": [f"{a} -> {b}" for a, b in zip(sizes, sizes[1:], strict=False) if a != b]
             + [f"{a} -> {b} in place" for a, b in regrouped],
             "healed": kept.count("healed in place: a peer was lost"),

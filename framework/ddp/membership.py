@@ -193,9 +193,9 @@ class Membership:
         self.where: str | None = None  # this process, as ``where/<replica>`` records it (``start``)
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.formed_s: float | None = None
-        self._beats: dict[tuple[int, int], tuple[int, float]] = {}  # (generation, replica) -> (beat, seen since)
+        # (generation, replica) of a heartbeat, or a ``live/`` key -> (its count, seen since)
+        self._counts: dict[tuple[int, int] | str, tuple[int, float]] = {}
         self._asks: dict[int, tuple[int, float, bool]] = {}  # replica -> (its requests' count, seen since, moved)
-        self._lives: dict[str, tuple[int, float]] = {}  # ``live/`` key -> (its count, seen since)
         self.still_s = still_s
         self._beating: threading.Event | None = None
         self.replicas = self.size = 0  # the slot's replicas, and the group's size (``start``)
@@ -480,13 +480,7 @@ class Membership:
         once). A process that never counted is not: it may be about to."""
         key = _live_key(replica, where)
         count = int(self.store.get(key)) if self.store.check([key]) else 0
-        now, seen = time.monotonic(), self._lives.get(key)
-        if count <= 0:
-            return False
-        if seen is None or seen[0] != count:
-            self._lives[key] = (count, now)
-            return False
-        return now - seen[1] >= max(REMOTE_SILENT_S, self.still_s)
+        return self._unchanged_for(key, count, max(REMOTE_SILENT_S, self.still_s))
 
     def silent(self, replica: int, generation: Generation, for_s: float | None = None) -> bool:
         """Whether ``replica``'s heartbeat in ``generation`` has stood still for ``for_s`` (default
@@ -499,13 +493,18 @@ class Membership:
         beats = dist.PrefixStore(f"{HEARTBEATS}heal{generation.number}/", self.store.underlying_store)
         key = f"alive/{rank}"
         beat = int(beats.get(key)) if beats.check([key]) else 0
-        if beat <= 0:
+        return self._unchanged_for((generation.number, replica), beat, REMOTE_SILENT_S if for_s is None else for_s)
+
+    def _unchanged_for(self, key, count: int, for_s: float) -> bool:
+        """Whether ``count`` (a positive count another process keeps moving: ``silent``,
+        ``still``) is the value this process first saw under ``key`` at least ``for_s`` ago."""
+        if count <= 0:
             return False
-        now, seen = time.monotonic(), self._beats.get((generation.number, replica))
-        if seen is None or seen[0] != beat:
-            self._beats[(generation.number, replica)] = (beat, now)
+        now, seen = time.monotonic(), self._counts.get(key)
+        if seen is None or seen[0] != count:
+            self._counts[key] = (count, now)
             return False
-        return now - seen[1] >= (REMOTE_SILENT_S if for_s is None else for_s)
+        return now - seen[1] >= for_s
 
     def after_loss(self, generation: Generation, wait_s: float, lost=(), silent_s: float | None = None) -> Generation:
         """The generation after ``generation`` lost a member: this replica says it is alive, waits

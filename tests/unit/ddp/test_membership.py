@@ -501,9 +501,7 @@ def test_a_member_on_another_host_is_gone_once_its_own_count_stood_still_whateve
     # replica 0's torchrun started it again: it finds generation 1's other member gone, and restarts
     again = Membership(store, 0, timeout_s=30)
     again.replicas = again.size = 2
-    started_at = time.monotonic()
-    assert again.join(8) == (Generation(2, (0,)), True)
-    assert time.monotonic() - started_at < 6
+    assert again.join(8) == (Generation(2, (0,)), True)  # before: TimeoutError, waited for until then
     # a process that ends stops counting, and says so at once
     key = f"live/1/elsewhere-{os.getpid()}/1/None"
     beating = Membership(store, 1)
