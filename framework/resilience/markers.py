@@ -187,19 +187,25 @@ def _run_id() -> str | None:
 
 
 def record_lineages(directory: str | Path, *, current: str, lineages: list[str], resumed: str | None,
-                    began_from: str | None = None) -> None:
+                    began_from: str | None = None, origin: str | None = None,
+                    resumed_file: str | None = None) -> None:
     """This launch writes lineage ``current``; ``lineages`` are all it has written in (its
     restarts continue them), ``resumed`` the lineage of the checkpoint it started from,
-    ``began_from`` the checkpoint outside the directory it started from (resume=PATH), if any."""
+    ``began_from`` the checkpoint outside the directory it started from (resume=PATH), if any.
+    ``origin`` and ``resumed_file``: the files in the directory that the launch started from and
+    that its writer last resumed from, which pruning spares (a survivor taking over as rank 0
+    spares them too)."""
     try:
         write(directory, LINEAGE, json.dumps({"current": current, "lineages": lineages, "resumed": resumed,
-                                              "began_from": began_from, "run_id": _run_id()}))
+                                              "began_from": began_from, "origin": origin,
+                                              "resumed_file": resumed_file, "run_id": _run_id()}))
     except OSError as err:  # a restart then resumes as the launch's resume mode says
         log.error("cannot record this launch's lineages in %s: %s", Path(directory) / LINEAGE, err)
 
 
 def recorded_lineages(directory: str | Path, *, restart: bool = False) -> dict | None:
-    """``{"current", "lineages", "resumed"}`` recorded by ``record_lineages``, or None. With
+    """``{"current", "lineages", "resumed", "began_from", "origin", "resumed_file"}`` recorded by
+    ``record_lineages`` (the last three None in an older record), or None. With
     ``restart``, None also when the record is another torchrun run id's (an earlier launch's)."""
     try:
         data = json.loads(read(directory, LINEAGE) or "null")
@@ -207,7 +213,8 @@ def recorded_lineages(directory: str | Path, *, restart: bool = False) -> dict |
             return None
         record = {"current": str(data["current"]), "lineages": [str(x) for x in data["lineages"]],
                   "resumed": None if data["resumed"] is None else str(data["resumed"]),
-                  "began_from": None if data.get("began_from") is None else str(data["began_from"])}
+                  **{key: None if data.get(key) is None else str(data[key])
+                     for key in ("began_from", "origin", "resumed_file")}}
     except (ValueError, KeyError, TypeError) as err:
         log.warning("%s is unreadable (%s): ignored", Path(directory) / LINEAGE, err)
         return None

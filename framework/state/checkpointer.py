@@ -389,6 +389,8 @@ class Checkpointer:
         self.lineages = [] if record is None else [x for x in record["lineages"] if x != record["current"]] + [
             record["current"]]
         self.resumed_lineage = None if record is None else record.get("resumed")
+        if record is not None and not resuming:  # spared from pruning, as rank 0 spared them
+            self.origin, self.store.resumed_from = record["origin"], record["resumed_file"]
 
     def load(self, before: int | None = None) -> dict | None:
         """Rank 0 picks the checkpoint (see the class; with ``before``, the newest of this run's
@@ -469,7 +471,8 @@ class Checkpointer:
         current = self.store.lineage
         self.lineages = [x for x in earlier if x != current] + [current]
         markers.record_lineages(self.store.directory, current=current, lineages=self.lineages,
-                                resumed=self.resumed_lineage, began_from=self.store.began_from)
+                                resumed=self.resumed_lineage, began_from=self.store.began_from, origin=self.origin,
+                                resumed_file=self.store.resumed_from)
 
     def restore(self, state: dict) -> None:
         """Load ``state`` into the components (the RNG is ``restore_rng``'s, last of all)."""

@@ -925,3 +925,35 @@ def test_a_generation_healed_in_place_from_the_checkpoint_continues_the_launch_n
         assert markers.recorded_lineages(tmp_path / "run")["current"] == store.lineage
     finally:
         store.close()
+
+
+def test_a_replica_that_takes_over_from_a_lost_rank_0_keeps_the_file_the_launch_resumed_from(tmp_path):
+    """Healing in place, a survivor that becomes rank 0 (rank 0 was lost) must protect the file
+    the launch resumed from as rank 0 did: pruning never deletes it, and a rollback may go back to
+    it. Before, the new rank 0 had no ``resumed_from``, and its next saves pruned that file with
+    ``keep_last``."""
+    from framework.state.checkpointer import Checkpointer
+
+    save_steps(tmp_path, [2, 4], keep_last=2)
+    cfg = SimpleNamespace(checkpoint=SimpleNamespace(resume="auto"))
+    store = CheckpointStore(tmp_path, rank=0, keep_last=2)
+    first = Checkpointer(cfg, MAIN, store, {}, builtin_data=True)
+    assert first._choose()[0].name == step_file(4)  # the launch resumes from step 4, continuing its lineage
+    for step in (5, 6):
+        store.save(state_at(step), step, blocking=True)
+    assert step_file(4) in step_names(tmp_path)
+    store.release()  # rank 0 is lost; its lock goes with it
+    survivor_store = CheckpointStore(tmp_path, rank=1, keep_last=2)
+    survivor = Checkpointer(cfg, SimpleNamespace(is_main=False, distributed=False), survivor_store, {},
+                            builtin_data=True)
+    survivor.take_over(MAIN)
+    try:
+        assert survivor_store.lineage == store.lineage
+        for step in (7, 8):
+            survivor_store.save(state_at(step), step, blocking=True)
+        assert step_names(tmp_path) == [step_file(4), step_file(7), step_file(8)]
+        assert survivor.origin == step_file(4)
+        chosen, state = survivor._choose(before=7)  # a rollback past every kept step goes back to the origin
+        assert chosen.name == step_file(4) and state["step"] == 4
+    finally:
+        survivor_store.close()
