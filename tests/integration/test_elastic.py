@@ -1,5 +1,5 @@
 """Elastic training: a checkpoint written by N ranks resumes on M ranks with the same global batch
-(2->4, 4->2, 2->1 and 1->2 in one chain of launches), every sample seen once, and the final
+(2->4, 4->1 and 1->2 in one chain of launches), every sample seen once, and the final
 model within 1e-5 of an uninterrupted run."""
 
 import contextlib
@@ -48,16 +48,16 @@ def steps_by_epoch(log_dir: Path) -> dict[int, dict[int, list[int]]]:
     return {e: {s: sorted(i) for s, i in steps.items()} for e, steps in out.items()}
 
 
-def test_a_run_resumed_on_4_2_1_and_2_ranks_keeps_its_global_batch_its_samples_and_its_model(tmp_path):
+def test_a_run_resumed_on_4_1_and_2_ranks_keeps_its_global_batch_its_samples_and_its_model(tmp_path):
     ref = tmp_path / "uninterrupted"
     run(ref, 2)
     chain = tmp_path / "chain"
-    # (ranks, preempted after step): 2 -> 4 -> 2 -> 1 -> 2 ranks, one epoch boundary crossed at 2 ranks.
-    stages = [(2, 2), (4, 6), (2, 9), (1, 12), (2, None)]
+    # (ranks, preempted after step): 2 -> 4 -> 1 -> 2 ranks, one epoch boundary crossed at 1 rank.
+    stages = [(2, 2), (4, 6), (1, 12), (2, None)]
     for nproc, stop in stages:
         run(chain, nproc, **({"recovery.fault_inject": f"sigterm@step={stop},rank=0"} if stop is not None else {}))
     rank0 = (chain / "logs" / "rank_0.log").read_text()
-    for before, after, micro, accum in ((2, 4, 2, 1), (4, 2, 4, 1), (2, 1, 4, 2), (1, 2, 4, 1)):
+    for before, after, micro, accum in ((2, 4, 2, 1), (4, 1, 4, 2), (1, 2, 4, 1)):
         assert (f"resuming a world-size-{before} checkpoint on {after} ranks" in rank0
                 and f"{after} ranks x micro-batch {micro} x accumulation {accum} keep the global batch" in rank0), \
             (before, after)

@@ -135,7 +135,8 @@ def test_with_a_gpu_faked_it_prints_a_row_each_and_writes_the_json(gpu_check, tm
 def test_the_memory_row_runs_the_memory_bench_and_reads_every_mode(gpu_check, tmp_path):
     """The row's command and its reading of bench/memory.py's JSON, on CPU (--quick): every memory
     mode is read, and with no torch.cuda peak to report the row fails and says which are missing."""
-    row = gpu_check.check_memory(tmp_path, "--quick", "--seq-len", "128")  # every mode, on shorter sequences
+    # every mode, on shorter sequences and the fewest steps the bench takes
+    row = gpu_check.check_memory(tmp_path, "--quick", "--seq-len", "64", "--steps", "2")
     assert set(row["peaks_bytes"]) == {"off", "non_reentrant", "reentrant", "offload", "tiled8", "nr+tiled8"}
     assert row["ok"] is False and row["detail"].startswith("no torch.cuda peak recorded for off, non_reentrant")
 

@@ -271,7 +271,7 @@ def test_evaluate_returns_eval_loss(tmp_path):
     assert math.isfinite(metrics["eval_loss"]) and 4.0 < metrics["eval_loss"] < 7.0  # about ln(256) untrained
 
 
-# --- 2 ranks: plain transformers against the drop-in, and a kill -9 -------------------------------
+# --- 2 ranks: plain transformers' crash, the drop-in, and a kill -9 ---------------------------------
 
 @pytest.mark.dist
 @pytest.mark.slow
@@ -300,17 +300,10 @@ def test_a_transformers_script_runs_under_the_drop_in_and_survives_kill_9(tmp_pa
             last_restart = (tmp_path / name / "logs" / f"rank_{rank}.log").read_text().split("process group up")[-1]
             assert "still referenced" not in last_restart
 
-    plain = run("plain", "--plain")
-    assert plain.returncode == 0, plain.output[-3000:]
-
-    def losses(result):
-        return {h["step"]: h["loss"] for h in result["log_history"] if "loss" in h}
-
-    ours, theirs = losses(ref.results[0]), losses(plain.results[0])
-    assert sorted(ours) == sorted(theirs) == [5, 10, 15, 20]
-    drop = theirs[5] - theirs[20]
-    assert drop > 0.2, theirs  # the recipe learns
-    assert abs(ours[20] - theirs[20]) < 0.25 * drop, (ours, theirs)  # the same recipe, other sample orders
+    # The recipe learns; that each step's loss is transformers.Trainer's on the same batch is
+    # test_a_padded_step_weighs_every_labelled_token_as_transformers_does's (in process).
+    losses = {h["step"]: h["loss"] for h in ref.results[0]["log_history"] if "loss" in h}
+    assert sorted(losses) == [5, 10, 15, 20] and losses[5] - losses[20] > 0.2, losses
 
 
 def test_the_remaining_mapped_fields(tmp_path, caplog):
