@@ -957,3 +957,23 @@ def test_a_replica_that_takes_over_from_a_lost_rank_0_keeps_the_file_the_launch_
         assert chosen.name == step_file(4) and state["step"] == 4
     finally:
         survivor_store.close()
+
+    # The launch resumed from an older file of another run's lineage (resume=PATH in the directory):
+    # it writes a lineage of its own, and only the origin it spared leads a rollback back there.
+    directory = tmp_path / "older"
+    save_steps(directory, [2, 4, 6], keep_last=3)
+    cfg = SimpleNamespace(checkpoint=SimpleNamespace(resume=str(directory / step_file(4))))
+    store = CheckpointStore(directory, rank=0, keep_last=2)
+    assert Checkpointer(cfg, MAIN, store, {}, builtin_data=True)._choose()[0].name == step_file(4)
+    for step in (7, 8):
+        store.save(state_at(step), step, blocking=True)
+    store.release()
+    survivor_store = CheckpointStore(directory, rank=1, keep_last=2)
+    survivor = Checkpointer(cfg, SimpleNamespace(is_main=False, distributed=False), survivor_store, {},
+                            builtin_data=True)
+    survivor.take_over(MAIN)
+    try:
+        chosen, state = survivor._choose(before=7)
+        assert chosen is not None and chosen.name == step_file(4) and state["step"] == 4
+    finally:
+        survivor_store.close()
