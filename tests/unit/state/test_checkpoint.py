@@ -616,6 +616,43 @@ def test_a_step_file_whose_writer_died_before_the_manifest_stays_in_its_lineage(
     assert step_names(directory) == [step_file(1), step_file(3), step_file(4)]
 
 
+def test_a_rollbacks_lineage_adopts_its_own_unlisted_file_and_never_the_rolled_back_over_ones(tmp_path, monkeypatch):
+    """Where a rollback meets a writer's death: lineage A wrote steps 2, 4, 6 and rolled back to 4,
+    so lineage B redoes steps 5 and 6 (its step 6 beside A's) and its writer dies after step 7's
+    file and before the manifest. The rank that takes B over lists B's step 7 and prunes B's own
+    with keep_last; A's files, the rolled-back-over step 6 included, are never B's."""
+    first = save_steps(tmp_path, [2, 4, 6], keep_last=3)
+    rolled = CheckpointStore(tmp_path, keep_last=2)
+    rolled.mark_resumed(tmp_path / step_file(4))  # older than A's newest: a lineage of its own
+    assert rolled.lineage != first.lineage
+    for step in (5, 6):
+        rolled.save(state_at(step), step, blocking=True)
+    real = atomic.write_bytes
+
+    def dies_before_the_manifest(path, data):
+        if Path(path).name == "manifest.json":
+            raise KeyboardInterrupt
+        real(path, data)
+
+    monkeypatch.setattr(atomic, "write_bytes", dies_before_the_manifest)
+    with pytest.raises(KeyboardInterrupt):
+        rolled.save(state_at(7), 7, blocking=True)
+    monkeypatch.setattr(atomic, "write_bytes", real)
+    rolled.release()
+    survivor = CheckpointStore(tmp_path, keep_last=2, rank=1)
+    survivor.take_over(lineage=rolled.lineage, began_from=None)
+    survivor.resumed_from = step_file(4)  # as the record restores it: rank 0 resumed from A's step 4
+    survivor.save(state_at(8), 8, blocking=True)
+    survivor.close()
+    b_six = f"step_00000006-{rolled.lineage}.pt"
+    listed = {e["file"]: e["lineage"] for e in manifest(tmp_path)}
+    assert listed == {step_file(2): first.lineage, step_file(4): first.lineage, step_file(6): first.lineage,
+                      step_file(7): rolled.lineage, step_file(8): rolled.lineage}
+    assert step_names(tmp_path) == sorted([step_file(2), step_file(4), step_file(6), step_file(7), step_file(8)])
+    assert b_six not in step_names(tmp_path)  # B's own older files pruned, A's kept
+    assert_same(CheckpointStore(tmp_path, rank=1).latest_valid()[1], state_at(8))
+
+
 def test_checkpoints_deleted_by_hand_leave_the_manifest(tmp_path):
     save_steps(tmp_path, [100, 200, 300])
     with CheckpointStore(tmp_path) as second:
