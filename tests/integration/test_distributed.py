@@ -71,9 +71,10 @@ def reference(tmp_path_factory):
 
 
 def test_two_node_restart_forms_its_group_when_only_one_agent_counts_it(reference, tmp_path):
-    """After the first checkpoint, the worker of rank 1 is killed (kill -9) while rank 0's worker
-    is stopped (SIGSTOP), i.e. has not noticed yet. Rank 1's agent restarts for the failure
-    (TORCHELASTIC_RESTART_COUNT=1); rank 0's restarts because a node waits in the rendezvous, a
+    """The reported case (a two-node restart hung), made certain: after the first checkpoint, the
+    worker of rank 1 is killed (kill -9) while rank 0's worker is stopped (SIGSTOP), i.e. has not
+    noticed yet (a plain kill of rank 1 leads here or not, depending on timing). Rank 1's agent
+    restarts for the failure (TORCHELASTIC_RESTART_COUNT=1); rank 0's restarts because a node waits in the rendezvous, a
     membership change torchrun does not count (still 0). With the restart count as the store's
     key prefix, the ranks of that group waited for each other under different prefixes; the group
     must form at once, and the run end bit-exact with an uninterrupted one."""
@@ -105,21 +106,6 @@ def test_two_node_restart_forms_its_group_when_only_one_agent_counts_it(referenc
     log0 = rank_log(tmp_path, 0)
     alone = re.search(r"this rank saved step (\d+), the last step every rank finished, alone", log0)
     assert f"resumed from step {alone[1] if alone else 16}" in log0, log0[-3000:]
-    result = summary(tmp_path)
-    assert result["steps"] == CONFIG["train.max_steps"] and result["world_size"] == 2
-    assert result["model_sha256"] == reference["model_sha256"]
-
-
-def test_two_node_kill_9_of_rank_1_then_elastic_restart_resumes_bit_exact(reference, tmp_path):
-    """The reported case: rank 1 (the second node's only worker) is killed after the first
-    checkpoint. Whether rank 0's agent counts the restart depends on timing; the run must end
-    bit-exact with an uninterrupted one either way."""
-    runs = finish_nodes(start_two_nodes(tmp_path, {"recovery.fault_inject": "sigkill@step=21,rank=1"}), TIMEOUT)
-    assert_finished(runs)
-    assert "fault injection: sigkill at step 21 on rank 1" in rank_log(tmp_path, 1)
-    assert rank_log(tmp_path, 0).count("process group up") == rank_log(tmp_path, 1).count("process group up") == 2
-    assert "this rank saved step 21, the last step every rank finished, alone" in rank_log(tmp_path, 0)
-    assert "resumed from step 21" in rank_log(tmp_path, 0)
     result = summary(tmp_path)
     assert result["steps"] == CONFIG["train.max_steps"] and result["world_size"] == 2
     assert result["model_sha256"] == reference["model_sha256"]

@@ -44,7 +44,7 @@ def slurm(tmp_path_factory):
     (d / "munge.key").chmod(0o600)
     host = socket.gethostname().split(".")[0]
     cpus = min(2, os.sysconf("SC_NPROCESSORS_ONLN"))  # not nproc(1): it obeys OMP_NUM_THREADS
-    # cred_expire: how long a requeued job waits before it may start again (120 s by default).
+    # cred_expire: how long a requeued job waits before it may start again (120 s by default; slurm takes 5 at least).
     (d / "slurm.conf").write_text(f"""ClusterName=ddptest
 SlurmctldHost={host}(127.0.0.1)
 SlurmUser=root
@@ -52,7 +52,7 @@ SlurmdUser=root
 SlurmctldPort={free_port()}
 SlurmdPort={free_port()}
 AuthType=auth/munge
-AuthInfo=socket={d}/munge.socket,cred_expire=10
+AuthInfo=socket={d}/munge.socket,cred_expire=5
 StateSaveLocation={d}/state
 SlurmdSpoolDir={d}/spool
 SlurmctldPidFile={d}/slurmctld.pid
@@ -166,7 +166,7 @@ def test_usr1_saves_requeues_the_job_and_the_requeued_job_resumes_bit_exact(slur
     result = summary(tmp_path)
     assert result["steps"] == 30 and not result["preempted"] and result["model_sha256"] == uninterrupted
     print(f"USR1 -> requeued {requeued - signalled:.1f} s; requeued -> first step {first_step - requeued:.1f} s "
-          "(of which the requeue delay, cred_expire, is 10 s)")
+          "(of which the requeue delay, cred_expire, is 5 s)")
 
 
 def test_scancel_saves_and_the_job_ends_without_a_requeue(slurm, tmp_path):
